@@ -1,0 +1,27 @@
+"""What zero_jax needs from a model: two pure functions.
+
+The library is model agnostic. A model hands over `init`, which returns its
+parameters boxed with logical axis names (Flax `nn.with_logical_partitioning`
+metadata), and `apply`, which maps parameters and token ids to logits and
+calls the sharding hooks it is given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+
+from zero_jax.hooks import Hooks
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFns:
+    """A model as the train step sees it."""
+
+    init: Callable[[jax.Array], Any]  # PRNG key -> params boxed with logical names
+    apply: Callable[[Any, jax.Array, Hooks], jax.Array]  # (params, tokens B x T, hooks) -> logits B x T x V
+    vocab_size: int  # logits' last dimension
+    flops_per_token: Callable[[int], float]  # seq_len -> training FLOPs per token
+    decay_mask: Callable[[Any], Any] | None = None  # params -> tree of bools: weight decay applies

@@ -1,0 +1,111 @@
+"""The train state, built abstract first: shapes -> shardings -> sharded init.
+
+Nothing is materialised before its sharding is known: `make_layout` works on
+`jax.eval_shape` results only, so the memory report, the plan and checkpoint
+restore can use it for models that would not fit on this machine, and
+`init_state` creates every array directly in its final layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from flax.core import meta
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from zero_jax import zero as zero_lib
+from zero_jax.hooks import Hooks
+from zero_jax.mesh import DATA_AXES, MeshShape
+from zero_jax.model import ModelFns
+from zero_jax.rules import AxisRules
+
+
+class TrainState(NamedTuple):
+    step: Any  # int32 scalar: optimizer updates applied so far
+    params: Any  # parameter tree
+    opt_state: Any  # optax state
+
+
+def logical_names(boxed_params: Any) -> Any:
+    """Tree of PartitionSpecs of logical names (None for unannotated dims)."""
+
+    def names(leaf):
+        if isinstance(leaf, meta.AxisMetadata) and hasattr(leaf, "names"):
+            return PartitionSpec(*leaf.names)
+        return PartitionSpec(*(None,) * len(leaf.shape))
+
+    return jax.tree.map(names, boxed_params, is_leaf=lambda x: isinstance(x, meta.AxisMetadata))
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where every piece of the train state lives, for one mesh and stage."""
+
+    mesh: Mesh
+    mesh_shape: MeshShape
+    rules: AxisRules
+    zero_stage: int
+    abstract: TrainState  # jax.ShapeDtypeStruct leaves
+    names: Any  # params tree of logical-name PartitionSpecs
+    specs: zero_lib.StateSpecs  # storage and compute specs
+
+    @property
+    def state_specs(self) -> TrainState:
+        return TrainState(PartitionSpec(), self.specs.params, self.specs.opt_state)
+
+    def named(self, specs: Any) -> Any:
+        return jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs,
+                            is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+    @property
+    def shardings(self) -> TrainState:
+        return self.named(self.state_specs)
+
+    @property
+    def batch_sharding(self) -> NamedSharding:
+        """Token batches (B, T): rows split over every data-parallel axis."""
+        axes = tuple(a for a in DATA_AXES if self.mesh_shape.sizes[a] > 1)
+        return NamedSharding(self.mesh, PartitionSpec(axes or None))
+
+    @property
+    def data_parallel_size(self) -> int:
+        sizes = self.mesh_shape.sizes
+        return sizes["data"] * sizes["fsdp"]
+
+    @property
+    def hooks(self) -> Hooks:
+        return Hooks(self.mesh, self.rules)
+
+
+def make_layout(model: ModelFns, tx: optax.GradientTransformation, mesh: Mesh,
+                mesh_shape: MeshShape, rules: AxisRules, zero_stage: int,
+                min_shard_elements: int) -> Layout:
+    """Abstract state and the specs of every leaf; raises ShardingError early."""
+    boxed = jax.eval_shape(model.init, jax.random.key(0))
+    names = logical_names(boxed)
+    params = nn.unbox(boxed)
+    opt_state = jax.eval_shape(tx.init, params)
+    abstract = TrainState(jax.ShapeDtypeStruct((), jnp.int32), params, opt_state)
+    sizes = mesh_shape.sizes
+    compute = jax.tree_util.tree_map_with_path(
+        lambda path, p, n: rules.spec(n, p.shape, sizes, what=f"parameter {jax.tree_util.keystr(path)}"),
+        params, names)
+    specs = zero_lib.state_specs(params, compute, names, opt_state, tx,
+                                 zero_lib.stage(zero_stage), mesh_shape, min_shard_elements)
+    return Layout(mesh, mesh_shape, rules, zero_stage, abstract, names, specs)
+
+
+def init_state(layout: Layout, model: ModelFns, tx: optax.GradientTransformation,
+               key: jax.Array) -> TrainState:
+    """A fresh train state, each array created directly in its sharding."""
+
+    def init(key):
+        params = nn.unbox(model.init(key))
+        return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params))
+
+    return jax.jit(init, out_shardings=layout.shardings)(key)

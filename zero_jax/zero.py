@@ -1,0 +1,157 @@
+"""ZeRO: which model states are stored sharded over the data-parallel axes.
+
+    | stage | optimizer state | gradients              | parameters                 |
+    |-------|-----------------|------------------------|----------------------------|
+    | 0     | replicated      | replicated, all-reduce | replicated (DDP)           |
+    | 1     | sharded         | replicated, all-reduce | replicated                 |
+    | 2     | sharded         | sharded, reduce-scatter| replicated                 |
+    | 3     | sharded         | sharded, reduce-scatter| sharded, all-gather at use |
+
+"Sharded" means: on top of the compute layout the rules give (tensor
+parallelism), one dimension of the array is split over the ZeRO axes
+(`MeshShape.shard_axes`: every data-parallel axis, or only the ones a mesh
+config names, which is hybrid sharding). Which dimension follows one rule,
+`zero_dim`. The collectives then follow from the layouts: jit inserts them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Sequence
+
+import jax
+import optax
+from jax.sharding import PartitionSpec
+
+from zero_jax.mesh import AXES, MeshShape
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroStage:
+    """One row of the table above."""
+
+    opt_state: bool  # optimizer state stored sharded
+    grads: bool  # gradients stored (and accumulated) sharded
+    params: bool  # parameters stored sharded, gathered for use
+
+
+STAGES: dict[int, ZeroStage] = {
+    0: ZeroStage(opt_state=False, grads=False, params=False),
+    1: ZeroStage(opt_state=True, grads=False, params=False),
+    2: ZeroStage(opt_state=True, grads=True, params=False),
+    3: ZeroStage(opt_state=True, grads=True, params=True),
+}
+
+# Never split over the ZeRO axes: the scan over layers takes one slice of the
+# stacked parameters per iteration, and a stack split along `layers` would be
+# gathered whole at every step of the loop.
+UNSHARDABLE_LOGICAL = frozenset({"layers"})
+
+
+def stage(n: int) -> ZeroStage:
+    if n not in STAGES:
+        raise ValueError(f"zero_stage = {n!r}: choose 0 (DDP), 1 (optimizer state), "
+                         "2 (+ gradients) or 3 (+ parameters)")
+    return STAGES[n]
+
+
+def zero_dim(shape: Sequence[int], spec: PartitionSpec, names: Sequence[str | None] | None,
+             n_shard: int, min_elements: int) -> tuple[int | None, str]:
+    """The dimension that takes the ZeRO axes, or None and the reason why not.
+
+    The rule: arrays under `min_elements` elements stay replicated (their
+    collectives cost more than they save); otherwise take the largest
+    dimension that no mesh axis splits yet, that is not a scanned `layers`
+    dimension, and that `n_shard` divides; among equal sizes, the first.
+    """
+    if n_shard == 1:
+        return None, "no ZeRO axes in this mesh"
+    size = math.prod(shape)
+    if size < min_elements:
+        return None, f"{size} elements < min_shard_elements={min_elements}"
+    spec = tuple(spec) + (None,) * (len(shape) - len(spec))
+    free = [d for d in range(len(shape))
+            if spec[d] is None and not (names and names[d] in UNSHARDABLE_LOGICAL)]
+    fits = [d for d in free if shape[d] % n_shard == 0]
+    if not fits:
+        dims = ", ".join(f"{d}:{shape[d]}" for d in free) or "none free"
+        return None, f"no free dimension divisible by {n_shard} (free dims {dims})"
+    return min(fits, key=lambda d: (-shape[d], d)), ""
+
+
+def with_zero(spec: PartitionSpec, dim: int | None, ndim: int,
+              shard_axes: tuple[str, ...]) -> PartitionSpec:
+    """`spec` with the ZeRO axes added on dimension `dim` (None: unchanged)."""
+    if dim is None:
+        return spec
+    entries = list(tuple(spec) + (None,) * (ndim - len(spec)))
+    entries[dim] = shard_axes[0] if len(shard_axes) == 1 else tuple(shard_axes)
+    return PartitionSpec(*entries)
+
+
+@dataclasses.dataclass(frozen=True)
+class StateSpecs:
+    """PartitionSpecs of every model state, for one stage on one mesh."""
+
+    compute: Any  # params tree: layout for use in the forward/backward (rules only)
+    sharded: Any  # params tree: compute layout plus the ZeRO split, where the rule allows
+    params: Any  # params tree: storage layout of the parameters
+    grads: Any  # params tree: layout gradients are reduced and accumulated in
+    opt_state: Any  # optimizer-state tree
+    replicated: tuple[tuple[str, str], ...]  # (path, reason) of arrays ZeRO left whole
+
+
+def state_specs(abstract_params: Any, compute_specs: Any, names: Any, abstract_opt_state: Any,
+                tx: optax.GradientTransformation, zero: ZeroStage, mesh: MeshShape,
+                min_elements: int) -> StateSpecs:
+    """Storage specs of params, grads and optimizer state for one ZeRO stage.
+
+    Optimizer-state leaves that mirror a parameter (Adam's moments, momentum)
+    take that parameter's layout; the others (counts, factored second moments)
+    are placed by the same `zero_dim` rule on their own shapes.
+    """
+    axes = mesh.shard_axes
+    n_shard = math.prod(mesh.sizes[a] for a in axes)
+    replicated: list[tuple[str, str]] = []
+
+    def sharded(path, leaf, spec, leaf_names):
+        dim, why = zero_dim(leaf.shape, spec, leaf_names, n_shard, min_elements)
+        if dim is None and n_shard > 1:
+            replicated.append((jax.tree_util.keystr(path, simple=True, separator="."), why))
+        return with_zero(spec, dim, len(leaf.shape), axes)
+
+    full = jax.tree_util.tree_map_with_path(sharded, abstract_params, compute_specs, names)
+
+    def mirror(leaf, param, full_spec, compute_spec):
+        if leaf.shape == param.shape:
+            return full_spec if zero.opt_state else compute_spec
+        return other(leaf)
+
+    def other(leaf):
+        shape = getattr(leaf, "shape", ())
+        if not zero.opt_state:
+            return PartitionSpec()
+        dim, _ = zero_dim(shape, PartitionSpec(), None, n_shard, min_elements)
+        return with_zero(PartitionSpec(), dim, len(shape), axes)
+
+    is_abstract = lambda x: isinstance(x, jax.ShapeDtypeStruct)
+    opt = optax.tree_map_params(tx, mirror, abstract_opt_state, abstract_params, full,
+                                compute_specs, transform_non_params=other, is_leaf=is_abstract)
+    return StateSpecs(
+        compute=compute_specs,
+        sharded=full,
+        params=full if zero.params else compute_specs,
+        grads=full if zero.grads else compute_specs,
+        opt_state=opt,
+        replicated=tuple(replicated))
+
+
+def spec_axes(spec: PartitionSpec) -> set[str]:
+    """Mesh axes a spec uses."""
+    out = set()
+    for entry in spec:
+        if entry is None:
+            continue
+        out.update((entry,) if isinstance(entry, str) else entry)
+    return out & set(AXES)
