@@ -1,0 +1,85 @@
+"""Bytes per device of the model states, three ways that must agree.
+
+1. `theory`: the ZeRO paper's formula (arXiv:1910.02054), from the parameter
+   count and the bytes per parameter of parameters, gradients and optimizer
+   state: stage s divides the states it shards by the ZeRO degree N_d.
+2. `sharded`: the bytes of the actual shardings, summed over leaves.
+3. `compiled`: the compiled train step's `memory_analysis()`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from zero_jax import zero as zero_lib
+from zero_jax.state import Layout
+
+
+def _nbytes(leaf) -> int:
+    return math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
+
+
+def sharded_bytes(abstract: Any, specs: Any, mesh) -> int:
+    """Bytes one device holds of `abstract` laid out by `specs`."""
+    total = 0
+    for leaf, spec in zip(jax.tree.leaves(abstract),
+                          jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))):
+        shard = NamedSharding(mesh, spec).shard_shape(leaf.shape)
+        total += math.prod(shard) * np.dtype(leaf.dtype).itemsize
+    return total
+
+
+def theory(layout: Layout) -> dict[str, float]:
+    """The ZeRO formula: sharded states count 1 / N_d, the others in full.
+
+    Gradients are counted in the parameters' dtype. Scalar optimizer leaves
+    (step counts) are never sharded and are counted in full.
+    """
+    stage = zero_lib.stage(layout.zero_stage)
+    n_shard = math.prod(layout.mesh_shape.sizes[a] for a in layout.mesh_shape.shard_axes)
+    params = sum(_nbytes(p) for p in jax.tree.leaves(layout.abstract.params))
+    opt_leaves = jax.tree.leaves(layout.abstract.opt_state)
+    opt = sum(_nbytes(x) for x in opt_leaves if x.shape)
+    scalars = sum(_nbytes(x) for x in opt_leaves if not x.shape)
+    div = lambda sharded: n_shard if sharded else 1
+    return {
+        "params": params / div(stage.params),
+        "grads": params / div(stage.grads),
+        "opt_state": opt / div(stage.opt_state) + scalars,
+    }
+
+
+def sharded(layout: Layout) -> dict[str, int]:
+    a, s = layout.abstract, layout.specs
+    return {
+        "params": sharded_bytes(a.params, s.params, layout.mesh),
+        "grads": sharded_bytes(a.params, s.grads, layout.mesh),
+        "opt_state": sharded_bytes(a.opt_state, s.opt_state, layout.mesh),
+    }
+
+
+def compiled(compiled_step) -> dict[str, int]:
+    m = compiled_step.memory_analysis()
+    return {
+        "argument_bytes": int(m.argument_size_in_bytes),
+        "output_bytes": int(m.output_size_in_bytes),
+        "temp_bytes": int(m.temp_size_in_bytes),
+        "alias_bytes": int(m.alias_size_in_bytes),
+    }
+
+
+def param_count(layout: Layout) -> int:
+    return sum(math.prod(p.shape) for p in jax.tree.leaves(layout.abstract.params))
+
+
+def report(layout: Layout, compiled_step=None) -> dict[str, Any]:
+    out = {"param_count": param_count(layout), "theory_bytes": theory(layout),
+           "sharded_bytes": sharded(layout)}
+    if compiled_step is not None:
+        out["compiled"] = compiled(compiled_step)
+    return out
