@@ -1,0 +1,64 @@
+"""Bytes per device of a training run, without allocating the model.
+
+    python scripts/memory_report.py --model gpt-small --mesh fsdp=8 --zero-stage 3
+    python scripts/memory_report.py --model gpt-7b --mesh fsdp=64 --zero-stage 3 \\
+        --vocab-size 50257 --seq-len 2048 --batch-size 64 --json
+
+Reports (a) the ZeRO formula, (b) the bytes of the actual shardings of
+parameters, gradients and optimizer state, and (c) the compiled train step's
+`memory_analysis()`. Only abstract shapes are used, so the model may be far
+larger than this machine; the CPU is simulated with as many devices as the
+mesh needs (or --devices).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import jax
+
+import models
+from zero_jax import config as config_lib, data as data_lib, job as job_lib, memory, plan
+from zero_jax.mesh import MeshError
+from zero_jax.rules import ShardingError
+
+
+def parse(argv):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", help="TOML run config; flags override it")
+    parser.add_argument("--vocab-size", type=int, help="vocabulary (default: the data's)")
+    parser.add_argument("--devices", type=int, help="simulated CPU devices (default: the mesh's)")
+    parser.add_argument("--no-compile", action="store_true", help="skip the compiled figures")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    config_lib.add_flags(parser)
+    args = parser.parse_args(argv)
+    return config_lib.from_args(args, args.config), args
+
+
+def main(argv=None) -> int:
+    try:
+        run, args = parse(argv)
+        mesh_cfg = job_lib.mesh_config(run)
+        devices = args.devices or (mesh_cfg.fixed_devices if -1 not in mesh_cfg.ici + mesh_cfg.dcn
+                                   else 8)
+        # Before the backend starts: simulate the devices the mesh needs.
+        jax.config.update("jax_num_cpu_devices", devices)
+        vocab = args.vocab_size or data_lib.load(run.data.source).vocab_size
+        job = job_lib.prepare(run, models.build(run.model.name, vocab))
+    except (config_lib.ConfigError, MeshError, ShardingError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    compiled = None if args.no_compile else job.compile_train_step()
+    report = memory.report(job.layout, compiled)
+    if args.json:
+        print(json.dumps(report, indent=1))
+    else:
+        print(plan.describe(job, f"vocab {vocab} (shapes only)",
+                            models.describe(run.model.name, vocab), compiled))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,164 @@
+"""The run config: frozen, typed dataclasses, one per concern.
+
+A run is described by a TOML file with one table per section (`[model]`,
+`[parallel]`, `[optim]`, `[data]`, `[train]`) and/or command-line flags; a flag
+overrides the file. Every field has a flag named after it (`zero_stage` ->
+`--zero-stage`), except the few in `_FLAG_NAMES`. The defaults are the main
+job: gpt-tiny on the standard library's source, ZeRO-3 on 8 CPU devices.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import tomllib
+import types
+import typing
+from typing import Any
+
+from zero_jax.mesh import MeshShape
+from zero_jax.optim import OptimConfig
+
+
+class ConfigError(ValueError):
+    """A run config that cannot run; raised before anything is compiled."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    name: str = "gpt-tiny"  # a preset in models/ (gpt-tiny ... gpt-xl, gpt-7b)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    mesh: str = "cpu-8"  # a meshes/ name, a TOML path, or inline like data=2,fsdp=4
+    zero_stage: int = 3  # 0 DDP, 1 optimizer state, 2 + gradients, 3 + parameters
+    zero_shard_axes: str = ""  # comma list narrowing the mesh's ZeRO axes ("fsdp": hybrid)
+    min_shard_elements: int = 4096  # arrays smaller than this stay replicated
+    rules: str = "default"  # logical-axis rules preset (zero_jax.rules.PRESETS)
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    source: str = "stdlib"  # "stdlib" (byte-level Python source) or a uint16 token file
+    seq_len: int = 128  # tokens per row fed to the model
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 300  # optimizer steps
+    batch_size: int = 32  # global batch, in rows, per optimizer step
+    microbatches: int = 1  # gradient-accumulation microbatches per step
+    seed: int = 0  # parameters and data order
+    eval_every: int = 100  # steps between validation passes (0: only at the end)
+    eval_batches: int = 8  # validation batches per pass
+    metrics_out: str = ""  # JSON-lines file of per-step metrics ("" for none)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    model: ModelConfig = ModelConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    optim: OptimConfig = OptimConfig()
+    data: DataConfig = DataConfig()
+    train: TrainConfig = TrainConfig()
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+SECTIONS = {f.name: f.type for f in dataclasses.fields(RunConfig)}
+_SECTION_TYPES = {"model": ModelConfig, "parallel": ParallelConfig, "optim": OptimConfig,
+                  "data": DataConfig, "train": TrainConfig}
+# Fields whose flag is not their own name.
+_FLAG_NAMES = {("model", "name"): "model", ("optim", "name"): "optimizer",
+               ("data", "source"): "data"}
+
+
+def _flag(section: str, field: str) -> str:
+    return _FLAG_NAMES.get((section, field), field)
+
+
+def _field_type(cls, field: dataclasses.Field) -> type:
+    hint = typing.get_type_hints(cls)[field.name]
+    if isinstance(hint, types.UnionType):
+        hint = next(t for t in typing.get_args(hint) if t is not type(None))
+    return hint
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per config field; defaults are None so only given flags override."""
+    for section, cls in _SECTION_TYPES.items():
+        group = parser.add_argument_group(f"[{section}]")
+        for f in dataclasses.fields(cls):
+            kind = _field_type(cls, f)
+            group.add_argument(f"--{_flag(section, f.name).replace('_', '-')}",
+                               dest=f"{section}.{f.name}", type=kind, default=None,
+                               metavar=kind.__name__.upper(), help=f"(default {f.default!r})")
+
+
+def _section(cls, values: dict[str, Any], where: str):
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(values) - names
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {sorted(unknown)}; known: {sorted(names)}")
+    for f in dataclasses.fields(cls):
+        if f.name in values:
+            kind, value = _field_type(cls, f), values[f.name]
+            if kind is float and isinstance(value, int) and not isinstance(value, bool):
+                values[f.name] = float(value)
+            elif not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+                raise ConfigError(f"{where}.{f.name} = {value!r}: expected {kind.__name__}")
+    try:
+        return cls(**values)
+    except ValueError as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def build(file: str | None = None, overrides: dict[str, Any] | None = None) -> RunConfig:
+    """Defaults, then the TOML file, then `{"section.field": value}` overrides."""
+    tables: dict[str, dict[str, Any]] = {s: {} for s in _SECTION_TYPES}
+    if file:
+        with open(file, "rb") as fh:
+            raw = tomllib.load(fh)
+        unknown = set(raw) - set(_SECTION_TYPES)
+        if unknown:
+            raise ConfigError(f"{file}: unknown table(s) {sorted(unknown)}; "
+                              f"known: {sorted(_SECTION_TYPES)}")
+        for section, values in raw.items():
+            tables[section].update(values)
+    for key, value in (overrides or {}).items():
+        if value is not None:
+            section, field = key.split(".")
+            tables[section][field] = value
+    return RunConfig(**{s: _section(cls, tables[s], f"[{s}]")
+                        for s, cls in _SECTION_TYPES.items()})
+
+
+def from_args(args: argparse.Namespace, config_file: str | None) -> RunConfig:
+    return build(config_file, {k: v for k, v in vars(args).items() if "." in k})
+
+
+def validate(run: RunConfig, mesh: MeshShape) -> None:
+    """Checks that need the mesh; each error names the sizes and the fix."""
+    t, dp = run.train, mesh.sizes["data"] * mesh.sizes["fsdp"]
+    if t.steps < 1 or t.batch_size < 1 or t.microbatches < 1 or run.data.seq_len < 1:
+        raise ConfigError("steps, batch_size, microbatches and seq_len must all be >= 1")
+    if t.batch_size % dp:
+        raise ConfigError(
+            f"--batch-size {t.batch_size} is not divisible by the data-parallel size {dp} "
+            f"(data={mesh.sizes['data']} x fsdp={mesh.sizes['fsdp']}); use a multiple of {dp}, "
+            f"e.g. {math.ceil(t.batch_size / dp) * dp}")
+    if t.batch_size % t.microbatches:
+        raise ConfigError(
+            f"--microbatches {t.microbatches} does not divide --batch-size {t.batch_size}; "
+            "choose a divisor of the batch size")
+    if (t.batch_size // t.microbatches) % dp:
+        raise ConfigError(
+            f"--batch-size {t.batch_size} / --microbatches {t.microbatches} = "
+            f"{t.batch_size // t.microbatches} rows per microbatch, not divisible by the "
+            f"data-parallel size {dp}; each microbatch is split over every data-parallel "
+            f"device, so use a batch size that is a multiple of {t.microbatches * dp}")
+    if run.parallel.min_shard_elements < 0:
+        raise ConfigError("min_shard_elements must be >= 0")

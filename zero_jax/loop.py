@@ -1,0 +1,100 @@
+"""The host loop: data -> step -> metrics -> eval, with two steps in flight.
+
+Step t + 1 is dispatched before the metrics of step t are read, so the host
+builds the next batch and logs while the device computes. It never runs
+further ahead than that: dispatching many steps of a program with
+collectives without waiting deadlocks XLA's CPU collectives (see the
+deadlock note in the project facts), and one step of lookahead is all the
+overlap a training loop needs.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any, Callable, TextIO
+
+import jax
+import numpy as np
+from tqdm import tqdm
+
+from zero_jax.state import TrainState
+
+
+class MetricsWriter:
+    """One JSON object per line; flushed so a crashed run keeps its history."""
+
+    def __init__(self, path: str, append: bool):
+        self._file = open(path, "a" if append else "w") if path else None
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self._file:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file:
+            self._file.close()
+
+
+def evaluate(eval_step: Callable, params: Any, batches: Callable[[int], jax.Array], n: int) -> float:
+    """Mean loss over `n` validation batches, one in flight at a time."""
+    losses = [float(eval_step(params, batches(i))) for i in range(n)]
+    return float(np.mean(losses))
+
+
+def train(state: TrainState, train_step: Callable, batch_at: Callable[[int], jax.Array], *,
+          steps: int, eval_fn: Callable[[Any], float] | None = None, eval_every: int = 0,
+          metrics_path: str = "", out: TextIO = sys.stdout, progress: bool = True,
+          ) -> tuple[TrainState, list[dict[str, Any]]]:
+    """Run `train_step` from `state.step` to `steps`; returns the state and per-step records.
+
+    `batch_at(step)` builds the global batch of a step; `eval_fn(params)`
+    returns the validation loss, run every `eval_every` steps and at the end.
+    """
+    start = int(state.step)
+    writer = MetricsWriter(metrics_path, append=start > 0)
+    bar = tqdm(total=steps, initial=start, file=out, disable=not progress, dynamic_ncols=True,
+               mininterval=1.0, unit="step")
+    history: list[dict[str, Any]] = []
+    pending: tuple[int, dict[str, jax.Array]] | None = None
+    last_done = time.perf_counter()
+
+    def finish(step: int, metrics: dict[str, jax.Array], eval_params: Any = None) -> None:
+        nonlocal last_done
+        values = jax.device_get(metrics)  # waits for this step only
+        now = time.perf_counter()
+        record = {"step": step + 1, "loss": float(values["loss"]),
+                  "grad_norm": float(values["grad_norm"]), "lr": float(values["lr"]),
+                  "tokens_per_s": float(values["tokens"]) / (now - last_done),
+                  "step_time_s": now - last_done}
+        if eval_params is not None:
+            record["val_loss"] = eval_fn(eval_params)
+            bar.write(f"step {record['step']}: val_loss {record['val_loss']:.4f}")
+            now = time.perf_counter()  # eval time is not step time
+        last_done = now
+        history.append(record)
+        writer.write(record)
+        bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:,.0f}",
+                        step_s=f"{record['step_time_s']:.3f}", refresh=False)
+        bar.update(1)
+
+    def eval_after(n: int) -> bool:
+        return eval_fn is not None and (n == steps or (eval_every > 0 and n % eval_every == 0))
+
+    try:
+        for step in range(start, steps):
+            state, metrics = train_step(state, batch_at(step))
+            if pending is not None:
+                finish(*pending)
+            pending = (step, metrics)
+            if eval_after(step + 1):  # drain, then evaluate the state this step produced
+                finish(step, metrics, state.params)
+                pending = None
+        if pending is not None:
+            finish(*pending)
+    finally:
+        bar.close()
+        writer.close()
+    return state, history

@@ -1,0 +1,90 @@
+"""The resolved plan, printed before training: what runs where, and its bytes."""
+
+from __future__ import annotations
+
+import math
+import jax
+from jax.sharding import PartitionSpec
+
+from zero_jax import memory, zero as zero_lib
+from zero_jax.job import Job
+from zero_jax.mesh import AXES
+
+
+def shaped(shape, spec: PartitionSpec) -> str:
+    """(4, 192, 768) with P(None, 'fsdp') -> '4 x 192/fsdp x 768'."""
+    entries = tuple(spec) + (None,) * (len(shape) - len(spec))
+    dims = []
+    for size, entry in zip(shape, entries):
+        axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
+        dims.append(f"{size}/{'*'.join(axes)}" if axes else str(size))
+    return " x ".join(dims) or "scalar"
+
+
+def _mb(n: float) -> str:
+    return f"{n / 2**20:10.2f}"
+
+
+def _state_rows(job: Job) -> list[str]:
+    layout = job.layout
+    paths = [jax.tree_util.keystr(p, simple=True, separator=".")
+             for p, _ in jax.tree_util.tree_flatten_with_path(layout.abstract.params)[0]]
+    is_spec = lambda x: isinstance(x, PartitionSpec)
+    opt = layout.specs.sharded if zero_lib.stage(layout.zero_stage).opt_state else layout.specs.compute
+    columns = [jax.tree.leaves(t, is_leaf=is_spec) for t in (layout.specs.params, layout.specs.grads, opt)]
+    width = max(len(p) for p in paths)
+    rows = [f"  {'parameter':<{width}}  {'stored':<26}  {'gradient':<26}  optimizer state"]
+    for path, leaf, *specs in zip(paths, jax.tree.leaves(layout.abstract.params), *columns):
+        rows.append(f"  {path:<{width}}  " + "  ".join(f"{shaped(leaf.shape, s):<26}" for s in specs).rstrip())
+    return rows
+
+
+def describe(job: Job, data_line: str, model_line: str, compiled_step=None) -> str:
+    run, layout, shape = job.run, job.layout, job.layout.mesh_shape
+    stage = zero_lib.stage(run.parallel.zero_stage)
+    sizes = shape.sizes
+    dp = sizes["data"] * sizes["fsdp"]
+    shard_axes = shape.shard_axes
+    n_shard = math.prod(sizes[a] for a in shard_axes)
+    t = run.train
+    per_device = t.batch_size // (t.microbatches * dp)
+    word = lambda b: "sharded" if b else "replicated"
+    crossing = [a for a in AXES if shape.crosses_hosts(a)]
+    report = memory.report(layout, compiled_step)
+    lines = [
+        "== zero_jax plan ==",
+        f"model      {model_line} ({report['param_count'] / 1e6:.2f} M parameters)",
+        f"data       {data_line}",
+        f"mesh       {shape.name}: {shape.num_devices} devices, "
+        + " ".join(f"{a}={sizes[a]}" for a in AXES)
+        + (f"; across hosts: {', '.join(crossing)}" if crossing else "; no axis crosses hosts"),
+        f"rules      {layout.rules.name}",
+        f"zero       stage {run.parallel.zero_stage} over "
+        + (f"{'*'.join(shard_axes)} (N_d={n_shard})" if shard_axes else "no axis (N_d=1)")
+        + f": optimizer state {word(stage.opt_state)}, gradients {word(stage.grads)}, "
+          f"parameters {word(stage.params)}",
+        f"batch      global {t.batch_size} = {per_device} per device x {t.microbatches} "
+        f"microbatches x {dp} data-parallel; seq {run.data.seq_len} -> "
+        f"{t.batch_size * run.data.seq_len:,} tokens/step",
+        f"optimizer  {run.optim.name}, lr {run.optim.lr:g} (warm-up {run.optim.warmup_steps}, "
+        f"{run.optim.decay} to x{run.optim.min_lr_ratio:g}), weight decay "
+        f"{run.optim.weight_decay:g}, clip {run.optim.clip_norm:g}; {t.steps} steps",
+        "memory per device (MiB)      params       grads   opt_state       total",
+    ]
+    for name in ("theory_bytes", "sharded_bytes"):
+        r = report[name]
+        label = "ZeRO formula" if name == "theory_bytes" else "actual shardings"
+        lines.append(f"  {label:<22}" + "".join(_mb(r[k]) + "  " for k in ("params", "grads", "opt_state"))
+                     + _mb(sum(r.values())))
+    if "compiled" in report:
+        c = report["compiled"]
+        lines.append(f"  compiled step: arguments {c['argument_bytes'] / 2**20:.2f}, outputs "
+                     f"{c['output_bytes'] / 2**20:.2f}, temporaries {c['temp_bytes'] / 2**20:.2f}")
+    lines.append("state layout per device (optimizer-state leaves that mirror a parameter "
+                 "share its optimizer-state layout):")
+    lines += _state_rows(job)
+    if layout.specs.replicated:
+        lines.append(f"left whole by ZeRO ({len(layout.specs.replicated)} arrays):")
+        lines += [f"  {path}: {why}" for path, why in layout.specs.replicated]
+    return "\n".join(lines)
+
