@@ -1,0 +1,62 @@
+"""Small runs shared by the tests: build a job from flags, train a few steps."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+
+import models
+from zero_jax import config as config_lib, data as data_lib, job as job_lib
+
+
+def make_job(corpus, *, devices=None, model="gpt-tiny", **overrides):
+    """A Job from config overrides given as {field: value} (flag names)."""
+    fields = {"seq_len": 32, "batch_size": 16, "steps": 10, "mesh": "fsdp=8", "zero_stage": 3,
+              **overrides}
+    sections = {f.name: s for s, cls in config_lib._SECTION_TYPES.items()
+                for f in __import__("dataclasses").fields(cls)}
+    sections.update(model="model.name", optimizer="optim.name", data="data.source")
+    flat = {}
+    for key, value in fields.items():
+        where = sections[key]
+        flat[where if "." in where else f"{where}.{key}"] = value
+    run = config_lib.build(None, flat)
+    return job_lib.prepare(run, models.build(run.model.name, corpus.vocab_size), devices)
+
+
+def train(job, corpus, steps=None):
+    """Train `steps` steps (default: the config's), waiting on each; returns losses, state."""
+    step_fn = job.compile_train_step()
+    state = job.init_state()
+    t = job.run.train
+    batch = functools.partial(data_lib.global_batch, corpus, "train", job.run.data.seq_len,
+                              t.batch_size, t.seed, sharding=job.layout.batch_sharding)
+    losses = []
+    for i in range(steps or t.steps):
+        state, metrics = step_fn(state, batch(step=i))
+        losses.append(float(metrics["loss"]))  # waits: one step in flight
+    return np.array(losses), state
+
+
+def host(tree):
+    """Every leaf as a numpy array (gathered from its devices)."""
+    return jax.tree.map(np.asarray, tree)
+
+
+def assert_close(actual, expected, rtol=1e-5):
+    """Each leaf within rtol of the reference, relative to max(|x|, the leaf's RMS).
+
+    Pure elementwise rtol is meaningless where a value crosses zero; scaling
+    by the tensor's RMS keeps the bound relative without that artefact.
+    """
+    def check(path, a, b):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        scale = np.maximum(np.abs(b), np.sqrt(np.mean(b * b)) if b.size else 0.0)
+        err = np.abs(a - b)
+        bad = err > rtol * scale
+        assert not bad.any(), (f"{jax.tree_util.keystr(path)}: {int(bad.sum())} of {b.size} "
+                               f"differ; worst {float((err / np.maximum(scale, 1e-30)).max()):.2e} "
+                               f"relative, rtol {rtol}")
+    jax.tree_util.tree_map_with_path(check, host(actual), host(expected))

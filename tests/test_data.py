@@ -1,0 +1,64 @@
+"""Corpora and deterministic, process-local batches."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from zero_jax import data as data_lib
+from zero_jax import mesh as mesh_lib
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+
+def test_stdlib_corpus_is_the_standard_library_source(corpus):
+    total = len(corpus.train) + len(corpus.val)
+    assert 5e6 < total < 5e7 and corpus.vocab_size == 256
+    assert 0.02 < len(corpus.val) / total < 0.10
+    text = bytes(corpus.train[:100_000]).decode("utf-8", errors="replace")
+    assert "def " in text and "import " in text
+
+
+def test_batches_are_a_pure_function_of_seed_and_step(corpus):
+    rows = range(0, 8)
+    a = data_lib.batch_rows(corpus.train, 16, 8, 0, "train", 5, rows)
+    b = data_lib.batch_rows(corpus.train, 16, 8, 0, "train", 5, rows)
+    c = data_lib.batch_rows(corpus.train, 16, 8, 0, "train", 6, rows)
+    d = data_lib.batch_rows(corpus.train, 16, 8, 1, "train", 5, rows)
+    assert a.shape == (8, 17) and a.dtype == np.int32
+    np.testing.assert_array_equal(a, b)
+    assert (a != c).any() and (a != d).any()
+    # Any block of rows is the same rows of the whole batch: what a process builds.
+    np.testing.assert_array_equal(data_lib.batch_rows(corpus.train, 16, 8, 0, "train", 5, range(2, 6)), a[2:6])
+
+
+def test_global_batch_is_the_same_whatever_the_layout(corpus):
+    mesh, _ = mesh_lib.build_mesh(mesh_lib.parse_inline("data=2,fsdp=4"))
+    sharded = NamedSharding(mesh, P(("data", "fsdp")))
+    x = data_lib.global_batch(corpus, "train", 16, 16, 0, 3, sharded)
+    one = NamedSharding(mesh_lib.build_mesh(mesh_lib.parse_inline("fsdp=1"), jax.devices()[:1])[0], P())
+    y = data_lib.global_batch(corpus, "train", 16, 16, 0, 3, one)
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert x.sharding == sharded
+    assert data_lib.local_rows(sharded, (16, 17)) == range(0, 16)
+
+
+def test_token_file_with_and_without_vocab_sidecar(tmp_path):
+    ids = (np.arange(10_000) % 1000).astype(np.uint16)
+    path = tmp_path / "tokens.bin"
+    ids.tofile(path)
+    data = data_lib.load(str(path))
+    assert data.vocab_size == 1000 and len(data.train) + len(data.val) == 10_000
+    (tmp_path / "tokens.bin.json").write_text(json.dumps({"vocab_size": 50257}))
+    assert data_lib.load(str(path)).vocab_size == 50257
+    batch = data_lib.batch_rows(data.train, 32, 4, 0, "train", 0, range(4))
+    assert ((batch[:, 1:] - batch[:, :-1]) % 1000 == 1).all()  # consecutive tokens
+
+
+def test_bad_token_files(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no such token file"):
+        data_lib.load(str(tmp_path / "missing.bin"))
+    odd = tmp_path / "odd.bin"
+    odd.write_bytes(b"abc")
+    with pytest.raises(ValueError, match="not a whole number of uint16 tokens"):
+        data_lib.load(str(odd))
