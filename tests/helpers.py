@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -15,13 +16,10 @@ def make_job(corpus, *, devices=None, model="gpt-tiny", **overrides):
     """A Job from config overrides given as {field: value} (flag names)."""
     fields = {"seq_len": 32, "batch_size": 16, "steps": 10, "mesh": "fsdp=8", "zero_stage": 3,
               **overrides}
-    sections = {f.name: s for s, cls in config_lib._SECTION_TYPES.items()
-                for f in __import__("dataclasses").fields(cls)}
-    sections.update(model="model.name", optimizer="optim.name", data="data.source")
-    flat = {}
-    for key, value in fields.items():
-        where = sections[key]
-        flat[where if "." in where else f"{where}.{key}"] = value
+    where = {f.name: f"{s}.{f.name}" for s, cls in config_lib._SECTION_TYPES.items()
+             for f in dataclasses.fields(cls)}
+    where.update(model="model.name", optimizer="optim.name", data="data.source")
+    flat = {where[key]: value for key, value in fields.items()}
     run = config_lib.build(None, flat)
     return job_lib.prepare(run, models.build(run.model.name, corpus.vocab_size), devices)
 

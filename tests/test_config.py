@@ -1,5 +1,6 @@
 """Bad input gets one clear error from `prepare`, before anything compiles."""
 
+import jax
 import pytest
 
 from tests.helpers import make_job
@@ -19,8 +20,19 @@ from zero_jax.rules import ShardingError
     ({"optimizer": "adam"}, config_lib.ConfigError, "choose from adamw, sgd, adafactor"),
 ])
 def test_bad_input_is_one_clear_error(corpus, overrides, error, message):
-    with pytest.raises(error, match=message):
-        make_job(corpus, **overrides)
+    compiles = []
+
+    def listen(name, secs, **kw):
+        if "backend_compile" in name:
+            compiles.append(name)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        with pytest.raises(error, match=message):
+            make_job(corpus, **overrides)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert compiles == [], "the error must come before anything is compiled"
 
 
 def test_toml_file_then_flags(tmp_path):

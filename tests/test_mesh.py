@@ -86,7 +86,7 @@ def test_bad_mesh_files_are_clear_errors(tmp_path):
         mesh_lib.load("no-such-cluster")
 
 
-def test_dcn_product_must_match_processes_only_with_several_processes():
+def test_one_process_may_simulate_several_hosts():
     # One process holding 8 devices may simulate 2 hosts (planning, tests).
     cfg = MeshConfig(ici=(1, 1, 4, 1), dcn=(1, 2, 1, 1))
     mesh, shape = mesh_lib.build_mesh(cfg, jax.devices())

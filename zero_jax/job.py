@@ -11,6 +11,7 @@ import dataclasses
 from typing import Sequence
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from zero_jax import config as config_lib
@@ -30,7 +31,7 @@ class Job:
     @property
     def abstract_batch(self) -> jax.ShapeDtypeStruct:
         t = self.run.train
-        return jax.ShapeDtypeStruct((t.batch_size, self.run.data.seq_len + 1), "int32",
+        return jax.ShapeDtypeStruct((t.batch_size, self.run.data.seq_len + 1), jnp.int32,
                                     sharding=self.layout.batch_sharding)
 
     def compile_train_step(self):

@@ -86,7 +86,7 @@ def make_layout(model: ModelFns, tx: optax.GradientTransformation, mesh: Mesh,
                 mesh_shape: MeshShape, rules: AxisRules, zero_stage: int,
                 min_shard_elements: int) -> Layout:
     """Abstract state and the specs of every leaf; raises ShardingError early."""
-    boxed = jax.eval_shape(model.init, jax.random.key(0))
+    boxed = jax.eval_shape(lambda: model.init(jax.random.key(0)))  # traces the key too: no compile
     names = logical_names(boxed)
     params = nn.unbox(boxed)
     opt_state = jax.eval_shape(tx.init, params)
