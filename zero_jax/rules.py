@@ -3,8 +3,9 @@
 Models name the dimensions of their parameters and activations with logical
 names only (`embed`, `heads`, `mlp`, ...). An `AxisRules` object maps each
 name to zero or more mesh axes; presets are plain data. The rules give the
-*compute* layout (tensor parallelism, the batch split); which arrays are also
-stored sharded over the data-parallel axes is ZeRO's choice (see zero.py).
+*compute* layout (tensor and sequence parallelism, the batch split); which
+arrays are also stored sharded over the data-parallel axes is ZeRO's choice
+(see zero.py). Named layouts (`LAYOUTS`) are data: rules plus a default stage.
 """
 
 from __future__ import annotations
@@ -23,6 +24,16 @@ from zero_jax.mesh import DATA_AXES
 # split only under sequence parallelism), and the parameter names above.
 LOGICAL_AXES: tuple[str, ...] = (
     "batch", "seq", "res_seq", "embed", "heads", "kv", "mlp", "vocab", "pos", "layers")
+
+
+# How to make a dimension divisible, by logical name.
+_FIXES = {
+    "vocab": "pad the vocabulary to a multiple of {split} with --vocab-multiple "
+             "(128 is customary; padded logits are masked)",
+    "heads": "choose a number of heads divisible by {split}",
+    "mlp": "choose an MLP width divisible by {split}",
+    "batch": "choose a batch size divisible by {split}",
+}
 
 
 class ShardingError(ValueError):
@@ -82,10 +93,11 @@ class AxisRules:
             split = math.prod(mesh_sizes[a] for a in axes)
             if size % split:
                 sizes = " x ".join(f"{a}={mesh_sizes[a]}" for a in axes)
+                fix = _FIXES.get(logical, "choose a size that {split} divides").format(split=split)
                 raise ShardingError(
                     f"{what}: dimension {dim} ({logical!r}) has size {size}, not divisible by "
-                    f"mesh axes {sizes} = {split}; choose a size that {split} divides, or a "
-                    f"mesh where {'/'.join(axes)} divides {size}")
+                    f"mesh axes {sizes} = {split}; {fix}, or a mesh where "
+                    f"{'/'.join(axes)} divides {size}")
             entries.append(axes[0] if len(axes) == 1 else (axes or None))
         return PartitionSpec(*entries)
 
@@ -94,19 +106,45 @@ def _rules(name: str, **table: tuple[str, ...]) -> AxisRules:
     return AxisRules(name, tuple((k, tuple(v)) for k, v in table.items()))
 
 
-_UNSPLIT = {a: () for a in LOGICAL_AXES}
+_DATA = {**{a: () for a in LOGICAL_AXES}, "batch": DATA_AXES}
+# Megatron tensor parallelism on the `tensor` axis: attention heads and the MLP
+# hidden dimension split (column-parallel in, row-parallel out), and the
+# vocabulary split for the embedding and the logits.
+_TENSOR = {"heads": ("tensor",), "mlp": ("tensor",), "vocab": ("tensor",)}
+# Sequence parallelism: the residual stream between blocks (LayerNorm input,
+# residual adds) split along the sequence over `tensor` as well.
+_SEQUENCE = {"res_seq": ("tensor",)}
 
-# Megatron-style tensor parallelism lives on the `tensor` axis: heads and the
-# MLP hidden dimension are split (column-parallel in, row-parallel out), and
-# the vocabulary too. On a mesh with tensor=1 these entries change nothing.
-PRESETS: dict[str, AxisRules] = {
-    "default": _rules("default", **{**_UNSPLIT, "batch": DATA_AXES,
-                                    "heads": ("tensor",), "mlp": ("tensor",),
-                                    "vocab": ("tensor",)}),
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """A named parallel layout: axis rules and the ZeRO stage it implies."""
+
+    rules: AxisRules
+    zero_stage: int  # used when the run does not set one
+
+
+# DP, FSDP and TP are different values of the same rules; ZeRO (zero.py)
+# decides which states are also split over the data-parallel axes.
+LAYOUTS: dict[str, Layout] = {
+    "dp": Layout(_rules("dp", **_DATA), 0),
+    "fsdp": Layout(_rules("fsdp", **_DATA), 3),
+    "fsdp_tp": Layout(_rules("fsdp_tp", **{**_DATA, **_TENSOR}), 3),
+    "fsdp_tp_sp": Layout(_rules("fsdp_tp_sp", **{**_DATA, **_TENSOR, **_SEQUENCE}), 3),
 }
 
 
-def preset(name: str) -> AxisRules:
-    if name not in PRESETS:
-        raise ShardingError(f"unknown rules preset {name!r}; choose from {', '.join(PRESETS)}")
-    return PRESETS[name]
+def layout(name: str, mesh_sizes: Mapping[str, int]) -> Layout:
+    """A layout by name; "auto" is fsdp, or fsdp_tp when the mesh has a tensor axis."""
+    if name == "auto":
+        name = "fsdp_tp" if mesh_sizes.get("tensor", 1) > 1 else "fsdp"
+    if name not in LAYOUTS:
+        raise ShardingError(f"unknown layout {name!r}; choose auto or one of {', '.join(LAYOUTS)}")
+    chosen = LAYOUTS[name]
+    used = {a for axes in chosen.rules.table.values() for a in axes}
+    if mesh_sizes.get("tensor", 1) > 1 and "tensor" not in used:
+        raise ShardingError(
+            f"layout {name} splits nothing over the mesh's tensor={mesh_sizes['tensor']} axis, "
+            "so those devices would only repeat each other's work; use --layout fsdp_tp "
+            "(or fsdp_tp_sp), or a mesh without a tensor axis")
+    return chosen
