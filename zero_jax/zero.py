@@ -60,16 +60,19 @@ def zero_dim(shape: Sequence[int], spec: PartitionSpec, names: Sequence[str | No
              n_shard: int, min_elements: int) -> tuple[int | None, str]:
     """The dimension that takes the ZeRO axes, or None and the reason why not.
 
-    The rule: arrays under `min_elements` elements stay replicated (their
-    collectives cost more than they save); otherwise take the largest
+    The rule: arrays under `min_elements` elements per layer stay replicated
+    (their collectives cost more than they save); otherwise take the largest
     dimension that no mesh axis splits yet, that is not a scanned `layers`
     dimension, and that `n_shard` divides; among equal sizes, the first.
+    Counting per layer makes the decision the same for a stacked array and
+    for the one-layer slice a scanned model uses, which is what `Hooks` sees.
     """
     if n_shard == 1:
         return None, "no ZeRO axes in this mesh"
-    size = math.prod(shape)
+    size = math.prod(n for d, n in enumerate(shape)
+                     if not (names and names[d] in UNSHARDABLE_LOGICAL))
     if size < min_elements:
-        return None, f"{size} elements < min_shard_elements={min_elements}"
+        return None, f"{size} elements per layer < min_shard_elements={min_elements}"
     spec = tuple(spec) + (None,) * (len(shape) - len(spec))
     free = [d for d in range(len(shape))
             if spec[d] is None and not (names and names[d] in UNSHARDABLE_LOGICAL)]
@@ -91,6 +94,27 @@ def with_zero(spec: PartitionSpec, dim: int | None, ndim: int,
 
 
 @dataclasses.dataclass(frozen=True)
+class Placement:
+    """The ZeRO split on one mesh: axes, their total size, and the size floor."""
+
+    axes: tuple[str, ...]  # the ZeRO axes (MeshShape.shard_axes)
+    n_shard: int  # product of their sizes
+    min_elements: int  # arrays smaller than this per layer stay whole
+
+    @classmethod
+    def on(cls, mesh: MeshShape, min_elements: int) -> "Placement":
+        axes = mesh.shard_axes
+        return cls(axes, math.prod(mesh.sizes[a] for a in axes), min_elements)
+
+    def dim(self, shape, spec: PartitionSpec, names=None) -> tuple[int | None, str]:
+        return zero_dim(shape, spec, names, self.n_shard, self.min_elements)
+
+    def spec(self, shape, spec: PartitionSpec, names=None) -> PartitionSpec:
+        """`spec` plus the ZeRO split where the rule allows it."""
+        return with_zero(spec, self.dim(shape, spec, names)[0], len(shape), self.axes)
+
+
+@dataclasses.dataclass(frozen=True)
 class StateSpecs:
     """PartitionSpecs of every model state, for one stage on one mesh."""
 
@@ -103,23 +127,21 @@ class StateSpecs:
 
 
 def state_specs(abstract_params: Any, compute_specs: Any, names: Any, abstract_opt_state: Any,
-                tx: optax.GradientTransformation, zero: ZeroStage, mesh: MeshShape,
-                min_elements: int) -> StateSpecs:
+                tx: optax.GradientTransformation, zero: ZeroStage,
+                placement: Placement) -> StateSpecs:
     """Storage specs of params, grads and optimizer state for one ZeRO stage.
 
     Optimizer-state leaves that mirror a parameter (Adam's moments, momentum)
     take that parameter's layout; the others (counts, factored second moments)
     are placed by the same `zero_dim` rule on their own shapes.
     """
-    axes = mesh.shard_axes
-    n_shard = math.prod(mesh.sizes[a] for a in axes)
     replicated: list[tuple[str, str]] = []
 
     def sharded(path, leaf, spec, leaf_names):
-        dim, why = zero_dim(leaf.shape, spec, leaf_names, n_shard, min_elements)
-        if dim is None and n_shard > 1:
+        dim, why = placement.dim(leaf.shape, spec, leaf_names)
+        if dim is None and placement.n_shard > 1:
             replicated.append((jax.tree_util.keystr(path, simple=True, separator="."), why))
-        return with_zero(spec, dim, len(leaf.shape), axes)
+        return with_zero(spec, dim, len(leaf.shape), placement.axes)
 
     full = jax.tree_util.tree_map_with_path(sharded, abstract_params, compute_specs, names)
 
@@ -132,8 +154,7 @@ def state_specs(abstract_params: Any, compute_specs: Any, names: Any, abstract_o
         shape = getattr(leaf, "shape", ())
         if not zero.opt_state:
             return PartitionSpec()
-        dim, _ = zero_dim(shape, PartitionSpec(), None, n_shard, min_elements)
-        return with_zero(PartitionSpec(), dim, len(shape), axes)
+        return placement.spec(shape, PartitionSpec())
 
     is_abstract = lambda x: isinstance(x, jax.ShapeDtypeStruct)
     opt = optax.tree_map_params(tx, mirror, abstract_opt_state, abstract_params, full,
