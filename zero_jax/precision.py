@@ -1,0 +1,100 @@
+"""Mixed precision: which dtype each model state and computation uses.
+
+One policy, applied in three places: `Hooks.weight` casts a parameter to the
+compute dtype before it is gathered and casts its gradient to the gradient
+dtype before it is reduced; `cast_params` sets the stored (master) dtype;
+`with_state_dtype` keeps the optimizer state in its dtype.
+
+Bytes per parameter of the model states follow from the policy
+(`bytes_per_param`). The ZeRO paper counts 2 + 2 + 12 = 16 for bf16 training
+with Adam: a bf16 working copy of the parameters, bf16 gradients, and fp32
+master weights, momentum and variance in the optimizer. Here the fp32 master
+parameters are used directly and cast to bf16 at use, so there is no second
+copy: 4 (parameters) + gradient bytes + 8 (Adam's moments), which is 16 with
+fp32 gradients (the `bf16` preset, safe to accumulate) and 14 with bf16 ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+# name -> (params, compute, grads, opt_state)
+PRESETS: dict[str, tuple[str, str, str, str]] = {
+    "fp32": ("float32", "float32", "float32", "float32"),
+    "bf16": ("float32", "bfloat16", "float32", "float32"),
+    "fp16": ("float32", "float16", "float32", "float32"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    params: str = "float32"  # stored (master) parameters
+    compute: str = "float32"  # matmuls and activations; parameters are cast to it at use
+    grads: str = "float32"  # gradients: reduced, accumulated and held in this dtype
+    opt_state: str = "float32"  # floating optimizer-state leaves (moments)
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if value not in DTYPES:
+                raise ValueError(f"{field.name} dtype {value!r}: choose from {', '.join(DTYPES)}")
+
+    def dtype(self, which: str):
+        return DTYPES[getattr(self, which)]
+
+    @property
+    def needs_loss_scaling(self) -> bool:
+        return self.compute == "float16" or self.grads == "float16"
+
+    def describe(self) -> str:
+        return (f"parameters {self.params}, compute {self.compute}, gradients {self.grads}, "
+                f"optimizer state {self.opt_state}")
+
+
+def resolve(name: str, platform: str, **overrides: str) -> Policy:
+    """A preset by name ("auto": bf16 on accelerators, fp32 on CPU), then overrides."""
+    if name == "auto":
+        name = "fp32" if platform == "cpu" else "bf16"
+    if name not in PRESETS:
+        raise ValueError(f"precision {name!r}: choose auto or one of {', '.join(PRESETS)}")
+    fields = dict(zip(("params", "compute", "grads", "opt_state"), PRESETS[name]))
+    fields.update({k: v for k, v in overrides.items() if v})
+    return Policy(**fields)
+
+
+def _is_float(x) -> bool:
+    return jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def cast_tree(tree: Any, dtype) -> Any:
+    """Floating leaves to `dtype`; integer leaves (counts) unchanged."""
+    return jax.tree.map(lambda x: x.astype(dtype) if _is_float(x) else x, tree)
+
+
+def with_state_dtype(tx: optax.GradientTransformation, dtype) -> optax.GradientTransformation:
+    """`tx` whose floating state is stored in `dtype` and updated in float32."""
+    if jnp.dtype(dtype) == jnp.float32:
+        return tx
+
+    def init(params):
+        return cast_tree(tx.init(params), dtype)
+
+    def update(updates, state, params=None):
+        updates, state = tx.update(updates, cast_tree(state, jnp.float32), params)
+        return updates, cast_tree(state, dtype)
+
+    return optax.GradientTransformation(init, update)
+
+
+def bytes_per_param(policy: Policy, opt_state_floats_per_param: float) -> dict[str, float]:
+    """Model-state bytes per parameter under `policy` (before any ZeRO division)."""
+    size = lambda which: jnp.dtype(policy.dtype(which)).itemsize
+    return {"params": size("params"), "grads": size("grads"),
+            "opt_state": opt_state_floats_per_param * size("opt_state")}
