@@ -9,14 +9,17 @@ D model width, H heads, Q head size, F MLP width, V vocabulary, L layers.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from models import layers
 from zero_jax.hooks import Hooks
 from zero_jax.model import ModelFns
+from zero_jax.remat import Remat
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,11 +32,22 @@ class GPTConfig:
     d_model: int  # residual width (D); head size Q = D / H
     d_mlp: int  # MLP hidden width (F), 4 D in GPT-2
     max_seq_len: int  # rows of the learned position table
+    vocab_multiple: int = 1  # embedding rows padded to a multiple of this (masked in the logits)
     ln_eps: float = 1e-5  # LayerNorm epsilon, as GPT-2
 
     def __post_init__(self):
         if self.d_model % self.n_head:
             raise ValueError(f"d_model={self.d_model} is not divisible by n_head={self.n_head}")
+
+    @property
+    def padded_vocab(self) -> int:
+        """Rows of the embedding: the vocabulary rounded up to `vocab_multiple`.
+
+        Padding lets `tensor` split the vocabulary (Megatron pads GPT-2's 50257
+        to 50304 for the same reason); the padded ids never occur in the data
+        and their logits are masked, so the model computes the same function.
+        """
+        return -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple
 
     @property
     def head_dim(self) -> int:
@@ -43,7 +57,7 @@ class GPTConfig:
     def param_count(self) -> int:
         D, F, L = self.d_model, self.d_mlp, self.n_layer
         block = 4 * D + (3 * D * D + 2 * D) + (D * D + D) + (D * F + F) + (F * D + D)
-        return self.vocab_size * D + self.max_seq_len * D + L * block + 2 * D
+        return self.padded_vocab * D + self.max_seq_len * D + L * block + 2 * D
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token, 6 N + 12 L H Q T (PaLM, appendix B).
@@ -53,13 +67,47 @@ class GPTConfig:
         for the causal mask), as PaLM and the MFU figures it is compared with.
         """
         D, F, L = self.d_model, self.d_mlp, self.n_layer
-        n_matmul = L * (4 * D * D + 2 * D * F) + self.vocab_size * D
+        n_matmul = L * (4 * D * D + 2 * D * F) + self.padded_vocab * D
         return 6 * n_matmul + 12 * L * self.n_head * self.head_dim * seq_len
+
+
+    def activation_bytes(self, rows: int, seq_len: int, dtype_bytes: int, remat: Remat,
+                         tensor: int = 1, sequence_parallel: bool = False) -> float:
+        """Activation bytes one device keeps for the backward pass, one microbatch.
+
+        Per layer the block names what its backward pass needs (elements per
+        device; t = tensor, residual-stream tensors also split by t under
+        sequence parallelism): the block input, both LayerNorm outputs and the
+        residual after attention (4 s b h), q, k, v and the attention context
+        (4 s b h / t), the attention probabilities (a s^2 b / t) and the MLP
+        hidden before and after GELU (2 s b f / t). `none` keeps all of it;
+        the other policies keep less per layer and rebuild one layer at a time
+        in the backward pass. The head keeps the float32 logits and softmax.
+        """
+        s, b, h, f, a, L = seq_len, rows, self.d_model, self.d_mlp, self.n_head, self.n_layer
+        t = tensor
+        res = s * b * h / (t if sequence_parallel else 1)  # residual-stream tensor
+        full = s * b * h  # a row-parallel product before its reduction
+        split = s * b * h / t  # a tensor split over heads
+        mlp = s * b * f / t
+        probs = a * s * s * b / t
+        named = {"ln_out": 2 * res, "qkv": 3 * split, "attn_probs": probs, "attn_ctx": split,
+                 "resid_mid": res, "mlp_hidden": mlp, "mlp_act": mlp}
+        layer = res + sum(named.values())  # = 4 res + 4 split + probs + 2 mlp
+        kept = {
+            "none": L * layer,
+            "full": L * res + layer,
+            "dots_saveable": L * (res + 3 * split + probs + split + full + mlp + full) + layer,
+            "save_names": L * (res + sum(named.get(n, 0) for n in remat.names)) + layer,
+            "offload": L * res + layer,  # the named ones live in host memory
+        }[remat.policy]
+        head = 2 * s * b * self.padded_vocab / t * 4 / dtype_bytes + 2 * res
+        return (kept + head) * dtype_bytes
 
 
 # name -> (n_layer, n_head, d_model, max_seq_len); d_mlp = 4 d_model.
 PRESETS: dict[str, tuple[int, int, int, int]] = {
-    "gpt-tiny": (4, 6, 192, 256),
+    "gpt-tiny": (4, 8, 192, 256),
     "gpt-small": (12, 12, 768, 1024),
     "gpt-medium": (24, 16, 1024, 1024),
     "gpt-large": (36, 20, 1280, 1024),
@@ -83,22 +131,28 @@ def _param(module: nn.Module, name: str, shape, names, init):
 
 
 class LayerNorm(nn.Module):
+    """LayerNorm computed in float32, returned in the input's dtype."""
+
     cfg: GPTConfig
     hooks: Hooks
 
     @nn.compact
     def __call__(self, x_BxTxD):
-        D = self.cfg.d_model
-        scale = self.hooks.weight(_param(self, "scale", (D,), ("embed",), nn.initializers.ones), ("embed",))
-        bias = self.hooks.weight(_param(self, "bias", (D,), ("embed",), nn.initializers.zeros), ("embed",))
-        x = x_BxTxD.astype(jnp.float32)
-        mean = x.mean(-1, keepdims=True)
-        var = jnp.square(x - mean).mean(-1, keepdims=True)
-        return (x - mean) * jax.lax.rsqrt(var + self.cfg.ln_eps) * scale + bias
+        D, h = self.cfg.d_model, self.hooks
+        scale = h.weight(_param(self, "scale", (D,), ("embed",), nn.initializers.ones),
+                         ("embed",), jnp.float32)
+        bias = h.weight(_param(self, "bias", (D,), ("embed",), nn.initializers.zeros),
+                        ("embed",), jnp.float32)
+        return layers.layer_norm(x_BxTxD, scale, bias, self.cfg.ln_eps)
 
 
 class Block(nn.Module):
-    """One pre-LayerNorm transformer block; scanned over `layers` by GPT."""
+    """One pre-LayerNorm transformer block; scanned over `layers` by GPT.
+
+    Matrices are used through `hooks.dense`, biases are added in float32 (so
+    their gradients are reduced in float32), and every activation the
+    backward pass needs is named for the remat policy.
+    """
 
     cfg: GPTConfig
     hooks: Hooks
@@ -111,9 +165,14 @@ class Block(nn.Module):
         # GPT-2 scales the init of the projections into the residual stream.
         residual = nn.initializers.normal(0.02 / math.sqrt(2 * c.n_layer))
         zeros = nn.initializers.zeros
+        param = functools.partial(_param, self)
 
-        def weight(name, shape, names, init):
-            return h.weight(_param(self, name, shape, names, init), names)
+        def dense(eq, x, name, shape, names, init):
+            return h.dense(eq, x, param(name, shape, names, init), names)
+
+        def add_bias(x, name, shape, names):
+            b = h.weight(param(name, shape, names, zeros), names, jnp.float32)
+            return (x.astype(jnp.float32) + b).astype(x.dtype)
 
         x_BxTxD = h.act(x_BxTxD, ("batch", "res_seq", "embed"))
 
@@ -121,34 +180,40 @@ class Block(nn.Module):
         # There is no key bias: it adds q . b_k to every score of a row, which the
         # softmax cancels, so its gradient is zero and Adam would only amplify
         # rounding noise in it. (GPT-2's key bias is dropped exactly on import.)
-        y = h.act(LayerNorm(c, h, name="ln_1")(x_BxTxD), ("batch", "seq", "embed"))
-        w_qkv = weight("w_qkv", (D, 3, H, Q), ("embed", None, "heads", "kv"), normal)
-        b_q = weight("b_q", (H, Q), ("heads", "kv"), zeros)
-        b_v = weight("b_v", (H, Q), ("heads", "kv"), zeros)
-        qkv_BxTx3xHxQ = jnp.einsum("btd,dchq->btchq", y, w_qkv)
-        q, k, v = (h.act(qkv_BxTx3xHxQ[:, :, i] + b, ("batch", "seq", "heads", "kv"))
-                   for i, b in enumerate((b_q, 0.0, b_v)))
+        # The LayerNorm output is kept (name) in the residual layout, split along
+        # the sequence under sequence parallelism, and gathered for the matmul.
+        y = h.act(LayerNorm(c, h, name="ln_1")(x_BxTxD), ("batch", "res_seq", "embed"), name="ln_out")
+        y = h.act(y, ("batch", "seq", "embed"))
+        qkv_BxTx3xHxQ = dense("btd,dchq->btchq", y, "w_qkv", (D, 3, H, Q),
+                              ("embed", None, "heads", "kv"), normal)
+        q = add_bias(qkv_BxTx3xHxQ[:, :, 0], "b_q", (H, Q), ("heads", "kv"))
+        k = qkv_BxTx3xHxQ[:, :, 1]
+        v = add_bias(qkv_BxTx3xHxQ[:, :, 2], "b_v", (H, Q), ("heads", "kv"))
+        q, k, v = (h.act(t, ("batch", "seq", "heads", "kv"), name="qkv") for t in (q, k, v))
         T = x_BxTxD.shape[1]
-        scores_BxHxTxT = jnp.einsum("bthq,bshq->bhts", q, k) / math.sqrt(Q)
+        # Scores and softmax in float32 whatever the compute dtype.
+        scores_BxHxTxT = jnp.einsum("bthq,bshq->bhts", q, k).astype(jnp.float32) / math.sqrt(Q)
         causal_TxT = jnp.tril(jnp.ones((T, T), dtype=bool))
-        scores_BxHxTxT = jnp.where(causal_TxT, scores_BxHxTxT, jnp.finfo(scores_BxHxTxT.dtype).min)
-        probs_BxHxTxT = jax.nn.softmax(scores_BxHxTxT.astype(jnp.float32), axis=-1).astype(v.dtype)
+        scores_BxHxTxT = jnp.where(causal_TxT, scores_BxHxTxT, jnp.finfo(jnp.float32).min)
+        probs_BxHxTxT = h.act(layers.softmax(scores_BxHxTxT, v.dtype),
+                              ("batch", "heads", "seq", None), name="attn_probs")
         att_BxTxHxQ = h.act(jnp.einsum("bhts,bshq->bthq", probs_BxHxTxT, v),
-                            ("batch", "seq", "heads", "kv"))
-        w_o = weight("w_o", (H, Q, D), ("heads", "kv", "embed"), residual)
-        b_o = weight("b_o", (D,), ("embed",), zeros)
-        x_BxTxD = x_BxTxD + h.act(jnp.einsum("bthq,hqd->btd", att_BxTxHxQ, w_o) + b_o,
-                                  ("batch", "res_seq", "embed"))
+                            ("batch", "seq", "heads", "kv"), name="attn_ctx")
+        out_BxTxD = dense("bthq,hqd->btd", att_BxTxHxQ, "w_o", (H, Q, D),
+                          ("heads", "kv", "embed"), residual)
+        out_BxTxD = h.act(add_bias(out_BxTxD, "b_o", (D,), ("embed",)), ("batch", "res_seq", "embed"))
+        x_BxTxD = h.act(x_BxTxD + out_BxTxD, ("batch", "res_seq", "embed"), name="resid_mid")
 
         # MLP: column-parallel in, row-parallel out.
-        y = h.act(LayerNorm(c, h, name="ln_2")(x_BxTxD), ("batch", "seq", "embed"))
-        w_fc = weight("w_fc", (D, F), ("embed", "mlp"), normal)
-        b_fc = weight("b_fc", (F,), ("mlp",), zeros)
-        hid_BxTxF = h.act(jax.nn.gelu(y @ w_fc + b_fc, approximate=True), ("batch", "seq", "mlp"))
-        w_proj = weight("w_proj", (F, D), ("mlp", "embed"), residual)
-        b_proj = weight("b_proj", (D,), ("embed",), zeros)
-        x_BxTxD = x_BxTxD + h.act(hid_BxTxF @ w_proj + b_proj, ("batch", "res_seq", "embed"))
-        return x_BxTxD, None
+        y = h.act(LayerNorm(c, h, name="ln_2")(x_BxTxD), ("batch", "res_seq", "embed"), name="ln_out")
+        y = h.act(y, ("batch", "seq", "embed"))
+        fc_BxTxF = dense("btd,df->btf", y, "w_fc", (D, F), ("embed", "mlp"), normal)
+        fc_BxTxF = h.act(add_bias(fc_BxTxF, "b_fc", (F,), ("mlp",)), ("batch", "seq", "mlp"),
+                         name="mlp_hidden")
+        hid_BxTxF = h.act(layers.gelu(fc_BxTxF), ("batch", "seq", "mlp"), name="mlp_act")
+        out_BxTxD = dense("btf,fd->btd", hid_BxTxF, "w_proj", (F, D), ("mlp", "embed"), residual)
+        out_BxTxD = h.act(add_bias(out_BxTxD, "b_proj", (D,), ("embed",)), ("batch", "res_seq", "embed"))
+        return x_BxTxD + out_BxTxD, None
 
 
 class GPT(nn.Module):
@@ -160,12 +225,13 @@ class GPT(nn.Module):
 
     def setup(self):
         c = self.cfg
-        self.wte = _param(self, "wte", (c.vocab_size, c.d_model), ("vocab", "embed"),
+        self.wte = _param(self, "wte", (c.padded_vocab, c.d_model), ("vocab", "embed"),
                           nn.initializers.normal(0.02))
         self.wpe = _param(self, "wpe", (c.max_seq_len, c.d_model), ("pos", "embed"),
                           nn.initializers.normal(0.01))
+        block = nn.remat(Block, policy=self.hooks.remat.jax_policy(), prevent_cse=False)
         self.blocks = nn.scan(
-            Block, variable_axes={"params": 0}, split_rngs={"params": True},
+            block, variable_axes={"params": 0}, split_rngs={"params": True},
             length=c.n_layer, metadata_params={nn.PARTITION_NAME: "layers"},
         )(c, self.hooks)
         self.ln_f = LayerNorm(c, self.hooks)
@@ -176,10 +242,17 @@ class GPT(nn.Module):
             raise ValueError(f"sequence length {T} exceeds the position table "
                              f"(max_seq_len={self.cfg.max_seq_len})")
         h = self.hooks
-        wte = h.weight(self.wte, ("vocab", "embed"))
-        wpe = h.weight(self.wpe, ("pos", "embed"))
-        x_BxTxD = jnp.take(wte, tokens_BxT, axis=0)
-        return h.act(x_BxTxD + wpe[:T], ("batch", "res_seq", "embed"))
+        # Look up with the whole sequence first: with the vocabulary split over
+        # `tensor`, each device reads its rows and the partial sums are reduced;
+        # only then is the residual stream split along the sequence (under
+        # sequence parallelism), rather than the table being gathered.
+        tokens = h.lookup(self.wte, tokens_BxT, ("vocab", "embed"))
+        positions = h.lookup(self.wpe, jnp.arange(T), ("pos", "embed"))
+        # Added in float32: the positions' gradient is a sum over the batch,
+        # which XLA reduces across devices in the dtype of this addition.
+        x_BxTxD = h.act((tokens.astype(jnp.float32) + positions.astype(jnp.float32))
+                        .astype(h.dtype), ("batch", "seq", "embed"))
+        return h.act(x_BxTxD, ("batch", "res_seq", "embed"))
 
     def stack(self, x_BxTxD):
         x_BxTxD, _ = self.blocks(x_BxTxD, None)
@@ -188,8 +261,12 @@ class GPT(nn.Module):
     def head(self, x_BxTxD):
         h = self.hooks
         y = h.act(self.ln_f(x_BxTxD), ("batch", "seq", "embed"))
-        wte = h.weight(self.wte, ("vocab", "embed"))
-        return h.act(jnp.einsum("btd,vd->btv", y, wte), ("batch", "seq", "vocab"))
+        logits_BxTxV = h.act(h.dense("btd,vd->btv", y, self.wte, ("vocab", "embed")),
+                             ("batch", "seq", "vocab"))
+        if self.cfg.padded_vocab != self.cfg.vocab_size:
+            real_V = jnp.arange(self.cfg.padded_vocab) < self.cfg.vocab_size
+            logits_BxTxV = jnp.where(real_V, logits_BxTxV, jnp.finfo(logits_BxTxV.dtype).min)
+        return logits_BxTxV
 
     def __call__(self, tokens_BxT):
         return self.head(self.stack(self.embed(tokens_BxT)))
@@ -210,5 +287,6 @@ def model_fns(cfg: GPTConfig) -> ModelFns:
         return jax.tree_util.tree_map_with_path(
             lambda path, _: str(path[-1].key).startswith("w"), params)
 
-    return ModelFns(init=init, apply=apply, vocab_size=cfg.vocab_size,
-                    flops_per_token=cfg.flops_per_token, decay_mask=decay_mask)
+    return ModelFns(init=init, apply=apply, vocab_size=cfg.vocab_size, max_seq_len=cfg.max_seq_len,
+                    flops_per_token=cfg.flops_per_token, decay_mask=decay_mask,
+                    activation_bytes=cfg.activation_bytes)
