@@ -3,10 +3,13 @@
     python scripts/memory_report.py --model gpt-small --mesh fsdp=8 --zero-stage 3
     python scripts/memory_report.py --model gpt-7b --mesh fsdp=64 --zero-stage 3 \\
         --vocab-size 50257 --seq-len 2048 --batch-size 64 --json
+    python scripts/memory_report.py --model gpt-small --seq-len 1024 --batch-size 8 --remat-table
 
 Reports (a) the ZeRO formula, (b) the bytes of the actual shardings of
 parameters, gradients and optimizer state, and (c) the compiled train step's
-`memory_analysis()`. Only abstract shapes are used, so the model may be far
+`memory_analysis()`, under the run's tensor parallelism and precision policy,
+with the activation bytes (the model's estimate for the remat policy, and the
+compiled temporaries) beside them. Only abstract shapes are used, so the model may be far
 larger than this machine; the CPU is simulated with as many devices as the
 mesh needs (or --devices).
 """
@@ -14,13 +17,14 @@ mesh needs (or --devices).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
 import jax
 
 import models
-from zero_jax import config as config_lib, data as data_lib, job as job_lib, memory, plan
+from zero_jax import config as config_lib, data as data_lib, job as job_lib, memory, plan, remat
 from zero_jax.mesh import MeshError
 from zero_jax.rules import ShardingError
 
@@ -32,6 +36,8 @@ def parse(argv):
     parser.add_argument("--devices", type=int, help="simulated CPU devices (default: the mesh's)")
     parser.add_argument("--no-compile", action="store_true", help="skip the compiled figures")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--remat-table", action="store_true",
+                        help="compile once per activation policy and tabulate activation bytes")
     config_lib.add_flags(parser)
     args = parser.parse_args(argv)
     return config_lib.from_args(args, args.config), args
@@ -46,17 +52,41 @@ def main(argv=None) -> int:
         # Before the backend starts: simulate the devices the mesh needs.
         jax.config.update("jax_num_cpu_devices", devices)
         vocab = args.vocab_size or data_lib.load(run.data.source).vocab_size
-        job = job_lib.prepare(run, models.build(run.model.name, vocab))
+        job = job_lib.prepare(run, models.builder(run.model.name, vocab))
     except (config_lib.ConfigError, MeshError, ShardingError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.remat_table:
+        return remat_table(run, vocab, args.json)
     compiled = None if args.no_compile else job.compile_train_step()
-    report = memory.report(job.layout, compiled)
+    report = job.memory_report(compiled)
     if args.json:
         print(json.dumps(report, indent=1))
     else:
         print(plan.describe(job, f"vocab {vocab} (shapes only)",
-                            models.describe(run.model.name, vocab), compiled))
+                            models.describe(run.model.name, vocab, run.model.vocab_multiple), compiled))
+    return 0
+
+
+def remat_table(run, vocab: int, as_json: bool) -> int:
+    """Activation bytes per device for every policy: analytic and compiled."""
+    rows = {}
+    for policy in remat.POLICIES:
+        r = dataclasses.replace(run, activations=dataclasses.replace(run.activations, remat=policy))
+        job = job_lib.prepare(r, models.builder(r.model.name, vocab))
+        compiled = memory.compiled(job.compile_train_step())
+        rows[policy] = {"analytic_activation_bytes": job.activation_estimate(),
+                        "compiled_temp_bytes": compiled["temp_bytes"]}
+    if as_json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    none = rows["none"]["compiled_temp_bytes"]
+    print(f"{'policy':<15}{'activations (MiB, analytic)':>29}{'temp (MiB, compiled)':>23}{'vs none':>9}")
+    for policy, row in rows.items():
+        print(f"{policy:<15}{row['analytic_activation_bytes'] / 2**20:>29.1f}"
+              f"{row['compiled_temp_bytes'] / 2**20:>23.1f}{row['compiled_temp_bytes'] / none:>9.3f}")
+    print("offload: on CPU memory_analysis() does not separate host bytes, so the compiled "
+          "figure counts the offloaded activations too" if jax.devices()[0].platform == "cpu" else "")
     return 0
 
 

@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run, args = parse(argv)
         corpus = data_lib.load(run.data.source)
-        model = models.build(run.model.name, corpus.vocab_size)
+        model = models.builder(run.model.name, corpus.vocab_size)
         job = job_lib.prepare(run, model)
     except (config_lib.ConfigError, MeshError, ShardingError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -45,8 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     eval_step = job.compile_eval_step()
     data_line = (f"{corpus.name}: {len(corpus.train):,} train / {len(corpus.val):,} "
                  f"validation tokens, vocab {corpus.vocab_size}")
-    print(plan.describe(job, data_line, models.describe(run.model.name, corpus.vocab_size),
-                        train_step), flush=True)
+    model_line = models.describe(run.model.name, corpus.vocab_size, run.model.vocab_multiple)
+    print(plan.describe(job, data_line, model_line, train_step), flush=True)
 
     t, seq = run.train, run.data.seq_len
     sharding = job.layout.batch_sharding
@@ -57,10 +57,15 @@ def main(argv: list[str] | None = None) -> int:
     eval_fn = functools.partial(loop.evaluate, eval_step, batches=val_batch, n=t.eval_batches)
 
     state = job.init_state()
-    state, history = loop.train(
-        state, train_step, lambda step: batch(step=step), steps=t.steps,
-        eval_fn=lambda params: eval_fn(params), eval_every=t.eval_every,
-        metrics_path=t.metrics_out, progress=not args.no_progress)
+    try:
+        state, history = loop.train(
+            state, train_step, lambda step: batch(step=step), steps=t.steps,
+            eval_fn=lambda params: eval_fn(params), eval_every=t.eval_every,
+            metrics_path=t.metrics_out, progress=not args.no_progress,
+            max_consecutive_skips=run.precision.max_consecutive_skips)
+    except loop.TrainingHalted as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 3
     last = history[-1]
     tokens_per_s = sorted(r["tokens_per_s"] for r in history[1:] or history)
     print(f"done: {len(history)} steps, final train loss {last['loss']:.4f}, validation loss "

@@ -30,8 +30,9 @@ def accumulate(value_and_grad: Callable[[Any, jax.Array], tuple[jax.Array, Any]]
                constrain_micro: Callable[[jax.Array], jax.Array]) -> tuple[jax.Array, Any]:
     """Mean loss and mean gradient over `microbatches` equal microbatches.
 
-    `constrain_grads` pins a gradient tree to the stage's gradient sharding;
-    `constrain_micro` pins the (m, B/m, ...) split to the batch sharding.
+    `constrain_grads` casts a gradient tree to the gradient dtype and pins it
+    to the stage's gradient sharding; `constrain_micro` pins the (m, B/m, ...)
+    split to the batch sharding.
     """
     if microbatches == 1:
         loss, grads = value_and_grad(params, batch)
@@ -43,7 +44,7 @@ def accumulate(value_and_grad: Callable[[Any, jax.Array], tuple[jax.Array, Any]]
         acc = constrain_grads(jax.tree.map(jnp.add, acc, constrain_grads(grads)))
         return (loss_sum + loss, acc), None
 
-    zeros = constrain_grads(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
+    zeros = constrain_grads(jax.tree.map(jnp.zeros_like, params))
     micro = constrain_micro(split_microbatches(batch, microbatches))
     (loss_sum, acc), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), micro)
     return loss_sum / microbatches, jax.tree.map(lambda g: g / microbatches, acc)

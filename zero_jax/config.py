@@ -28,15 +28,36 @@ class ConfigError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     name: str = "gpt-tiny"  # a preset in models/ (gpt-tiny ... gpt-xl, gpt-7b)
+    vocab_multiple: int = 1  # pad the vocabulary to a multiple (e.g. 128) so tensor divides it
 
 
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
     mesh: str = "cpu-8"  # a meshes/ name, a TOML path, or inline like data=2,fsdp=4
-    zero_stage: int = 3  # 0 DDP, 1 optimizer state, 2 + gradients, 3 + parameters
+    layout: str = "auto"  # dp | fsdp | fsdp_tp | fsdp_tp_sp; auto: fsdp, or fsdp_tp with tensor > 1
+    zero_stage: int | None = None  # 0 DDP, 1 optimizer state, 2 + gradients, 3 + parameters; None: the layout's
     zero_shard_axes: str = ""  # comma list narrowing the mesh's ZeRO axes ("fsdp": hybrid)
     min_shard_elements: int = 4096  # arrays smaller than this stay replicated
-    rules: str = "default"  # logical-axis rules preset (zero_jax.rules.PRESETS)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionConfig:
+    policy: str = "auto"  # fp32 | bf16 | fp16; auto: bf16 on accelerators, fp32 on CPU
+    param_dtype: str = ""  # override: stored (master) parameters
+    compute_dtype: str = ""  # override: matmuls and activations
+    grad_dtype: str = ""  # override: gradient reduction and accumulation
+    opt_state_dtype: str = ""  # override: optimizer moments
+    initial_scale_power: int = 16  # fp16 loss scale starts at 2**power
+    loss_scale_window: int = 1000  # finite steps in a row before the loss scale doubles
+    hysteresis: int = 2  # overflows tolerated before the loss scale halves
+    min_loss_scale: float = 1.0  # the loss scale never goes below this
+    max_consecutive_skips: int = 20  # stop after this many non-finite steps in a row
+
+
+@dataclasses.dataclass(frozen=True)
+class ActivationConfig:
+    remat: str = "none"  # none | full | dots_saveable | save_names | offload
+    save_names: str = "qkv,attn_ctx,mlp_hidden"  # named activations kept (save_names) or offloaded (offload)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +81,8 @@ class TrainConfig:
 class RunConfig:
     model: ModelConfig = ModelConfig()
     parallel: ParallelConfig = ParallelConfig()
+    precision: PrecisionConfig = PrecisionConfig()
+    activations: ActivationConfig = ActivationConfig()
     optim: OptimConfig = OptimConfig()
     data: DataConfig = DataConfig()
     train: TrainConfig = TrainConfig()
@@ -68,12 +91,12 @@ class RunConfig:
         return dataclasses.asdict(self)
 
 
-SECTIONS = {f.name: f.type for f in dataclasses.fields(RunConfig)}
-_SECTION_TYPES = {"model": ModelConfig, "parallel": ParallelConfig, "optim": OptimConfig,
-                  "data": DataConfig, "train": TrainConfig}
+_SECTION_TYPES = {"model": ModelConfig, "parallel": ParallelConfig,
+                  "precision": PrecisionConfig, "activations": ActivationConfig,
+                  "optim": OptimConfig, "data": DataConfig, "train": TrainConfig}
 # Fields whose flag is not their own name.
 _FLAG_NAMES = {("model", "name"): "model", ("optim", "name"): "optimizer",
-               ("data", "source"): "data"}
+               ("data", "source"): "data", ("precision", "policy"): "precision"}
 
 
 def _flag(section: str, field: str) -> str:
@@ -162,3 +185,10 @@ def validate(run: RunConfig, mesh: MeshShape) -> None:
             f"device, so use a batch size that is a multiple of {t.microbatches * dp}")
     if run.parallel.min_shard_elements < 0:
         raise ConfigError("min_shard_elements must be >= 0")
+    if run.model.vocab_multiple < 1:
+        raise ConfigError(f"--vocab-multiple {run.model.vocab_multiple}: must be >= 1")
+    p = run.precision
+    if p.loss_scale_window < 1 or p.hysteresis < 1 or p.max_consecutive_skips < 1:
+        raise ConfigError("loss_scale_window, hysteresis and max_consecutive_skips must be >= 1")
+    if p.min_loss_scale <= 0:
+        raise ConfigError(f"--min-loss-scale {p.min_loss_scale}: must be > 0")

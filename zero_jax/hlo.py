@@ -1,4 +1,5 @@
-"""Collectives in compiled HLO text: which ones, how many, in what dtype.
+"""Collectives in compiled HLO text: which ones, how many, in what dtype,
+over which mesh axes, and in the forward or the backward pass.
 
 Tests and reports read the optimised HLO (`compiled.as_text()`) to check
 that a layout compiles to the communication it promises.
@@ -8,7 +9,12 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import re
+import tempfile
+from pathlib import Path
+
+import numpy as np
 
 OPS = ("all-gather", "all-reduce", "reduce-scatter", "collective-permute", "all-to-all")
 
@@ -25,6 +31,24 @@ class Collective:
     dtypes: tuple[str, ...]  # element types in the result type
     line: str  # the HLO instruction, for messages
 
+    @property
+    def op_name(self) -> str:
+        m = re.search(r'op_name="([^"]*)"', self.line)
+        return m.group(1) if m else ""
+
+    @property
+    def backward(self) -> bool:
+        """Part of the backward pass (a transposed, i.e. differentiated, op)."""
+        return "transpose(" in self.op_name
+
+    def groups(self) -> list[list[int]]:
+        """The device groups it runs over, as positions in the mesh's device order."""
+        return replica_groups(self.line)
+
+    def axes(self, mesh) -> tuple[str, ...] | None:
+        """The mesh axes whose devices form its groups (None: no axis set matches)."""
+        return axes_of(self.groups(), mesh)
+
 
 def collectives(hlo_text: str) -> list[Collective]:
     out = []
@@ -39,3 +63,76 @@ def counts(hlo_text: str) -> dict[str, int]:
     """Number of instructions of each collective op (0 for absent ones)."""
     found = collections.Counter(c.op for c in collectives(hlo_text))
     return {op: found.get(op, 0) for op in OPS}
+
+
+def _iota(dims: list[int], perm: list[int] | None) -> np.ndarray:
+    ids = np.arange(int(np.prod(dims))).reshape(dims)
+    return ids.transpose(perm) if perm else ids
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def replica_groups(line: str) -> list[list[int]]:
+    """Parse the three forms XLA prints: explicit `{{0,1},{2,3}}`, iota
+    `[4,2]<=[8]` or `[2,4]<=[4,2]T(1,0)`, and `mesh['a'=4,'b'=2] {'a'}`
+    (optionally with `device_ids=([4,2]T(1,0))`)."""
+    if "source_target_pairs=" in line:  # collective-permute: each pair is a group
+        pairs = re.search(r"source_target_pairs=\{(.*?)\}\}?", line).group(1)
+        return [_ints(p) for p in re.findall(r"\{([\d,]+)\}", pairs + "}")]
+    m = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", line)
+    if m:
+        return [_ints(g) for g in re.findall(r"\{([\d,]*)\}", m.group(1))]
+    m = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
+    if m:
+        shape = _ints(m.group(1))
+        ids = _iota(_ints(m.group(2)), _ints(m.group(3)) if m.group(3) else None)
+        return ids.reshape(shape[0], -1).tolist()
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(\[([\d,]+)\]"
+                  r"(?:T\(([\d,]+)\))?\))? \{([^}]*)\}", line)
+    if m:
+        named = re.findall(r"'([^']+)'=(\d+)", m.group(1))
+        names, dims = [n for n, _ in named], [int(d) for _, d in named]
+        ids = (_iota(_ints(m.group(2)), _ints(m.group(3)) if m.group(3) else None)
+               if m.group(2) else np.arange(int(np.prod(dims))))
+        ids = ids.reshape(dims)
+        along = [names.index(a) for a in re.findall(r"'([^']+)'", m.group(4))]
+        rest = [i for i in range(len(dims)) if i not in along]
+        return ids.transpose(rest + along).reshape(-1, int(np.prod([dims[i] for i in along]))).tolist()
+    return []
+
+
+def axes_of(groups: list[list[int]], mesh) -> tuple[str, ...] | None:
+    """The set of mesh axes whose device groups are exactly `groups`."""
+    if not groups:
+        return None
+    target = {frozenset(g) for g in groups}
+    ids = np.arange(mesh.devices.size).reshape(mesh.devices.shape)
+    names = [n for n, size in mesh.shape.items() if size > 1]
+    for k in range(1, len(names) + 1):
+        for combo in itertools.combinations(names, k):
+            along = [list(mesh.axis_names).index(a) for a in combo]
+            rest = [i for i in range(ids.ndim) if i not in along]
+            size = int(np.prod([ids.shape[i] for i in along]))
+            found = {frozenset(g) for g in ids.transpose(rest + along).reshape(-1, size).tolist()}
+            if found == target:
+                return combo
+    return None
+
+
+def partitioned_text(lowered) -> str:
+    """HLO of `lowered` right after SPMD partitioning, before backend passes.
+
+    XLA:CPU has no bf16 collectives: its float-normalization pass widens a
+    bf16 all-gather to f32 after partitioning, while GPU and TPU compilers
+    keep it. What the program asks for (gather the bf16 copy) is visible
+    here, on every platform.
+    """
+    with tempfile.TemporaryDirectory() as out:
+        lowered.compile(compiler_options={"xla_dump_to": out,
+                                          "xla_dump_hlo_pass_re": "spmd-partitioning"})
+        found = sorted(Path(out).glob("*after_spmd-partitioning*.txt"))
+        if not found:
+            raise RuntimeError("XLA wrote no post-partitioning HLO dump")
+        return found[-1].read_text()

@@ -1,22 +1,25 @@
 """A run config plus a model -> everything a run needs, built abstractly.
 
 `prepare` resolves the mesh against the devices, validates the config,
-builds the optimizer and the layout of the whole train state: all before
-anything is compiled or allocated, so every error surfaces here.
+chooses the layout, precision and remat policies, builds the optimizer and
+the layout of the whole train state: all before anything is compiled or
+allocated, so every error surfaces here.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import optax
 
 from zero_jax import config as config_lib
+from zero_jax import loss_scale, memory, optim, precision, remat, rules, state, step
 from zero_jax import mesh as mesh_lib
-from zero_jax import optim, rules, state, step
+from zero_jax import zero as zero_lib
+from zero_jax.hooks import Hooks
 from zero_jax.model import ModelFns
 
 
@@ -27,6 +30,9 @@ class Job:
     layout: state.Layout
     tx: optax.GradientTransformation
     lr: optax.Schedule
+    policy: precision.Policy
+    hooks: Hooks
+    scale_cfg: loss_scale.LossScaleConfig
 
     @property
     def abstract_batch(self) -> jax.ShapeDtypeStruct:
@@ -36,17 +42,36 @@ class Job:
 
     def compile_train_step(self):
         """The jitted train step, compiled ahead of time for the abstract state."""
-        fn = step.jit_train_step(self.layout, self.model, self.tx, self.lr,
-                                 self.run.train.microbatches)
+        fn = step.jit_train_step(self.layout, self.model, self.hooks, self.tx, self.lr,
+                                 self.run.train.microbatches, self.scale_cfg)
         return fn.lower(self.layout.abstract, self.abstract_batch).compile()
 
     def compile_eval_step(self):
-        fn = step.jit_eval_step(self.layout, self.model)
+        fn = step.jit_eval_step(self.layout, self.model, self.hooks)
         return fn.lower(self.layout.abstract.params, self.abstract_batch).compile()
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return "tensor" in self.layout.rules.mesh_axes("res_seq")
+
+    def activation_estimate(self) -> float | None:
+        """The model's analytic activation bytes per device for one microbatch."""
+        if self.model.activation_bytes is None:
+            return None
+        t, sizes = self.run.train, self.layout.mesh_shape.sizes
+        rows = t.batch_size // t.microbatches // self.layout.data_parallel_size
+        return self.model.activation_bytes(rows, self.run.data.seq_len,
+                                           jnp.dtype(self.policy.compute).itemsize,
+                                           self.hooks.remat, sizes["tensor"],
+                                           self.sequence_parallel)
+
+    def memory_report(self, compiled_step=None) -> dict:
+        return memory.report(self.layout, compiled_step, self.activation_estimate())
 
     def init_state(self) -> state.TrainState:
         return state.init_state(self.layout, self.model, self.tx,
-                                jax.random.key(self.run.train.seed))
+                                jax.random.key(self.run.train.seed), self.scale_cfg,
+                                self.policy.dtype("params"))
 
 
 def mesh_config(run: config_lib.RunConfig) -> mesh_lib.MeshConfig:
@@ -57,12 +82,41 @@ def mesh_config(run: config_lib.RunConfig) -> mesh_lib.MeshConfig:
     return cfg
 
 
-def prepare(run: config_lib.RunConfig, model: ModelFns,
+def precision_policy(run: config_lib.RunConfig, platform: str) -> precision.Policy:
+    p = run.precision
+    return precision.resolve(p.policy, platform, params=p.param_dtype, compute=p.compute_dtype,
+                             grads=p.grad_dtype, opt_state=p.opt_state_dtype)
+
+
+def prepare(run: config_lib.RunConfig, build_model: Callable[[int], ModelFns],
             devices: Sequence[jax.Device] | None = None) -> Job:
+    """Everything for `run`; `build_model(vocab_multiple)` makes the model."""
     mesh, shape = mesh_lib.build_mesh(mesh_config(run), devices)
     config_lib.validate(run, shape)
+    model = build_model(run.model.vocab_multiple)
+    if model.max_seq_len is not None and run.data.seq_len > model.max_seq_len:
+        raise config_lib.ConfigError(
+            f"--seq-len {run.data.seq_len} exceeds the model's {model.max_seq_len} positions "
+            f"({run.model.name}); use --seq-len {model.max_seq_len} or less")
+    chosen = rules.layout(run.parallel.layout, shape.sizes)
+    zero_stage = chosen.zero_stage if run.parallel.zero_stage is None else run.parallel.zero_stage
+    try:
+        policy = precision_policy(run, mesh.devices.flat[0].platform)
+        remat_policy = remat.Remat(run.activations.remat,
+                                   remat.parse_names(run.activations.save_names))
+    except ValueError as e:
+        raise config_lib.ConfigError(str(e)) from None
+    p = run.precision
+    scale_cfg = loss_scale.LossScaleConfig(
+        enabled=policy.needs_loss_scaling, initial_scale_power=p.initial_scale_power,
+        window=p.loss_scale_window, hysteresis=p.hysteresis, min_scale=p.min_loss_scale,
+        max_consecutive_skips=p.max_consecutive_skips)
     lr = optim.schedule(run.optim, run.train.steps)
-    tx = optim.optimizer(run.optim, lr, model.decay_mask)
-    layout = state.make_layout(model, tx, mesh, shape, rules.preset(run.parallel.rules),
-                               run.parallel.zero_stage, run.parallel.min_shard_elements)
-    return Job(run, model, layout, tx, lr)
+    tx = precision.with_state_dtype(optim.optimizer(run.optim, lr, model.decay_mask),
+                                    policy.dtype("opt_state"))
+    layout = state.make_layout(model, tx, mesh, shape, chosen.rules, zero_stage,
+                               run.parallel.min_shard_elements, policy.dtype("params"),
+                               policy.dtype("grads"))
+    stored = layout.placement if zero_lib.stage(zero_stage).params else None
+    hooks = Hooks(mesh, chosen.rules, policy.compute, policy.grads, remat_policy, stored)
+    return Job(run, model, layout, tx, lr, policy, hooks, scale_cfg)

@@ -22,6 +22,10 @@ from tqdm import tqdm
 from zero_jax.state import TrainState
 
 
+class TrainingHalted(RuntimeError):
+    """Training stopped because too many steps in a row had non-finite gradients."""
+
+
 class MetricsWriter:
     """One JSON object per line; flushed so a crashed run keeps its history."""
 
@@ -47,11 +51,12 @@ def evaluate(eval_step: Callable, params: Any, batches: Callable[[int], jax.Arra
 def train(state: TrainState, train_step: Callable, batch_at: Callable[[int], jax.Array], *,
           steps: int, eval_fn: Callable[[Any], float] | None = None, eval_every: int = 0,
           metrics_path: str = "", out: TextIO = sys.stdout, progress: bool = True,
-          ) -> tuple[TrainState, list[dict[str, Any]]]:
+          max_consecutive_skips: int = 20) -> tuple[TrainState, list[dict[str, Any]]]:
     """Run `train_step` from `state.step` to `steps`; returns the state and per-step records.
 
     `batch_at(step)` builds the global batch of a step; `eval_fn(params)`
     returns the validation loss, run every `eval_every` steps and at the end.
+    Raises TrainingHalted after `max_consecutive_skips` skipped steps in a row.
     """
     start = int(state.step)
     writer = MetricsWriter(metrics_path, append=start > 0)
@@ -68,7 +73,21 @@ def train(state: TrainState, train_step: Callable, batch_at: Callable[[int], jax
         record = {"step": step + 1, "loss": float(values["loss"]),
                   "grad_norm": float(values["grad_norm"]), "lr": float(values["lr"]),
                   "tokens_per_s": float(values["tokens"]) / (now - last_done),
-                  "step_time_s": now - last_done}
+                  "step_time_s": now - last_done, "loss_scale": float(values["loss_scale"]),
+                  "skipped": bool(values["skipped"])}
+        if record["skipped"]:
+            run = int(values["consecutive_skips"])
+            bar.write(f"step {record['step']}: non-finite gradients (norm {record['grad_norm']}), "
+                      f"update skipped, {run} in a row; loss scale was {record['loss_scale']:g}")
+            if run >= max_consecutive_skips:
+                history.append(record)
+                writer.write(record)
+                raise TrainingHalted(
+                    f"stopped at step {record['step']}: {run} steps in a row had non-finite "
+                    f"gradients (limit --max-consecutive-skips {max_consecutive_skips}); the "
+                    "parameters are those of the last finite step. Lower the learning rate, "
+                    "check the data, or train in bf16 instead of fp16")
+            eval_params = None  # evaluate finite states only
         if eval_params is not None:
             record["val_loss"] = eval_fn(eval_params)
             bar.write(f"step {record['step']}: val_loss {record['val_loss']:.4f}")

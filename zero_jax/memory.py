@@ -2,9 +2,13 @@
 
 1. `theory`: the ZeRO paper's formula (arXiv:1910.02054), from the parameter
    count and the bytes per parameter of parameters, gradients and optimizer
-   state: stage s divides the states it shards by the ZeRO degree N_d.
+   state under the precision policy: stage s divides the states it shards by
+   the ZeRO degree N_d, and tensor parallelism divides every state by t.
 2. `sharded`: the bytes of the actual shardings, summed over leaves.
 3. `compiled`: the compiled train step's `memory_analysis()`.
+
+Activations are reported beside them: the model's analytic estimate for the
+remat policy, and the compiled step's temporary bytes.
 """
 
 from __future__ import annotations
@@ -34,23 +38,37 @@ def sharded_bytes(abstract: Any, specs: Any, mesh) -> int:
     return total
 
 
-def theory(layout: Layout) -> dict[str, float]:
-    """The ZeRO formula: sharded states count 1 / N_d, the others in full.
+def param_count(layout: Layout) -> int:
+    return sum(math.prod(p.shape) for p in jax.tree.leaves(layout.abstract.params))
 
-    Gradients are counted in the parameters' dtype. Scalar optimizer leaves
-    (step counts) are never sharded and are counted in full.
+
+def bytes_per_param(layout: Layout) -> dict[str, float]:
+    """Model-state bytes per parameter: dtype sizes, and the optimizer's per-parameter bytes."""
+    psi = param_count(layout)
+    opt = sum(_nbytes(x) for x in jax.tree.leaves(layout.abstract.opt_state) if x.shape)
+    params = sum(_nbytes(p) for p in jax.tree.leaves(layout.abstract.params))
+    return {"params": params / psi, "grads": np.dtype(layout.grad_dtype).itemsize,
+            "opt_state": opt / psi}
+
+
+def theory(layout: Layout) -> dict[str, float]:
+    """The ZeRO formula: bytes per parameter x Psi / (N_d if sharded) / t.
+
+    t is the tensor-parallel degree. Scalar optimizer leaves (step counts) are
+    never sharded and are counted in full.
     """
     stage = zero_lib.stage(layout.zero_stage)
-    n_shard = math.prod(layout.mesh_shape.sizes[a] for a in layout.mesh_shape.shard_axes)
-    params = sum(_nbytes(p) for p in jax.tree.leaves(layout.abstract.params))
-    opt_leaves = jax.tree.leaves(layout.abstract.opt_state)
-    opt = sum(_nbytes(x) for x in opt_leaves if x.shape)
-    scalars = sum(_nbytes(x) for x in opt_leaves if not x.shape)
-    div = lambda sharded: n_shard if sharded else 1
+    sizes = layout.mesh_shape.sizes
+    n_shard = math.prod(sizes[a] for a in layout.mesh_shape.shard_axes)
+    t = sizes["tensor"]
+    psi = param_count(layout)
+    per = bytes_per_param(layout)
+    scalars = sum(_nbytes(x) for x in jax.tree.leaves(layout.abstract.opt_state) if not x.shape)
+    div = lambda sharded: (n_shard if sharded else 1) * t
     return {
-        "params": params / div(stage.params),
-        "grads": params / div(stage.grads),
-        "opt_state": opt / div(stage.opt_state) + scalars,
+        "params": per["params"] * psi / div(stage.params),
+        "grads": per["grads"] * psi / div(stage.grads),
+        "opt_state": per["opt_state"] * psi / div(stage.opt_state) + scalars,
     }
 
 
@@ -58,7 +76,7 @@ def sharded(layout: Layout) -> dict[str, int]:
     a, s = layout.abstract, layout.specs
     return {
         "params": sharded_bytes(a.params, s.params, layout.mesh),
-        "grads": sharded_bytes(a.params, s.grads, layout.mesh),
+        "grads": sharded_bytes(layout.abstract_grads, s.grads, layout.mesh),
         "opt_state": sharded_bytes(a.opt_state, s.opt_state, layout.mesh),
     }
 
@@ -73,13 +91,14 @@ def compiled(compiled_step) -> dict[str, int]:
     }
 
 
-def param_count(layout: Layout) -> int:
-    return sum(math.prod(p.shape) for p in jax.tree.leaves(layout.abstract.params))
-
-
-def report(layout: Layout, compiled_step=None) -> dict[str, Any]:
-    out = {"param_count": param_count(layout), "theory_bytes": theory(layout),
-           "sharded_bytes": sharded(layout)}
+def report(layout: Layout, compiled_step=None, activations: dict[str, float] | None = None
+           ) -> dict[str, Any]:
+    out = {"param_count": param_count(layout), "bytes_per_param": bytes_per_param(layout),
+           "theory_bytes": theory(layout), "sharded_bytes": sharded(layout)}
     if compiled_step is not None:
         out["compiled"] = compiled(compiled_step)
+    if activations is not None:
+        out["activations"] = {"analytic_bytes": activations}
+        if compiled_step is not None:
+            out["activations"]["compiled_temp_bytes"] = out["compiled"]["temp_bytes"]
     return out

@@ -22,6 +22,9 @@ class ModelFns:
 
     init: Callable[[jax.Array], Any]  # PRNG key -> params boxed with logical names
     apply: Callable[[Any, jax.Array, Hooks], jax.Array]  # (params, tokens B x T, hooks) -> logits B x T x V
-    vocab_size: int  # logits' last dimension
+    vocab_size: int  # token ids are < vocab_size (logits may be padded beyond it)
+    max_seq_len: int | None  # longest sequence the model takes (None: any)
     flops_per_token: Callable[[int], float]  # seq_len -> training FLOPs per token
     decay_mask: Callable[[Any], Any] | None = None  # params -> tree of bools: weight decay applies
+    # (rows, seq_len, dtype_bytes, remat, tensor, sequence_parallel) -> activation bytes per device
+    activation_bytes: Callable[..., float] | None = None

@@ -42,7 +42,11 @@ class OptimConfig:
 
 
 def schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
-    """Linear warm-up, then the configured decay down to lr * min_lr_ratio."""
+    """Linear warm-up, then the configured decay down to lr * min_lr_ratio.
+
+    Warm-up update i (from 0) uses lr * (i + 1) / warmup_steps, so the first
+    update already moves the parameters.
+    """
     warmup = min(cfg.warmup_steps, max(total_steps - 1, 0))
     end = cfg.lr * cfg.min_lr_ratio
     decay_steps = max(total_steps - warmup, 1)
@@ -54,7 +58,7 @@ def schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
         after = optax.constant_schedule(cfg.lr)
     if warmup == 0:
         return after
-    return optax.join_schedules([optax.linear_schedule(0.0, cfg.lr, warmup), after], [warmup])
+    return optax.join_schedules([lambda count: cfg.lr * (count + 1) / warmup, after], [warmup])
 
 
 def optimizer(cfg: OptimConfig, lr: optax.Schedule, decay_mask: Any = None) -> optax.GradientTransformation:

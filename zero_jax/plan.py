@@ -6,7 +6,7 @@ import math
 import jax
 from jax.sharding import PartitionSpec
 
-from zero_jax import memory, zero as zero_lib
+from zero_jax import zero as zero_lib
 from zero_jax.job import Job
 from zero_jax.mesh import AXES
 
@@ -41,7 +41,7 @@ def _state_rows(job: Job) -> list[str]:
 
 def describe(job: Job, data_line: str, model_line: str, compiled_step=None) -> str:
     run, layout, shape = job.run, job.layout, job.layout.mesh_shape
-    stage = zero_lib.stage(run.parallel.zero_stage)
+    stage = zero_lib.stage(layout.zero_stage)
     sizes = shape.sizes
     dp = sizes["data"] * sizes["fsdp"]
     shard_axes = shape.shard_axes
@@ -50,7 +50,9 @@ def describe(job: Job, data_line: str, model_line: str, compiled_step=None) -> s
     per_device = t.batch_size // (t.microbatches * dp)
     word = lambda b: "sharded" if b else "replicated"
     crossing = [a for a in AXES if shape.crosses_hosts(a)]
-    report = memory.report(layout, compiled_step)
+    report = job.memory_report(compiled_step)
+    per = report["bytes_per_param"]
+    tp = [n for n in ("heads", "mlp", "vocab") if "tensor" in layout.rules.mesh_axes(n)]
     lines = [
         "== zero_jax plan ==",
         f"model      {model_line} ({report['param_count'] / 1e6:.2f} M parameters)",
@@ -58,8 +60,15 @@ def describe(job: Job, data_line: str, model_line: str, compiled_step=None) -> s
         f"mesh       {shape.name}: {shape.num_devices} devices, "
         + " ".join(f"{a}={sizes[a]}" for a in AXES)
         + (f"; across hosts: {', '.join(crossing)}" if crossing else "; no axis crosses hosts"),
-        f"rules      {layout.rules.name}",
-        f"zero       stage {run.parallel.zero_stage} over "
+        f"layout     {layout.rules.name}: tensor splits "
+        + (", ".join(tp) if tp and sizes["tensor"] > 1 else "nothing")
+        + ("; sequence split over tensor between blocks" if job.sequence_parallel and sizes["tensor"] > 1 else ""),
+        f"precision  {job.policy.describe()}; "
+        f"{per['params']:g} + {per['grads']:g} + {per['opt_state']:g} = "
+        f"{sum(per.values()):g} bytes per parameter; loss scaling "
+        + (f"from 2^{job.scale_cfg.initial_scale_power}" if job.scale_cfg.enabled else "off"),
+        f"remat      {job.hooks.remat.describe()}",
+        f"zero       stage {layout.zero_stage} over "
         + (f"{'*'.join(shard_axes)} (N_d={n_shard})" if shard_axes else "no axis (N_d=1)")
         + f": optimizer state {word(stage.opt_state)}, gradients {word(stage.grads)}, "
           f"parameters {word(stage.params)}",
@@ -80,6 +89,11 @@ def describe(job: Job, data_line: str, model_line: str, compiled_step=None) -> s
         c = report["compiled"]
         lines.append(f"  compiled step: arguments {c['argument_bytes'] / 2**20:.2f}, outputs "
                      f"{c['output_bytes'] / 2**20:.2f}, temporaries {c['temp_bytes'] / 2**20:.2f}")
+    if "activations" in report:
+        a = report["activations"]
+        lines.append(f"  activations, one microbatch: {a['analytic_bytes'] / 2**20:.2f} estimated"
+                     + (f" (compiled temporaries {a['compiled_temp_bytes'] / 2**20:.2f})"
+                        if "compiled_temp_bytes" in a else ""))
     lines.append("state layout per device (optimizer-state leaves that mirror a parameter "
                  "share its optimizer-state layout):")
     lines += _state_rows(job)

@@ -18,17 +18,19 @@ import optax
 from flax.core import meta
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from zero_jax import loss_scale as loss_scale_lib
+from zero_jax import precision as precision_lib
 from zero_jax import zero as zero_lib
-from zero_jax.hooks import Hooks
 from zero_jax.mesh import DATA_AXES, MeshShape
 from zero_jax.model import ModelFns
 from zero_jax.rules import AxisRules
 
 
 class TrainState(NamedTuple):
-    step: Any  # int32 scalar: optimizer updates applied so far
-    params: Any  # parameter tree
+    step: Any  # int32 scalar: steps taken (batches consumed, skipped steps included)
+    params: Any  # parameter tree, in the policy's parameter dtype
     opt_state: Any  # optax state
+    loss_scale: Any  # loss_scale.LossScale: scale and skip counters (replicated scalars)
 
 
 def logical_names(boxed_params: Any) -> Any:
@@ -53,10 +55,18 @@ class Layout:
     abstract: TrainState  # jax.ShapeDtypeStruct leaves
     names: Any  # params tree of logical-name PartitionSpecs
     specs: zero_lib.StateSpecs  # storage and compute specs
+    placement: zero_lib.Placement  # the ZeRO split (used again at each parameter's use)
+    grad_dtype: Any  # gradients are held (and accumulated) in this dtype
+
+    @property
+    def abstract_grads(self) -> Any:
+        return jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, self.grad_dtype),
+                            self.abstract.params)
 
     @property
     def state_specs(self) -> TrainState:
-        return TrainState(PartitionSpec(), self.specs.params, self.specs.opt_state)
+        scalars = jax.tree.map(lambda _: PartitionSpec(), self.abstract.loss_scale)
+        return TrainState(PartitionSpec(), self.specs.params, self.specs.opt_state, scalars)
 
     def named(self, specs: Any) -> Any:
         return jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs,
@@ -77,35 +87,43 @@ class Layout:
         sizes = self.mesh_shape.sizes
         return sizes["data"] * sizes["fsdp"]
 
-    @property
-    def hooks(self) -> Hooks:
-        return Hooks(self.mesh, self.rules)
+
+def init_params(model: ModelFns, key: jax.Array, param_dtype) -> Any:
+    return precision_lib.cast_tree(nn.unbox(model.init(key)), param_dtype)
 
 
 def make_layout(model: ModelFns, tx: optax.GradientTransformation, mesh: Mesh,
                 mesh_shape: MeshShape, rules: AxisRules, zero_stage: int,
-                min_shard_elements: int) -> Layout:
+                min_shard_elements: int, param_dtype=jnp.float32,
+                grad_dtype=jnp.float32) -> Layout:
     """Abstract state and the specs of every leaf; raises ShardingError early."""
     boxed = jax.eval_shape(lambda: model.init(jax.random.key(0)))  # traces the key too: no compile
     names = logical_names(boxed)
-    params = nn.unbox(boxed)
+    params = jax.eval_shape(lambda: init_params(model, jax.random.key(0), param_dtype))
     opt_state = jax.eval_shape(tx.init, params)
-    abstract = TrainState(jax.ShapeDtypeStruct((), jnp.int32), params, opt_state)
+    scale = jax.eval_shape(lambda: loss_scale_lib.init(loss_scale_lib.LossScaleConfig()))
+    abstract = TrainState(jax.ShapeDtypeStruct((), jnp.int32), params, opt_state, scale)
     sizes = mesh_shape.sizes
     compute = jax.tree_util.tree_map_with_path(
-        lambda path, p, n: rules.spec(n, p.shape, sizes, what=f"parameter {jax.tree_util.keystr(path)}"),
+        lambda path, p, n: rules.spec(
+            n, p.shape, sizes,
+            what=f"parameter {jax.tree_util.keystr(path, simple=True, separator='.')}"),
         params, names)
+    placement = zero_lib.Placement.on(mesh_shape, min_shard_elements)
     specs = zero_lib.state_specs(params, compute, names, opt_state, tx,
-                                 zero_lib.stage(zero_stage), mesh_shape, min_shard_elements)
-    return Layout(mesh, mesh_shape, rules, zero_stage, abstract, names, specs)
+                                 zero_lib.stage(zero_stage), placement)
+    return Layout(mesh, mesh_shape, rules, zero_stage, abstract, names, specs, placement,
+                  jnp.dtype(grad_dtype))
 
 
 def init_state(layout: Layout, model: ModelFns, tx: optax.GradientTransformation,
-               key: jax.Array) -> TrainState:
+               key: jax.Array, scale_cfg: loss_scale_lib.LossScaleConfig,
+               param_dtype=jnp.float32) -> TrainState:
     """A fresh train state, each array created directly in its sharding."""
 
     def init(key):
-        params = nn.unbox(model.init(key))
-        return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params))
+        params = init_params(model, key, param_dtype)
+        return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params),
+                          loss_scale_lib.init(scale_cfg))
 
     return jax.jit(init, out_shardings=layout.shardings)(key)
