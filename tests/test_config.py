@@ -12,7 +12,11 @@ from zero_jax.rules import ShardingError
 @pytest.mark.parametrize("overrides,error,message", [
     ({"mesh": "fsdp=4"}, MeshError, "needs 4 devices but 8 are present"),
     ({"mesh": "fsdp=8,expert=1"}, MeshError, "unknown axis 'expert'"),
-    ({"mesh": "tensor=8"}, ShardingError, "size 6, not divisible by mesh axes tensor=8"),
+    ({"mesh": "fsdp=4,tensor=2", "layout": "fsdp"}, ShardingError, "splits nothing over the mesh's tensor=2"),
+    ({"layout": "megatron"}, ShardingError, "unknown layout 'megatron'"),
+    ({"precision": "fp8"}, config_lib.ConfigError, "precision 'fp8': choose auto or one of fp32, bf16, fp16"),
+    ({"remat": "some"}, config_lib.ConfigError, "remat policy 'some'"),
+    ({"seq_len": 512}, config_lib.ConfigError, "--seq-len 512 exceeds the model's 256 positions"),
     ({"batch_size": 12}, config_lib.ConfigError, "--batch-size 12 is not divisible by the data-parallel size 8"),
     ({"batch_size": 32, "microbatches": 3}, config_lib.ConfigError, "--microbatches 3 does not divide --batch-size 32"),
     ({"batch_size": 32, "microbatches": 8}, config_lib.ConfigError, "4 rows per microbatch, not divisible by the data-parallel size 8"),

@@ -25,7 +25,7 @@ def _gpt_small(stage, mesh="fsdp=8"):
     run = config_lib.build(None, {"model.name": "gpt-small", "parallel.mesh": mesh,
                                   "parallel.zero_stage": stage, "data.seq_len": 1024,
                                   "train.batch_size": 8})
-    return job_lib.prepare(run, models.build("gpt-small", 50257))
+    return job_lib.prepare(run, models.builder("gpt-small", 50257))
 
 
 def test_gpt_small_stage_ratios_match_the_zero_paper():
@@ -41,14 +41,19 @@ def test_gpt_small_stage_ratios_match_the_zero_paper():
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_compiled_arguments_are_the_sharded_state_and_batch(corpus, stage):
     job = make_job(corpus, zero_stage=stage)
-    compiled = memory.compiled(job.compile_train_step())
+    compiled_step = job.compile_train_step()
+    compiled = memory.compiled(compiled_step)
     sharded = memory.sharded(job.layout)
     batch = math.prod(job.layout.batch_sharding.shard_shape(job.abstract_batch.shape)) * 4
-    state = sharded["params"] + sharded["opt_state"] + 4  # + the int32 step
+    scalars = sum(x.size * x.dtype.itemsize for x in
+                  jax.tree.leaves((job.layout.abstract.step, job.layout.abstract.loss_scale)))
+    state = sharded["params"] + sharded["opt_state"] + scalars  # + step, loss-scale scalars
     assert compiled["argument_bytes"] == state + batch
-    # Outputs: the same state, four scalar metrics, and XLA's 8-byte pointer per output.
-    outputs = len(jax.tree.leaves(job.layout.abstract)) + 4
-    assert state + 16 <= compiled["output_bytes"] <= state + 16 + 8 * (outputs + 1)
+    # Outputs: the same state, the scalar metrics, and XLA's 8-byte pointer per output.
+    metrics = jax.tree.leaves(compiled_step.out_info[1])
+    metric_bytes = sum(m.size * m.dtype.itemsize for m in metrics)
+    outputs = len(jax.tree.leaves(job.layout.abstract)) + len(metrics)
+    assert state + metric_bytes <= compiled["output_bytes"] <= state + metric_bytes + 8 * (outputs + 1)
 
 
 def test_stage2_shards_the_accumulator_in_compiled_temp_bytes(corpus):

@@ -50,7 +50,9 @@ def test_memory_report_json():
             "--zero-stage", "3", "--json")
     assert p.returncode == 0, p.stderr
     report = json.loads(p.stdout)
-    assert set(report) == {"param_count", "theory_bytes", "sharded_bytes", "compiled"}
+    assert set(report) == {"param_count", "bytes_per_param", "theory_bytes", "sharded_bytes",
+                           "compiled", "activations"}
+    assert set(report["activations"]) == {"analytic_bytes", "compiled_temp_bytes"}
     for key in ("theory_bytes", "sharded_bytes"):
         assert set(report[key]) == {"params", "grads", "opt_state"}
     assert {"argument_bytes", "output_bytes", "temp_bytes"} <= set(report["compiled"])
@@ -67,3 +69,30 @@ def test_memory_report_simulates_the_devices_a_mesh_needs():
     assert report["theory_bytes"]["opt_state"] == 8 * psi / 8 + 8
     assert report["sharded_bytes"]["opt_state"] == pytest.approx(
         report["theory_bytes"]["opt_state"], rel=0.01)
+
+
+def test_parallel_precision_and_remat_options_reach_the_plan(tmp_path):
+    config = tmp_path / "run.toml"
+    config.write_text('[parallel]\nmesh = "fsdp=4,tensor=2"\nlayout = "fsdp_tp_sp"\n'
+                      '[precision]\npolicy = "bf16"\n[activations]\nremat = "save_names"\n'
+                      'save_names = "qkv,mlp_hidden"\n[model]\nvocab_multiple = 64\n'
+                      "[train]\nsteps = 2\nbatch_size = 16\neval_batches = 1\n[data]\nseq_len = 32\n")
+    p = run("scripts/train.py", "--config", str(config), "--remat", "dots_saveable",
+            "--no-progress")
+    assert p.returncode == 0, p.stderr
+    out = p.stdout
+    assert "vocab 256" in out and "tensor=2" in out
+    assert "layout     fsdp_tp_sp: tensor splits heads, mlp, vocab; sequence split over tensor" in out
+    assert "precision  parameters float32, compute bfloat16, gradients float32" in out
+    assert "4 + 4 + 8 = 16 bytes per parameter" in out
+    assert "remat      dots_saveable" in out  # the flag overrides the file
+    assert "activations, one microbatch:" in out
+
+
+def test_memory_report_remat_table():
+    p = run("scripts/memory_report.py", "--model", "gpt-tiny", "--seq-len", "64",
+            "--batch-size", "16", "--remat-table", "--json")
+    assert p.returncode == 0, p.stderr
+    rows = json.loads(p.stdout)
+    assert set(rows) == {"none", "full", "dots_saveable", "save_names", "offload"}
+    assert rows["full"]["compiled_temp_bytes"] < rows["none"]["compiled_temp_bytes"]
