@@ -47,7 +47,7 @@ def schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
     Warm-up update i (from 0) uses lr * (i + 1) / warmup_steps, so the first
     update already moves the parameters.
     """
-    warmup = min(cfg.warmup_steps, max(total_steps - 1, 0))
+    warmup = cfg.warmup_steps  # a run shorter than the warm-up stays in it
     end = cfg.lr * cfg.min_lr_ratio
     decay_steps = max(total_steps - warmup, 1)
     if cfg.decay == "cosine":
