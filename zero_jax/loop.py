@@ -51,12 +51,17 @@ def evaluate(eval_step: Callable, params: Any, batches: Callable[[int], jax.Arra
 def train(state: TrainState, train_step: Callable, batch_at: Callable[[int], jax.Array], *,
           steps: int, eval_fn: Callable[[Any], float] | None = None, eval_every: int = 0,
           metrics_path: str = "", out: TextIO = sys.stdout, progress: bool = True,
-          max_consecutive_skips: int = 20) -> tuple[TrainState, list[dict[str, Any]]]:
+          max_consecutive_skips: int = 20,
+          after_step: Callable[[int, TrainState], bool] | None = None,
+          ) -> tuple[TrainState, list[dict[str, Any]]]:
     """Run `train_step` from `state.step` to `steps`; returns the state and per-step records.
 
     `batch_at(step)` builds the global batch of a step; `eval_fn(params)`
     returns the validation loss, run every `eval_every` steps and at the end.
-    Raises TrainingHalted after `max_consecutive_skips` skipped steps in a row.
+    `after_step(n, state)` is called with the state after n steps, before the
+    next step is dispatched (and may donate it), so it can save that state;
+    it returns True to stop there. Raises TrainingHalted after
+    `max_consecutive_skips` skipped steps in a row.
     """
     start = int(state.step)
     writer = MetricsWriter(metrics_path, append=start > 0)
@@ -111,6 +116,8 @@ def train(state: TrainState, train_step: Callable, batch_at: Callable[[int], jax
             if eval_after(step + 1):  # drain, then evaluate the state this step produced
                 finish(step, metrics, state.params)
                 pending = None
+            if after_step is not None and after_step(step + 1, state):
+                break
         if pending is not None:
             finish(*pending)
     finally:

@@ -28,3 +28,4 @@ class ModelFns:
     decay_mask: Callable[[Any], Any] | None = None  # params -> tree of bools: weight decay applies
     # (rows, seq_len, dtype_bytes, remat, tensor, sequence_parallel) -> activation bytes per device
     activation_bytes: Callable[..., float] | None = None
+    config: Any = None  # the model's frozen shape dataclass, recorded in checkpoints

@@ -77,6 +77,12 @@ class Layout:
         return self.named(self.state_specs)
 
     @property
+    def targets(self) -> TrainState:
+        """The abstract state with its shardings: what a restore fills in."""
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                            self.abstract, self.shardings)
+
+    @property
     def batch_sharding(self) -> NamedSharding:
         """Token batches (B, T): rows split over every data-parallel axis."""
         axes = tuple(a for a in DATA_AXES if self.mesh_shape.sizes[a] > 1)
@@ -127,3 +133,15 @@ def init_state(layout: Layout, model: ModelFns, tx: optax.GradientTransformation
                           loss_scale_lib.init(scale_cfg))
 
     return jax.jit(init, out_shardings=layout.shardings)(key)
+
+
+def state_from_params(layout: Layout, tx: optax.GradientTransformation, params: Any,
+                      scale_cfg: loss_scale_lib.LossScaleConfig) -> TrainState:
+    """A fresh train state (step 0, new optimizer) around given parameters."""
+
+    def init(params):
+        return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params),
+                          loss_scale_lib.init(scale_cfg))
+
+    return jax.jit(init, in_shardings=(layout.shardings.params,),
+                   out_shardings=layout.shardings)(params)

@@ -1,0 +1,309 @@
+"""Sharded checkpoints with orbax: async, atomic, verified, restorable onto any layout.
+
+A checkpoint of step N is the directory N/ with four items:
+
+    params, opt_state, scalars   the train state; every process writes the
+                                 shards it holds (orbax PyTree items)
+    meta                         JSON: run config, data position, and a manifest
+                                 of every array (shape, dtype, checksum)
+
+Saving is asynchronous: `save` returns once the arrays are copied off the
+devices, and the commit runs while training continues. Commit is atomic:
+orbax writes `N.orbax-checkpoint-tmp-*`, renames it to N and writes a commit
+marker; only a directory with its marker counts as complete.
+
+Restore always targets the current run's abstract state with its shardings,
+so a checkpoint restores under any mesh, ZeRO stage, tensor layout or
+process count. The tree, shapes and dtypes are compared with the manifest
+first (orbax would cast dtypes silently; we never do) and every restored
+array is checked against its checksum (orbax would restore a flipped bit
+silently).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import orbax.checkpoint as ocp
+
+from zero_jax import integrity
+from zero_jax.state import TrainState
+
+ITEMS = ("params", "opt_state", "scalars")
+COMMIT_MARKER = "commit_success.txt"
+FORMAT = 1  # bumped when the layout of `meta` changes
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used; names the step."""
+
+    def __init__(self, directory: Path, step: int, message: str):
+        super().__init__(f"checkpoint step {step} in {directory}: {message}")
+        self.step = step
+
+
+class IncompatibleCheckpoint(CheckpointError):
+    """Tree, shape or dtype differs from the model being restored into."""
+
+
+class CorruptCheckpoint(CheckpointError):
+    """Data that does not read back, or reads back different from what was saved."""
+
+
+class SaveFailed(CheckpointError):
+    """A save that did not commit (disk full, permissions...); earlier steps are intact."""
+
+
+def items_of(state: TrainState) -> dict[str, Any]:
+    return {"params": state.params, "opt_state": state.opt_state,
+            "scalars": {"step": state.step, "loss_scale": state.loss_scale}}
+
+
+def state_of(items: dict[str, Any]) -> TrainState:
+    s = items["scalars"]
+    return TrainState(s["step"], items["params"], items["opt_state"], s["loss_scale"])
+
+
+def manifest(items: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """{item: {path: {shape, dtype, checksum}}} of the arrays in `items`."""
+    sums = integrity.checksums(items)
+    out: dict[str, dict[str, Any]] = {name: {} for name in items}
+    for path, leaf in integrity.flatten(items).items():
+        item, _, rest = path.partition(".")
+        out[item][rest] = {"shape": list(leaf.shape), "dtype": str(leaf.dtype),
+                           "checksum": sums[path]}
+    return out
+
+
+def compare(target: dict[str, Any], saved: dict[str, dict[str, Any]]) -> list[str]:
+    """Leaves where the target (abstract) items differ from a manifest."""
+    problems = []
+    for item, abstract in target.items():
+        want = {p: (list(x.shape), str(x.dtype)) for p, x in integrity.flatten(abstract).items()}
+        have = {p: (m["shape"], m["dtype"]) for p, m in saved.get(item, {}).items()}
+        problems += [f"{item}.{p}: in the model, not in the checkpoint" for p in sorted(want.keys() - have.keys())]
+        problems += [f"{item}.{p}: in the checkpoint, not in the model" for p in sorted(have.keys() - want.keys())]
+        for p in sorted(want.keys() & have.keys()):
+            (ws, wd), (hs, hd) = want[p], have[p]
+            if ws != hs:
+                problems.append(f"{item}.{p}: shape {tuple(hs)} saved, {tuple(ws)} in the model")
+            if wd != hd:
+                problems.append(f"{item}.{p}: dtype {hd} saved, {wd} in the model")
+    return problems
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    dir: str = ""  # directory of the run's checkpoints ("": none)
+    every: int = 0  # save every N steps (0: only at the end and on preemption)
+    keep_last: int = 3  # keep the newest K complete checkpoints
+    keep_every: int = 0  # also keep every step divisible by M (0: none)
+    resume: bool = False  # continue from the newest complete checkpoint in dir
+    init_from: str = ""  # start from these parameters: a checkpoint dir, .safetensors, or HF dir
+    async_save: bool = True  # commit in the background while training continues
+
+    def __post_init__(self):
+        if self.every < 0 or self.keep_last < 1 or self.keep_every < 0:
+            raise ValueError("checkpoint every >= 0, keep_last >= 1 and keep_every >= 0")
+
+
+def layer_chunks(names: Any) -> Any:
+    """Save arguments that store each layer of a scanned stack as its own chunk.
+
+    Orbax writes a shard as one chunk by default, which for a stacked array
+    spans every layer: reading one layer (a streaming export) would read the
+    whole array. `names` is the parameters' tree of logical-name specs.
+    """
+    return jax.tree.map(
+        lambda spec: ocp.SaveArgs(shard_axes=(0,)) if len(spec) and spec[0] == "layers"
+        else ocp.SaveArgs(),
+        names, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+
+
+def complete_steps(directory: str | Path) -> list[int]:
+    """Steps whose directory and commit marker exist, oldest first (reads only)."""
+    directory = Path(directory)
+    if not directory.exists():
+        return []
+    return sorted(int(d.name) for d in directory.iterdir()
+                  if d.is_dir() and d.name.isdigit() and (d / COMMIT_MARKER).exists())
+
+
+def incomplete(directory: str | Path) -> list[str]:
+    """Directory names of saves that never committed (killed, failed)."""
+    directory = Path(directory)
+    if not directory.exists():
+        return []
+    return sorted(d.name for d in directory.iterdir()
+                  if d.is_dir() and ((d.name.isdigit() and not (d / COMMIT_MARKER).exists())
+                                     or ".orbax-checkpoint-tmp" in d.name))
+
+
+class Checkpointer:
+    """Save, list, verify and restore the checkpoints in one directory.
+
+    Only the run that writes a directory (`writer=True`) removes what an
+    interrupted save left behind; a reader (an export, another run's
+    --init-from) must never touch a directory another process may be writing.
+    """
+
+    def __init__(self, cfg: CheckpointConfig, param_names: Any = None, writer: bool = False):
+        self.cfg = cfg
+        self._param_save_args = None if param_names is None else layer_chunks(param_names)
+        self.directory = Path(cfg.dir).absolute()
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=cfg.keep_last, keep_period=cfg.keep_every or None,
+            enable_async_checkpointing=cfg.async_save, cleanup_tmp_directories=writer,
+            create=writer, read_only=not writer)
+        self.manager = ocp.CheckpointManager(self.directory, options=options)
+
+    # -- listing -----------------------------------------------------------
+    def complete_steps(self) -> list[int]:
+        return complete_steps(self.directory)
+
+    def incomplete(self) -> list[str]:
+        return incomplete(self.directory)
+
+    # -- saving ------------------------------------------------------------
+    def due(self, step: int) -> bool:
+        return self.cfg.every > 0 and step % self.cfg.every == 0
+
+    def save(self, step: int, state: TrainState, meta: dict[str, Any]) -> None:
+        """Start saving `state` as `step`; returns once the arrays are off the devices."""
+        self.check()
+        items = items_of(state)
+        record = {"format": FORMAT, "step": step, "manifest": manifest(items), **meta}
+        args = {name: ocp.args.PyTreeSave(tree) for name, tree in items.items()}
+        args["params"] = ocp.args.PyTreeSave(items["params"], save_args=self._param_save_args)
+        try:
+            self.manager.save(step, args=ocp.args.Composite(
+                **args, meta=ocp.args.JsonSave(record)), force=True)
+        except Exception as e:  # noqa: BLE001 - orbax re-raises a failed commit here
+            raise self._failed(e, step) from e
+        self._in_flight = step
+
+    def check(self) -> None:
+        """Raise SaveFailed if a background commit failed."""
+        try:
+            self.manager.check_for_errors()
+        except Exception as e:  # noqa: BLE001
+            raise self._failed(e) from e
+
+    def wait(self) -> None:
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:  # noqa: BLE001
+            raise self._failed(e) from e
+
+    _in_flight: int | None = None
+
+    def _failed(self, error: Exception, step: int | None = None) -> SaveFailed:
+        failed = self._in_flight if self._in_flight is not None else step
+        cause = str(error).splitlines()[0]
+        reason = next((cause[i:] for i in [cause.rfind("Failed to write")] if i >= 0), cause)
+        return SaveFailed(self.directory, -1 if failed is None else failed,
+                          f"the save did not commit ({reason[:300]}); earlier checkpoints are "
+                          f"intact: {complete_steps(self.directory)}")
+
+    def remove_incomplete(self) -> list[str]:
+        """Delete the directories of saves that did not commit; returns their names."""
+        gone = self.incomplete()
+        if jax.process_index() == 0:
+            for name in gone:
+                shutil.rmtree(self.directory / name, ignore_errors=True)
+        return gone
+
+    # -- restoring ---------------------------------------------------------
+    def meta(self, step: int) -> dict[str, Any]:
+        path = self.directory / str(step) / "meta" / "metadata"
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise CorruptCheckpoint(self.directory, step, f"meta item unreadable: {e}") from e
+
+    def restore(self, step: int, target: TrainState, params_only: bool = False):
+        """(state or params, meta) of `step`, laid out as `target` and verified.
+
+        `target` is the current run's abstract state, each leaf a
+        ShapeDtypeStruct with its sharding.
+        """
+        meta = self.meta(step)
+        wanted = items_of(target)
+        if params_only:
+            wanted = {"params": wanted["params"]}
+        problems = compare(wanted, meta["manifest"])
+        if problems:
+            listed = "\n  ".join(problems[:20]) + ("\n  ..." if len(problems) > 20 else "")
+            raise IncompatibleCheckpoint(
+                self.directory, step, f"does not match the model ({len(problems)} leaves):\n  "
+                f"{listed}\nrestore with the model, optimizer and precision it was saved "
+                "with, or only its parameters into a new optimizer (--init-from)")
+        restored = self._read(step, wanted)
+        self._verify(step, restored, meta["manifest"])
+        return (restored["params"] if params_only else state_of(restored)), meta
+
+    def _read(self, step: int, wanted: dict[str, Any]) -> dict[str, Any]:
+        args = {name: ocp.args.PyTreeRestore(
+                    item=tree, restore_args=ocp.checkpoint_utils.construct_restore_args(tree))
+                for name, tree in wanted.items()}
+        try:
+            return dict(self.manager.restore(step, args=ocp.args.Composite(**args)).items())
+        except Exception as e:  # noqa: BLE001 - tensorstore/orbax errors vary
+            bad = self._unreadable(step, wanted)
+            raise CorruptCheckpoint(
+                self.directory, step,
+                f"cannot read {', '.join(bad) or 'its data'} ({type(e).__name__}: "
+                f"{str(e).splitlines()[0][:200]})") from e
+
+    def _unreadable(self, step: int, wanted: dict[str, Any]) -> list[str]:
+        """Arrays that fail to read on their own: the names for the error."""
+        bad = []
+        for item, tree in wanted.items():
+            for path in integrity.flatten(tree):
+                one = _only(tree, path)
+                args = jax.tree.map(lambda x: x if x is ocp.PLACEHOLDER else ocp.ArrayRestoreArgs(
+                    sharding=x.sharding, global_shape=x.shape, dtype=x.dtype), one)
+                try:
+                    self.manager.restore(step, args=ocp.args.Composite(**{item: ocp.args.PyTreeRestore(
+                        item=one, restore_args=args)}))
+                except Exception:  # noqa: BLE001
+                    bad.append(f"{item}.{path}")
+        return bad
+
+    def _verify(self, step: int, restored: dict[str, Any], saved: dict[str, dict[str, Any]]) -> None:
+        sums = integrity.checksums(restored)
+        bad = [path for path, s in sums.items()
+               if saved[path.partition(".")[0]][path.partition(".")[2]]["checksum"] != s]
+        if bad:
+            raise CorruptCheckpoint(self.directory, step,
+                                    f"checksum mismatch in {', '.join(bad)}: the data on disk "
+                                    "is not what was saved")
+
+    def restore_latest(self, target: TrainState, log: Callable[[str], None] = print):
+        """(state, meta) from the newest complete checkpoint that verifies, or None.
+
+        A corrupt checkpoint is reported and the previous complete one tried.
+        """
+        for name in self.incomplete():
+            log(f"checkpoint {self.directory / name}: never committed (interrupted save); ignored")
+        for step in reversed(self.complete_steps()):
+            try:
+                return self.restore(step, target)
+            except CorruptCheckpoint as e:
+                log(f"{e}\nfalling back to the previous complete checkpoint")
+        return None
+
+    def close(self) -> None:
+        self.manager.close()
+
+
+def _only(tree: Any, path: str) -> Any:
+    """`tree` with every leaf but the one at `path` replaced by orbax's PLACEHOLDER."""
+    return jax.tree_util.tree_map_with_path(
+        lambda p, x: x if jax.tree_util.keystr(p, simple=True, separator=".") == path
+        else ocp.PLACEHOLDER, tree)
