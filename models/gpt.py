@@ -289,4 +289,4 @@ def model_fns(cfg: GPTConfig) -> ModelFns:
 
     return ModelFns(init=init, apply=apply, vocab_size=cfg.vocab_size, max_seq_len=cfg.max_seq_len,
                     flops_per_token=cfg.flops_per_token, decay_mask=decay_mask,
-                    activation_bytes=cfg.activation_bytes)
+                    activation_bytes=cfg.activation_bytes, config=cfg)

@@ -1,0 +1,204 @@
+"""Consolidated weights from a sharded checkpoint, streamed array by array.
+
+`ParamReader` reads parameters straight from a checkpoint's storage, one
+array, or one layer of a stacked array, at a time, so host memory stays near
+the largest piece rather than the model. `write_safetensors` writes the
+safetensors format (an 8-byte header length, a JSON header, then the raw
+little-endian data) while the pieces are produced, never holding two at once.
+Scanned stacks are written one tensor per layer (`blocks.3.w_fc`), which is
+what other frameworks expect and what keeps the pieces small.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import struct
+import sys
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
+
+import numpy as np
+import tensorstore as ts
+
+from zero_jax import integrity
+
+# numpy dtype name -> safetensors dtype
+_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64",
+           "int32": "I32", "int64": "I64", "int16": "I16", "int8": "I8", "uint8": "U8",
+           "bool": "BOOL"}
+
+# A piece of the output: name, shape, dtype name, and how to produce its data.
+Piece = tuple[str, tuple[int, ...], str, Callable[[], np.ndarray]]
+
+
+class ParamReader:
+    """The parameters of one checkpoint step, read from storage on demand.
+
+    Every piece read is added to its array's running checksum; when the last
+    piece of an array has been read, the sum is compared with the one saved,
+    so an export verifies what it writes without holding whole arrays.
+    """
+
+    def __init__(self, step_dir: str | Path):
+        self.step_dir = Path(step_dir)
+        meta = json.loads((self.step_dir / "meta" / "metadata").read_text())
+        self.meta = meta
+        self.arrays = meta["manifest"]["params"]  # path -> {shape, dtype, checksum}
+        self.logical = meta.get("logical_axes", {})  # path -> logical names
+        self._sums: dict[str, tuple[integrity.RunningChecksum, set]] = {}
+        # One context for every read: no cache, one chunk decoded at a time, so
+        # what is held is the piece being read, not a pool of them.
+        self._context = ts.Context({"cache_pool": {"total_bytes_limit": 0},
+                                    "data_copy_concurrency": {"limit": 1},
+                                    "file_io_concurrency": {"limit": 1}})
+
+    def _open(self, path: str):
+        spec = {"driver": "zarr", "kvstore": {"driver": "ocdbt",
+                                              "base": f"file://{self.step_dir / 'params'}",
+                                              "path": path}}
+        return ts.open(spec, read=True, context=self._context).result()
+
+    def read(self, path: str, layer: int | None = None) -> np.ndarray:
+        """The array at `path`, or its slice `layer` along the first dimension."""
+        if path not in self.arrays:
+            raise KeyError(f"{self.step_dir}: no parameter {path!r}")
+        store = self._open(path)
+        if layer is not None:
+            store = store[layer]
+        data = _read_by_chunk(store)
+        self._check(path, layer, data)
+        return data
+
+    def _check(self, path: str, layer: int | None, data: np.ndarray) -> None:
+        running, seen = self._sums.setdefault(path, (integrity.RunningChecksum(), set()))
+        if layer in seen:
+            return  # read twice: counted once
+        seen.add(layer)
+        running.add(data, 0 if layer is None else layer * data.size)
+        pieces = 1 if layer is None else self.arrays[path]["shape"][0]
+        if len(seen) == pieces and running.value != self.arrays[path]["checksum"]:
+            raise CorruptCheckpoint(f"checkpoint step {self.step_dir.name} in "
+                                    f"{self.step_dir.parent}: checksum mismatch in params.{path}")
+
+    def layers(self, path: str) -> int | None:
+        """Number of layers if the array is a scanned stack, else None."""
+        names = self.logical.get(path)
+        return self.arrays[path]["shape"][0] if names and names[0] == "layers" else None
+
+    def consolidated(self) -> Iterator[Piece]:
+        """Every parameter, stacked ones split per layer (`blocks.w_fc` -> `blocks.3.w_fc`)."""
+        for path, info in self.arrays.items():
+            n, dtype = self.layers(path), info["dtype"]
+            if n is None:
+                yield path, tuple(info["shape"]), dtype, (lambda p=path: self.read(p))
+                continue
+            head, _, leaf = path.rpartition(".")
+            for i in range(n):
+                name = f"{head}.{i}.{leaf}" if head else f"{i}.{leaf}"
+                yield name, tuple(info["shape"][1:]), dtype, (lambda p=path, i=i: self.read(p, i))
+
+    def largest_piece_bytes(self) -> int:
+        return max(int(np.prod(shape)) * np.dtype(_np_dtype(dtype)).itemsize
+                   for _, shape, dtype, _ in self.consolidated())
+
+    def total_bytes(self) -> int:
+        return sum(int(np.prod(a["shape"])) * np.dtype(_np_dtype(a["dtype"])).itemsize
+                   for a in self.arrays.values())
+
+
+class CorruptCheckpoint(RuntimeError):
+    """A parameter whose data does not match the checksum saved with it."""
+
+
+def _read_by_chunk(store) -> np.ndarray:
+    """Read `store` one storage chunk at a time into one output array.
+
+    A single read of a region spanning many chunks buffers all of them
+    besides the output; chunk by chunk, what is held is the output and one
+    chunk.
+    """
+    out = np.empty(store.shape, dtype=store.dtype.numpy_dtype)
+    chunk = store.chunk_layout.read_chunk.shape
+    origin = store.domain.origin
+    grid = [range(0, n, c) for n, c in zip(store.shape, chunk)]
+    for corner in np.ndindex(*(len(g) for g in grid)):
+        local = tuple(slice(g[i], min(g[i] + c, n))
+                      for i, g, c, n in zip(corner, grid, chunk, store.shape))
+        shifted = tuple(slice(o + sl.start, o + sl.stop) for o, sl in zip(origin, local))
+        out[local] = store[shifted].read().result()
+    return out
+
+
+def _release_freed_memory() -> None:
+    """Hand freed heap pages back to the OS (glibc keeps them per thread arena)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc: nothing to do
+
+
+def _np_dtype(name: str):
+    if name == "bfloat16":
+        import ml_dtypes
+        return ml_dtypes.bfloat16
+    return np.dtype(name)
+
+
+def write_safetensors(path: str | Path, pieces: Iterable[Piece],
+                      metadata: dict[str, str] | None = None) -> int:
+    """Write `pieces` to a safetensors file, one at a time; returns bytes written."""
+    assert sys.byteorder == "little", "safetensors data is little-endian"
+    pieces = list(pieces)
+    header: dict[str, object] = {"__metadata__": metadata or {}}
+    offset = 0
+    for name, shape, dtype, _ in pieces:
+        if dtype not in _DTYPES:
+            raise TypeError(f"{name}: dtype {dtype} has no safetensors code")
+        size = int(np.prod(shape)) * np.dtype(_np_dtype(dtype)).itemsize
+        header[name] = {"dtype": _DTYPES[dtype], "shape": list(shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)))
+        f.write(text)
+        for name, shape, dtype, produce in pieces:
+            data = np.ascontiguousarray(produce(), dtype=_np_dtype(dtype))
+            if data.shape != tuple(shape):
+                raise ValueError(f"{name}: produced shape {data.shape}, expected {tuple(shape)}")
+            f.write(data.reshape(-1).view(np.uint8).data)  # no copy of the data
+            del data
+            _release_freed_memory()
+    return 8 + len(text) + offset
+
+
+def read_consolidated(path: str | Path, names: Any) -> Any:
+    """A consolidated .safetensors file -> parameter tree (numpy), restacking layers.
+
+    `names` is the model's tree of logical names; a parameter whose first
+    logical axis is `layers` is read from its per-layer tensors.
+    """
+    import jax
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="numpy") as f:
+        keys = set(f.keys())
+
+        def leaf(p, spec):
+            name = jax.tree_util.keystr(p, simple=True, separator=".")
+            if len(spec) and spec[0] == "layers":
+                head, _, tail = name.rpartition(".")
+                per_layer = sorted((int(k[len(head) + 1:].split(".")[0]), k) for k in keys
+                                   if k.startswith(f"{head}.") and k.endswith(f".{tail}")
+                                   and k[len(head) + 1:].split(".")[0].isdigit())
+                if not per_layer:
+                    raise KeyError(f"{path}: no per-layer tensors {head}.<i>.{tail}")
+                return np.stack([f.get_tensor(k) for _, k in per_layer])
+            if name not in keys:
+                raise KeyError(f"{path}: no tensor {name!r}")
+            return f.get_tensor(name)
+
+        return jax.tree_util.tree_map_with_path(
+            leaf, names, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
