@@ -17,6 +17,7 @@ import types
 import typing
 from typing import Any
 
+from zero_jax.checkpoint import CheckpointConfig
 from zero_jax.mesh import MeshShape
 from zero_jax.optim import OptimConfig
 
@@ -68,7 +69,8 @@ class DataConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 300  # optimizer steps
+    steps: int = 300  # optimizer steps (the schedule's length)
+    stop_at: int = 0  # stop after this step, saving a checkpoint (0: run all steps)
     batch_size: int = 32  # global batch, in rows, per optimizer step
     microbatches: int = 1  # gradient-accumulation microbatches per step
     seed: int = 0  # parameters and data order
@@ -86,6 +88,7 @@ class RunConfig:
     optim: OptimConfig = OptimConfig()
     data: DataConfig = DataConfig()
     train: TrainConfig = TrainConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -93,10 +96,12 @@ class RunConfig:
 
 _SECTION_TYPES = {"model": ModelConfig, "parallel": ParallelConfig,
                   "precision": PrecisionConfig, "activations": ActivationConfig,
-                  "optim": OptimConfig, "data": DataConfig, "train": TrainConfig}
+                  "optim": OptimConfig, "data": DataConfig, "train": TrainConfig,
+                  "checkpoint": CheckpointConfig}
 # Fields whose flag is not their own name.
 _FLAG_NAMES = {("model", "name"): "model", ("optim", "name"): "optimizer",
-               ("data", "source"): "data", ("precision", "policy"): "precision"}
+               ("data", "source"): "data", ("precision", "policy"): "precision",
+               ("checkpoint", "dir"): "checkpoint_dir", ("checkpoint", "every"): "checkpoint_every"}
 
 
 def _flag(section: str, field: str) -> str:
@@ -116,9 +121,14 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         group = parser.add_argument_group(f"[{section}]")
         for f in dataclasses.fields(cls):
             kind = _field_type(cls, f)
-            group.add_argument(f"--{_flag(section, f.name).replace('_', '-')}",
-                               dest=f"{section}.{f.name}", type=kind, default=None,
-                               metavar=kind.__name__.upper(), help=f"(default {f.default!r})")
+            flag = f"--{_flag(section, f.name).replace('_', '-')}"
+            if kind is bool:
+                group.add_argument(flag, dest=f"{section}.{f.name}", default=None,
+                                   action=argparse.BooleanOptionalAction,
+                                   help=f"(default {f.default!r})")
+            else:
+                group.add_argument(flag, dest=f"{section}.{f.name}", type=kind, default=None,
+                                   metavar=kind.__name__.upper(), help=f"(default {f.default!r})")
 
 
 def _section(cls, values: dict[str, Any], where: str):
@@ -192,3 +202,8 @@ def validate(run: RunConfig, mesh: MeshShape) -> None:
         raise ConfigError("loss_scale_window, hysteresis and max_consecutive_skips must be >= 1")
     if p.min_loss_scale <= 0:
         raise ConfigError(f"--min-loss-scale {p.min_loss_scale}: must be > 0")
+    c = run.checkpoint
+    if (c.resume or c.every) and not c.dir:
+        raise ConfigError("--resume and --checkpoint-every need --checkpoint-dir")
+    if t.stop_at < 0 or t.stop_at > t.steps:
+        raise ConfigError(f"--stop-at {t.stop_at}: must be between 1 and --steps {t.steps} (0: off)")

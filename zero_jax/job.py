@@ -73,6 +73,9 @@ class Job:
                                 jax.random.key(self.run.train.seed), self.scale_cfg,
                                 self.policy.dtype("params"))
 
+    def state_from_params(self, params) -> state.TrainState:
+        return state.state_from_params(self.layout, self.tx, params, self.scale_cfg)
+
 
 def mesh_config(run: config_lib.RunConfig) -> mesh_lib.MeshConfig:
     cfg = mesh_lib.load(run.parallel.mesh)

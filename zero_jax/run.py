@@ -1,0 +1,169 @@
+"""A training run end to end: where the state comes from, when it is saved,
+and how the run stops. `scripts/train.py` is a thin command line over this.
+
+The state comes from, in order: `--resume` (the newest complete checkpoint
+that verifies, falling back past corrupt ones), `--init-from` (parameters
+only, with a fresh optimizer), or a fresh initialisation. It is saved every
+`--checkpoint-every` steps, at the end, at `--stop-at`, and when the run is
+preempted (SIGTERM), after which the run exits cleanly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from zero_jax import checkpoint as ckpt_lib
+from zero_jax import data as data_lib
+from zero_jax import export, integrity, loop
+from zero_jax.job import Job
+from zero_jax.preempt import Preemption
+from zero_jax.state import TrainState
+
+# (path, job) -> parameter tree as numpy, for weight formats a model package knows
+ParamLoader = Callable[[str, Job], Any]
+
+
+@dataclasses.dataclass
+class Outcome:
+    state: TrainState
+    history: list[dict[str, Any]]
+    stopped: str = ""  # "preempted", "stop_at", or "" when all steps ran
+    resumed_from: int | None = None
+
+
+def checkpoint_meta(job: Job, step: int) -> dict[str, Any]:
+    """What a checkpoint records beside the arrays."""
+    run, t = job.run, job.run.train
+    names = jax.tree_util.tree_flatten_with_path(
+        job.layout.names, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))[0]
+    return {
+        "run": run.to_dict(),
+        "model": {"name": run.model.name,
+                  **(dataclasses.asdict(job.model.config) if job.model.config else {})},
+        "logical_axes": {jax.tree_util.keystr(p, simple=True, separator="."): list(spec)
+                         for p, spec in names},
+        # Batches are a pure function of (seed, split, step): the position is the step.
+        "data": {"source": run.data.source, "seed": t.seed, "next_step": step,
+                 "batch_size": t.batch_size, "seq_len": run.data.seq_len},
+        # No other randomness than the seed (initialisation, data order).
+        "prng": {"seed": t.seed, "impl": str(jax.config.jax_default_prng_impl)},
+        "layout": {"mesh": job.layout.mesh_shape.sizes, "zero_stage": job.layout.zero_stage,
+                   "rules": job.layout.rules.name, "processes": jax.process_count()},
+        "versions": {"jax": jax.__version__},
+    }
+
+
+def load_params(source: str, job: Job, loaders: list[ParamLoader] = ()) -> Any:
+    """Parameters from a checkpoint directory, a consolidated .safetensors file, or
+    a format one of `loaders` recognises, laid out for `job`."""
+    path = Path(source)
+    for loader in loaders:
+        tree = loader(source, job)
+        if tree is not None:
+            return place(tree, job)
+    if path.suffix == ".safetensors":
+        return place(export.read_consolidated(path, job.layout.names), job)
+    checkpointer = ckpt_lib.Checkpointer(ckpt_lib.CheckpointConfig(dir=str(path)))
+    steps = checkpointer.complete_steps()
+    if not steps:
+        raise FileNotFoundError(f"--init-from {source}: no complete checkpoint, .safetensors "
+                                "file or known weights directory there")
+    params, _ = checkpointer.restore(steps[-1], job.layout.targets, params_only=True)
+    return params
+
+
+def place(tree: Any, job: Job, log: Callable[[str], None] = print) -> Any:
+    """Numpy parameters -> arrays in the job's layout, checked leaf by leaf."""
+    want, have = integrity.flatten(job.layout.abstract.params), integrity.flatten(tree)
+    problems = [f"{p}: in the model, not in the weights" for p in sorted(want.keys() - have.keys())]
+    problems += [f"{p}: in the weights, not in the model" for p in sorted(have.keys() - want.keys())]
+    problems += [f"{p}: shape {tuple(np.shape(have[p]))}, the model has {want[p].shape}"
+                 for p in sorted(want.keys() & have.keys()) if tuple(np.shape(have[p])) != want[p].shape]
+    if problems:
+        raise ValueError("the weights do not fit the model:\n  " + "\n  ".join(problems))
+    cast = sorted({f"{np.asarray(have[p]).dtype} -> {want[p].dtype}" for p in want
+                   if np.asarray(have[p]).dtype != want[p].dtype})
+    if cast:
+        log(f"imported weights converted to the model's dtypes: {', '.join(cast)}")
+    return jax.tree.map(
+        lambda x, a, s: jax.make_array_from_callback(
+            a.shape, s, lambda idx: np.asarray(x[idx], dtype=a.dtype)),
+        tree, job.layout.abstract.params, job.layout.shardings.params)
+
+
+def initial_state(job: Job, checkpointer: ckpt_lib.Checkpointer | None,
+                  loaders: list[ParamLoader], log: Callable[[str], None]) -> tuple[TrainState, int | None]:
+    c = job.run.checkpoint
+    if c.resume:
+        restored = checkpointer.restore_latest(job.layout.targets, log)
+        if restored is not None:
+            state, meta = restored
+            step = int(state.step)
+            log(f"resumed from {checkpointer.directory / str(step)} (step {step})")
+            _log_config_changes(meta.get("run", {}), job.run.to_dict(), log)
+            return state, step
+        log(f"--resume: no complete checkpoint in {checkpointer.directory}; starting fresh")
+    if c.init_from:
+        log(f"parameters from {c.init_from}; new optimizer state, step 0")
+        return job.state_from_params(load_params(c.init_from, job, loaders)), None
+    return job.init_state(), None
+
+
+def _log_config_changes(saved: dict, now: dict, log) -> None:
+    for section in sorted(set(saved) | set(now)):
+        for key in sorted(set(saved.get(section, {})) | set(now.get(section, {}))):
+            old, new = saved.get(section, {}).get(key), now.get(section, {}).get(key)
+            if old != new and section != "checkpoint":
+                log(f"  {section}.{key}: {old!r} at save, {new!r} now")
+
+
+def train(job: Job, corpus: data_lib.TokenData, train_step, eval_step, *,
+          loaders: list[ParamLoader] = (), progress: bool = True,
+          log: Callable[[str], None] = print) -> Outcome:
+    run, t, c = job.run, job.run.train, job.run.checkpoint
+    checkpointer = ckpt_lib.Checkpointer(c, job.layout.names, writer=True) if c.dir else None
+    state, resumed = initial_state(job, checkpointer, loaders, log)
+    seq, sharding = run.data.seq_len, job.layout.batch_sharding
+    batch = functools.partial(data_lib.global_batch, corpus, "train", seq, t.batch_size, t.seed,
+                              sharding=sharding)
+    val_batch = functools.partial(data_lib.global_batch, corpus, "val", seq, t.batch_size, t.seed,
+                                  sharding=sharding)
+    preemption = Preemption(checkpointer.manager if checkpointer else None)
+    last = t.stop_at or t.steps
+    stopped = ""
+
+    def after_step(n: int, state: TrainState) -> bool:
+        nonlocal stopped
+        if preemption.requested(n):
+            stopped = "preempted"
+        elif n == t.stop_at:
+            stopped = "stop_at"
+        if checkpointer is not None:
+            if stopped or n == last or checkpointer.due(n):
+                checkpointer.save(n, state, checkpoint_meta(job, n))
+            checkpointer.check()
+        return bool(stopped)
+
+    try:
+        state, history = loop.train(
+            state, train_step, lambda step: batch(step=step), steps=t.steps,
+            eval_fn=lambda params: loop.evaluate(eval_step, params, val_batch, t.eval_batches),
+            eval_every=t.eval_every, metrics_path=t.metrics_out, progress=progress,
+            max_consecutive_skips=run.precision.max_consecutive_skips, after_step=after_step)
+        if checkpointer is not None:
+            checkpointer.wait()
+    except ckpt_lib.SaveFailed:
+        if checkpointer is not None:
+            for name in checkpointer.remove_incomplete():
+                log(f"removed the uncommitted {checkpointer.directory / name}")
+        raise
+    if stopped and checkpointer is not None:
+        log(f"{stopped}: saved step {int(state.step)} in {checkpointer.directory}")
+    return Outcome(state, history, stopped, resumed)
