@@ -1,28 +1,45 @@
 # `make train` and `make test` set up .venv themselves: it is (re)created when
 # missing or broken, and reinstalled when pyproject.toml or constraints.txt change.
+# `make test-interop` does the same with .venv-interop, which adds transformers
+# and a CPU build of torch, to check Hugging Face exports.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+IVENV  := .venv-interop
+ISTAMP := $(IVENV)/.installed
+# torch 2.13.0 is the CPU build this project tests with.
+INTEROP_PACKAGES := 'torch==2.13.0' 'transformers>=4.40'
+CHECK_PYTHON = @$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || \
+	  { echo "zero_jax needs Python 3.11 or newer: run make PYTHON=python3.11 (or newer)"; exit 1; }
 # The default job and the tests run on 8 simulated CPU devices.
 CPU8   := XLA_FLAGS=--xla_force_host_platform_device_count=8
 
-.PHONY: train test venv clean
+.PHONY: train test test-interop venv clean
 
 train: $(STAMP)
 	$(CPU8) $(PY) scripts/train.py
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q tests --ignore=tests/interop
+
+test-interop: $(ISTAMP)
+	$(IVENV)/bin/python -m pytest -q tests/interop
 
 venv: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
-	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || \
-	  { echo "zero_jax needs Python 3.11 or newer: run make PYTHON=python3.11 (or newer)"; exit 1; }
+	$(CHECK_PYTHON)
 	@$(PY) -c 'import sys' 2>/dev/null || { rm -rf $(VENV) && $(PYTHON) -m venv $(VENV); }
 	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[test]'
 	@touch $@
 
+$(ISTAMP): pyproject.toml constraints.txt
+	$(CHECK_PYTHON)
+	@$(IVENV)/bin/python -c 'import sys' 2>/dev/null || { rm -rf $(IVENV) && $(PYTHON) -m venv $(IVENV); }
+	$(IVENV)/bin/python -m pip install --quiet --disable-pip-version-check -c constraints.txt \
+	  -e '.[test]' $(INTEROP_PACKAGES)
+	@touch $@
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(IVENV) build *.egg-info
