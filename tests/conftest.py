@@ -13,10 +13,20 @@ os.environ["XLA_FLAGS"] = " ".join(
     if not f.startswith(("--xla_force_host_platform_device_count", "--xla_backend_optimization_level"))
 ) + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
 
+import tempfile  # noqa: E402
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
 from zero_jax import data as data_lib  # noqa: E402
+
+# Identical programs (the same reference run in several modules, a script run
+# three times by one test) compile once per session; subprocesses share it.
+_CACHE = tempfile.mkdtemp(prefix="zero_jax_test_cache_")
+os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE
+jax.config.update("jax_compilation_cache_dir", _CACHE)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 @pytest.fixture(scope="session")

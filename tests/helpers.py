@@ -25,10 +25,26 @@ def make_job(corpus, *, devices=None, **overrides):
     return job_lib.prepare(run, models.builder(run.model.name, corpus.vocab_size), devices)
 
 
+_INITIAL: dict = {}
+
+
+def initial_state(job):
+    """The job's initial state, placed in its layout.
+
+    Initialisation depends on the model, optimizer, precision and seed, not on
+    the layout (test_state.py checks that), so it is computed once per such
+    key and each layout receives a copy: a transfer instead of a compile.
+    """
+    key = (repr(job.model.config), job.run.optim, job.policy, job.scale_cfg, job.run.train.seed)
+    if key not in _INITIAL:
+        _INITIAL[key] = host(job.init_state())
+    return jax.device_put(_INITIAL[key], job.layout.shardings)
+
+
 def train(job, corpus, steps=None):
     """Train `steps` steps (default: the config's), waiting on each; returns losses, state."""
     step_fn = job.compile_train_step()
-    state = job.init_state()
+    state = initial_state(job)
     t = job.run.train
     batch = functools.partial(data_lib.global_batch, corpus, "train", job.run.data.seq_len,
                               t.batch_size, t.seed, sharding=job.layout.batch_sharding)

@@ -4,6 +4,7 @@ full disk, SIGTERM, a resume that must be bitwise, a different device count."""
 import json
 import os
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -51,12 +52,15 @@ def complete(directory):
     return ckpt_lib.complete_steps(directory)
 
 
-def test_resume_is_bitwise_identical(tmp_path):
+def test_resume_is_bitwise_and_works_on_four_devices(tmp_path):
+    """30 steps straight; 15 steps, a fresh process, --resume, 15 more: bitwise the same.
+    The same checkpoint resumed by a process with 4 devices: within 1e-5."""
     straight = train("--steps", "30", "--eval-every", "0", "--metrics-out", str(tmp_path / "a.jsonl"))
     assert straight.returncode == 0, straight.stderr
     first = train("--steps", "30", "--stop-at", "15", "--eval-every", "0", "--checkpoint-dir",
                   str(tmp_path / "ckpt"), "--metrics-out", str(tmp_path / "b.jsonl"))
     assert first.returncode == 0 and "stop_at: saved step 15" in first.stdout, first.stderr
+    shutil.copytree(tmp_path / "ckpt", tmp_path / "ckpt4")  # step 15, for the 4-device run
     second = train("--steps", "30", "--resume", "--eval-every", "0", "--checkpoint-dir",
                    str(tmp_path / "ckpt"), "--metrics-out", str(tmp_path / "b.jsonl"))
     assert second.returncode == 0 and "resumed from" in second.stdout, second.stderr
@@ -64,42 +68,39 @@ def test_resume_is_bitwise_identical(tmp_path):
     assert sorted(b) == list(range(1, 31))
     assert [a[s] for s in range(1, 31)] == [b[s] for s in range(1, 31)]  # bitwise
 
-
-def test_restore_with_four_devices_instead_of_eight(tmp_path):
-    full = train("--steps", "10", "--eval-every", "0", "--metrics-out", str(tmp_path / "a.jsonl"))
-    assert full.returncode == 0, full.stderr
-    saved = train("--steps", "10", "--stop-at", "5", "--eval-every", "0",
-                  "--checkpoint-dir", str(tmp_path / "ckpt"))
-    assert saved.returncode == 0, saved.stderr
-    four = train("--steps", "10", "--resume", "--mesh", "fsdp=4", "--eval-every", "0",
-                 "--checkpoint-dir", str(tmp_path / "ckpt"), "--metrics-out", str(tmp_path / "b.jsonl"),
-                 devices=4)
-    # Every array is verified against its checksum (independent of layout) on restore.
+    four = train("--steps", "30", "--resume", "--mesh", "fsdp=4", "--eval-every", "0",
+                 "--checkpoint-dir", str(tmp_path / "ckpt4"),
+                 "--metrics-out", str(tmp_path / "c.jsonl"), devices=4)
+    # Every array is verified against its (layout-independent) checksum on restore.
     assert four.returncode == 0 and "resumed from" in four.stdout, four.stderr
-    a, b = losses(tmp_path / "a.jsonl"), losses(tmp_path / "b.jsonl")
-    np.testing.assert_allclose([b[s] for s in range(6, 11)], [a[s] for s in range(6, 11)], rtol=1e-5)
+    # A different data-parallel degree sums gradients in another order (1e-7 a
+    # step); those differences grow as training goes on (~1e-5 by 15 steps
+    # later), so the ten steps after the restore are held to 1e-5.
+    c = losses(tmp_path / "c.jsonl")
+    np.testing.assert_allclose([c[s] for s in range(16, 26)], [a[s] for s in range(16, 26)], rtol=1e-5)
 
 
 def test_sigkill_during_an_async_save_keeps_the_previous_checkpoint(tmp_path):
     ckpt = tmp_path / "ckpt"
-    # gpt-small writes ~1 GB per save, so the commit is still running when we kill.
-    proc = start("--model", "gpt-small", "--seq-len", "16", "--batch-size", "8", "--steps", "40",
-                 "--checkpoint-every", "2", "--eval-every", "0", "--checkpoint-dir", str(ckpt),
-                 fast_compile=False)
+    # Saving every step keeps a commit in flight most of the time.
+    proc = start("--steps", "400", "--checkpoint-every", "1", "--keep-last", "2", "--eval-every", "0",
+                 "--checkpoint-dir", str(ckpt))
     try:
-        wait_for(lambda: ckpt.exists() and 2 in complete(ckpt)
+        wait_for(lambda: ckpt.exists() and len(complete(ckpt)) >= 2
                  and any(".orbax-checkpoint-tmp" in p.name for p in ckpt.iterdir()), proc)
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
     finally:
         proc.kill()
     steps = complete(ckpt)
-    assert steps and steps[-1] >= 2
-    assert any(".orbax-checkpoint-tmp" in p.name for p in ckpt.iterdir())  # the interrupted save
-    resumed = train("--model", "gpt-small", "--seq-len", "16", "--batch-size", "8", "--steps",
-                    str(steps[-1] + 1), "--resume", "--eval-every", "0", "--checkpoint-dir", str(ckpt))
+    interrupted = [p.name for p in ckpt.iterdir() if ".orbax-checkpoint-tmp" in p.name]
+    assert interrupted and steps, list(ckpt.iterdir())
+    assert int(interrupted[0].split(".")[0]) > steps[-1]  # the newer save never committed
+    resumed = train("--steps", str(steps[-1] + 2), "--resume", "--eval-every", "0",
+                    "--checkpoint-dir", str(ckpt))
     assert resumed.returncode == 0, resumed.stderr
     assert f"resumed from {ckpt / str(steps[-1])}" in resumed.stdout
+    assert "never committed" in resumed.stdout
 
 
 def test_full_disk_during_a_save_is_a_clear_error_and_keeps_the_previous_one(tmp_path):

@@ -73,7 +73,9 @@ def train(state: TrainState, train_step: Callable, batch_at: Callable[[int], jax
 
     def finish(step: int, metrics: dict[str, jax.Array], eval_params: Any = None) -> None:
         nonlocal last_done
-        values = jax.device_get(metrics)  # waits for this step only
+        # Wait for this step on every device, not only the one device_get reads
+        # the replicated metrics from: the bound must hold per device.
+        values = jax.device_get(jax.block_until_ready(metrics))
         now = time.perf_counter()
         record = {"step": step + 1, "loss": float(values["loss"]),
                   "grad_norm": float(values["grad_norm"]), "lr": float(values["lr"]),
