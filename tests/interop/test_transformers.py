@@ -48,6 +48,7 @@ def test_transformers_logits_match_ours(exported):
         theirs = model(torch.tensor(tokens)).logits.numpy()
     ours = np.asarray(job.model.apply(params, tokens, Hooks()))
     assert theirs.shape == ours.shape
+    print(f"max |logits difference| vs transformers: {np.abs(theirs - ours).max():.2e}")
     np.testing.assert_allclose(theirs, ours, atol=1e-4, rtol=0)
 
 
