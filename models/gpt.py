@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from models import layers
 from zero_jax.hooks import Hooks
 from zero_jax.model import ModelFns
+from zero_jax.pipeline import PipelineFns
 from zero_jax.remat import Remat
 
 
@@ -216,6 +217,13 @@ class Block(nn.Module):
         return x_BxTxD + out_BxTxD, None
 
 
+def stack(cfg: GPTConfig, hooks: Hooks) -> nn.Module:
+    """The scanned stack of cfg.n_layer blocks (a pipeline stage uses fewer)."""
+    block = nn.remat(Block, policy=hooks.remat.jax_policy(), prevent_cse=False)
+    return nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
+                   length=cfg.n_layer, metadata_params={nn.PARTITION_NAME: "layers"})(cfg, hooks)
+
+
 class GPT(nn.Module):
     """Token ids (B, T) -> logits (B, T, V). `embed`, `stack` and `head` are
     separate methods so that a pipeline can place them on different stages."""
@@ -229,11 +237,7 @@ class GPT(nn.Module):
                           nn.initializers.normal(0.02))
         self.wpe = _param(self, "wpe", (c.max_seq_len, c.d_model), ("pos", "embed"),
                           nn.initializers.normal(0.01))
-        block = nn.remat(Block, policy=self.hooks.remat.jax_policy(), prevent_cse=False)
-        self.blocks = nn.scan(
-            block, variable_axes={"params": 0}, split_rngs={"params": True},
-            length=c.n_layer, metadata_params={nn.PARTITION_NAME: "layers"},
-        )(c, self.hooks)
+        self.blocks = stack(c, self.hooks)
         self.ln_f = LayerNorm(c, self.hooks)
 
     def embed(self, tokens_BxT):
@@ -287,6 +291,19 @@ def model_fns(cfg: GPTConfig) -> ModelFns:
         return jax.tree_util.tree_map_with_path(
             lambda path, _: str(path[-1].key).startswith("w"), params)
 
+    def stage(blocks, x_BxTxD, hooks):
+        n = jax.tree.leaves(blocks)[0].shape[0]
+        y, _ = stack(dataclasses.replace(cfg, n_layer=n), hooks).apply({"params": blocks}, x_BxTxD, None)
+        return y
+
+    pipeline = PipelineFns(
+        split=lambda params: ({k: v for k, v in params.items() if k != "blocks"}, params["blocks"]),
+        merge=lambda outer, blocks: {**outer, "blocks": blocks},
+        embed=lambda outer, tokens, hooks: GPT(cfg, hooks).apply({"params": outer}, tokens, method=GPT.embed),
+        stage=stage,
+        head=lambda outer, x, hooks: GPT(cfg, hooks).apply({"params": outer}, x, method=GPT.head),
+    )
     return ModelFns(init=init, apply=apply, vocab_size=cfg.vocab_size, max_seq_len=cfg.max_seq_len,
+                    pipeline=pipeline, layers=cfg.n_layer,
                     flops_per_token=cfg.flops_per_token, decay_mask=decay_mask,
                     activation_bytes=cfg.activation_bytes, config=cfg)

@@ -18,6 +18,7 @@ import optax
 from zero_jax import config as config_lib
 from zero_jax import loss_scale, memory, optim, precision, remat, rules, state, step
 from zero_jax import mesh as mesh_lib
+from zero_jax import schedule as sched_lib
 from zero_jax import zero as zero_lib
 from zero_jax.hooks import Hooks
 from zero_jax.model import ModelFns
@@ -33,6 +34,7 @@ class Job:
     policy: precision.Policy
     hooks: Hooks
     scale_cfg: loss_scale.LossScaleConfig
+    schedule: sched_lib.Schedule | None = None  # the pipeline schedule, with a pipe axis
 
     @property
     def abstract_batch(self) -> jax.ShapeDtypeStruct:
@@ -40,11 +42,26 @@ class Job:
         return jax.ShapeDtypeStruct((t.batch_size, self.run.data.seq_len + 1), jnp.int32,
                                     sharding=self.layout.batch_sharding)
 
-    def compile_train_step(self):
+    def compile_train_step(self, **compiler_options):
         """The jitted train step, compiled ahead of time for the abstract state."""
-        fn = step.jit_train_step(self.layout, self.model, self.hooks, self.tx, self.lr,
-                                 self.run.train.microbatches, self.scale_cfg)
-        return fn.lower(self.layout.abstract, self.abstract_batch).compile()
+        return self.jit_train_step().lower(self.layout.abstract, self.abstract_batch).compile(
+            compiler_options=compiler_options or None)
+
+    def jit_train_step(self):
+        return step.jit_train_step(self.layout, self.model, self.hooks, self.tx, self.lr,
+                                   self.run.train.microbatches, self.scale_cfg, self.schedule,
+                                   self.run.parallel.pipeline_gather_once)
+
+    def jit_loss_and_grads(self):
+        """The step's loss and gradients alone, `(params, batch) -> (loss, grads)`:
+        what tests compare between layouts and schedules."""
+        fn = step.make_loss_and_grads(self.layout, self.model, self.hooks,
+                                      self.run.train.microbatches, self.schedule,
+                                      self.run.parallel.pipeline_gather_once)
+        replicated = jax.sharding.NamedSharding(self.layout.mesh, jax.sharding.PartitionSpec())
+        return jax.jit(lambda params, batch: fn(params, batch, None),
+                       in_shardings=(self.layout.shardings.params, self.layout.batch_sharding),
+                       out_shardings=(replicated, self.layout.named(self.layout.specs.grads)))
 
     def compile_eval_step(self):
         fn = step.jit_eval_step(self.layout, self.model, self.hooks)
@@ -101,6 +118,7 @@ def prepare(run: config_lib.RunConfig, build_model: Callable[[int], ModelFns],
         raise config_lib.ConfigError(
             f"--seq-len {run.data.seq_len} exceeds the model's {model.max_seq_len} positions "
             f"({run.model.name}); use --seq-len {model.max_seq_len} or less")
+    schedule = pipeline_schedule(run, model, shape)
     chosen = rules.layout(run.parallel.layout, shape.sizes)
     zero_stage = chosen.zero_stage if run.parallel.zero_stage is None else run.parallel.zero_stage
     try:
@@ -122,4 +140,21 @@ def prepare(run: config_lib.RunConfig, build_model: Callable[[int], ModelFns],
                                policy.dtype("grads"))
     stored = layout.placement if zero_lib.stage(zero_stage).params else None
     hooks = Hooks(mesh, chosen.rules, policy.compute, policy.grads, remat_policy, stored)
-    return Job(run, model, layout, tx, lr, policy, hooks, scale_cfg)
+    return Job(run, model, layout, tx, lr, policy, hooks, scale_cfg, schedule)
+
+
+def pipeline_schedule(run: config_lib.RunConfig, model: ModelFns,
+                      shape: mesh_lib.MeshShape) -> sched_lib.Schedule | None:
+    """The schedule table for a mesh with a pipe axis; checks before compiling."""
+    p = shape.sizes["pipe"]
+    if p == 1:
+        return None
+    par = run.parallel
+    if model.pipeline is None:
+        raise config_lib.ConfigError(f"model {run.model.name} cannot be pipelined (pipe={p})")
+    v = par.virtual_stages or (2 if par.pipeline_schedule == "interleaved" else 1)
+    try:
+        sched_lib.check_shape(par.pipeline_schedule, p, run.train.microbatches, v, model.layers)
+    except ValueError as e:
+        raise config_lib.ConfigError(f"pipe={p}: {e}") from None
+    return sched_lib.build(par.pipeline_schedule, p, run.train.microbatches, v)

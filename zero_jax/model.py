@@ -29,3 +29,5 @@ class ModelFns:
     # (rows, seq_len, dtype_bytes, remat, tensor, sequence_parallel) -> activation bytes per device
     activation_bytes: Callable[..., float] | None = None
     config: Any = None  # the model's frozen shape dataclass, recorded in checkpoints
+    pipeline: Any = None  # zero_jax.pipeline.PipelineFns, if the model can be pipelined
+    layers: int = 0  # length of the stacked layer dimension (what a pipeline splits)

@@ -94,6 +94,8 @@ def describe(job: Job, data_line: str, model_line: str, compiled_step=None) -> s
         lines.append(f"  activations, one microbatch: {a['analytic_bytes'] / 2**20:.2f} estimated"
                      + (f" (compiled temporaries {a['compiled_temp_bytes'] / 2**20:.2f})"
                         if "compiled_temp_bytes" in a else ""))
+    if job.schedule is not None:
+        lines += pipeline_rows(job)
     lines.append("state layout per device (optimizer-state leaves that mirror a parameter "
                  "share its optimizer-state layout):")
     lines += _state_rows(job)
@@ -102,3 +104,25 @@ def describe(job: Job, data_line: str, model_line: str, compiled_step=None) -> s
         lines += [f"  {path}: {why}" for path, why in layout.specs.replicated]
     return "\n".join(lines)
 
+
+
+def pipeline_rows(job: Job) -> list[str]:
+    """Stage placement, the schedule's cost and its tick chart."""
+    s, layers = job.schedule, job.model.layers
+    per_chunk = layers // s.chunks
+    where = lambda d: ", ".join(f"{(k * s.p + d) * per_chunk}-{(k * s.p + d + 1) * per_chunk - 1}"
+                                for k in range(s.v))
+    rows = [f"pipeline   {s.name}: p={s.p} stages, m={s.m} microbatches, v={s.v} chunks per stage; "
+            f"{s.ticks} ticks, bubble {s.bubble:.3f}, at most {s.max_in_flight()} microbatch "
+            f"inputs stashed per stage"
+            + ("; stage weights gathered once per step" if job.run.parallel.pipeline_gather_once else "")]
+    for d in range(s.p):
+        ends = (["embedding"] if d == 0 else []) + (["head and loss"] if d == s.p - 1 else [])
+        rows.append(f"  stage {d}: layers {where(d)} ({per_chunk * s.v} of {layers})"
+                    + (f", runs the {' and the '.join(ends)}" if ends else ""))
+    # Why every stage stores them: the head is tied to the embedding, so the
+    # first and last stage both need it; ZeRO still shards them within a stage.
+    rows.append("  embedding and head weights are stored on every stage (sharded within it)")
+    if s.ticks <= 80:
+        rows += ["  " + line for line in s.chart().splitlines()]
+    return rows

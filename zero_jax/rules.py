@@ -106,7 +106,9 @@ def _rules(name: str, **table: tuple[str, ...]) -> AxisRules:
     return AxisRules(name, tuple((k, tuple(v)) for k, v in table.items()))
 
 
-_DATA = {**{a: () for a in LOGICAL_AXES}, "batch": DATA_AXES}
+# The scanned layer stack is split into contiguous stages over `pipe` (a
+# no-op on meshes without it).
+_DATA = {**{a: () for a in LOGICAL_AXES}, "batch": DATA_AXES, "layers": ("pipe",)}
 # Megatron tensor parallelism on the `tensor` axis: attention heads and the MLP
 # hidden dimension split (column-parallel in, row-parallel out), and the
 # vocabulary split for the embedding and the logits.
