@@ -12,8 +12,9 @@ import models
 from zero_jax import config as config_lib, data as data_lib, job as job_lib
 
 
-def make_job(corpus, *, devices=None, **overrides):
-    """A Job from config overrides given as {field: value} (flag names)."""
+def make_job(corpus, *, devices=None, n_layer=None, **overrides):
+    """A Job from config overrides given as {field: value} (flag names);
+    `n_layer` changes the preset's depth."""
     fields = {"model": "gpt-tiny", "seq_len": 32, "batch_size": 16, "steps": 10,
               "mesh": "fsdp=8", "zero_stage": 3, **overrides}
     where = {f.name: f"{s}.{f.name}" for s, cls in config_lib._SECTION_TYPES.items()
@@ -22,7 +23,22 @@ def make_job(corpus, *, devices=None, **overrides):
                  precision="precision.policy", layout="parallel.layout")
     flat = {where[key]: value for key, value in fields.items()}
     run = config_lib.build(None, flat)
-    return job_lib.prepare(run, models.builder(run.model.name, corpus.vocab_size), devices)
+    if n_layer is None:
+        return job_lib.prepare(run, models.builder(run.model.name, corpus.vocab_size), devices)
+    from models import gpt
+    cfg = gpt.config(run.model.name, corpus.vocab_size, n_layer=n_layer)
+    return job_lib.prepare(run, lambda multiple: gpt.model_fns(
+        dataclasses.replace(cfg, vocab_multiple=multiple)), devices)
+
+
+# A pipelined step loops over ticks, each running a whole stage: the tests
+# lower LLVM's optimisation to save compile time (conftest.py), which would
+# double these steps' run time, so they keep the default level.
+PIPELINE_OPTIONS = {"xla_backend_optimization_level": 2}
+
+
+def compile_step(job):
+    return job.compile_train_step(**(PIPELINE_OPTIONS if job.schedule else {}))
 
 
 _INITIAL: dict = {}
@@ -43,7 +59,7 @@ def initial_state(job):
 
 def train(job, corpus, steps=None):
     """Train `steps` steps (default: the config's), waiting on each; returns losses, state."""
-    step_fn = job.compile_train_step()
+    step_fn = compile_step(job)
     state = initial_state(job)
     t = job.run.train
     batch = functools.partial(data_lib.global_batch, corpus, "train", job.run.data.seq_len,

@@ -54,7 +54,8 @@ def saved(corpus, tmp_path_factory):
     dict(mesh="fsdp=8", zero_stage=3),
     dict(mesh="data=2,fsdp=4", zero_stage=1),
     dict(mesh="fsdp=4,tensor=2", layout="fsdp_tp", zero_stage=2),
-], ids=["same", "data2-fsdp4-zero1", "tensor2-fsdp4"])
+    dict(mesh="pipe=2,fsdp=4", zero_stage=3, microbatches=2),
+], ids=["same", "data2-fsdp4-zero1", "tensor2-fsdp4", "pipe2-fsdp4"])
 def test_restore_onto_another_layout_is_exact_and_training_continues(corpus, saved, overrides):
     directory, state5, uninterrupted = saved
     job = make_job(corpus, **overrides)
@@ -65,6 +66,18 @@ def test_restore_onto_another_layout_is_exact_and_training_continues(corpus, sav
     assert meta["data"]["next_step"] == 5 and meta["run"]["parallel"]["mesh"] == "fsdp=8"
     losses, _ = _steps(job, corpus, restored, 5, 10)
     np.testing.assert_allclose(losses, uninterrupted, rtol=1e-5)
+
+
+def test_pipeline_checkpoint_restores_without_a_pipeline_exactly(corpus, tmp_path):
+    """The reverse of the above: saved by stages over `pipe`, restored whole."""
+    job = make_job(corpus, mesh="pipe=2,fsdp=4", zero_stage=3, microbatches=2)
+    _, state = _steps(job, corpus, job.init_state(), 0, 2)
+    _save(job, state, tmp_path, 2)
+    target = make_job(corpus, mesh="fsdp=8", zero_stage=3)
+    restored, _ = ckpt_lib.Checkpointer(ckpt_lib.CheckpointConfig(dir=str(tmp_path))).restore(
+        2, target.layout.targets)
+    jax.tree.map(np.testing.assert_array_equal, host(restored), host(state))
+    assert restored.params["blocks"]["w_fc"].sharding == target.layout.shardings.params["blocks"]["w_fc"]
 
 
 def test_meta_records_config_data_position_and_prng(saved):

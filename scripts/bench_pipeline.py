@@ -1,0 +1,93 @@
+"""Step time of each pipeline schedule against the non-pipelined step.
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 \\
+        python scripts/bench_pipeline.py --mesh pipe=2,fsdp=4 --microbatches 8
+
+Runs, in one process and on the same devices: the non-pipelined step (the
+`pipe` axis folded into `fsdp`, the same microbatches accumulated) and each
+schedule on the given mesh. Steps of the variants are interleaved, round by
+round, so that load on a shared machine hits them alike; the table gives
+the median step time of each and its ratio to the non-pipelined one. A
+benchmark, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import time
+
+import jax
+
+import models
+from zero_jax import config as config_lib, data as data_lib, job as job_lib
+from zero_jax.schedule import SCHEDULES
+
+
+def _without_pipe(mesh: str) -> str:
+    """The inline mesh with `pipe` folded into `fsdp`: the same devices, no stages."""
+    sizes = dict(part.split("=") for part in mesh.split(","))
+    pipe = int(sizes.pop("pipe", 1))
+    sizes["fsdp"] = str(int(sizes.get("fsdp", 1)) * pipe)
+    return ",".join(f"{a}={s}" for a, s in sizes.items())
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="gpt-tiny")
+    parser.add_argument("--mesh", default="pipe=2,fsdp=4", help="inline, with a pipe axis")
+    parser.add_argument("--zero-stage", type=int, default=3)
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per variant")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    if "pipe=" not in args.mesh:
+        parser.error(f"--mesh {args.mesh}: give an inline mesh with a pipe axis, like pipe=2,fsdp=4")
+
+    corpus = data_lib.load("stdlib")
+    variants = {"no pipeline": (_without_pipe(args.mesh), "1f1b")}
+    variants.update({name: (args.mesh, name) for name in SCHEDULES})
+    runs = {}
+    for name, (mesh, schedule) in variants.items():
+        cfg = config_lib.build(None, {
+            "model.name": args.model, "parallel.mesh": mesh, "parallel.zero_stage": args.zero_stage,
+            "parallel.pipeline_schedule": schedule, "train.microbatches": args.microbatches,
+            "data.seq_len": args.seq_len, "train.batch_size": args.batch_size})
+        job = job_lib.prepare(cfg, models.builder(args.model, corpus.vocab_size))
+        batch = functools.partial(data_lib.global_batch, corpus, "train", args.seq_len,
+                                  args.batch_size, 0, sharding=job.layout.batch_sharding)
+        runs[name] = {"mesh": mesh, "step": job.compile_train_step(), "state": job.init_state(),
+                      "batch": batch, "times": []}
+
+    def one(r, i):
+        start = time.perf_counter()
+        r["state"], metrics = r["step"](r["state"], r["batch"](step=i))
+        jax.block_until_ready(metrics)
+        return time.perf_counter() - start
+
+    for i in range(args.steps + 1):  # round 0 warms up
+        for r in runs.values():
+            t = one(r, i)
+            if i:
+                r["times"].append(t)
+    base = statistics.median(runs["no pipeline"]["times"])
+    rows = [{"variant": name, "mesh": r["mesh"], "median_step_s": statistics.median(r["times"]),
+             "ratio": statistics.median(r["times"]) / base} for name, r in runs.items()]
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    else:
+        print(f"{args.model}, seq {args.seq_len}, batch {args.batch_size}, "
+              f"{args.microbatches} microbatches, ZeRO-{args.zero_stage}, {args.steps} steps each")
+        print(f"{'variant':<14}{'mesh':<24}{'step (s)':>10}{'ratio':>8}")
+        for row in rows:
+            print(f"{row['variant']:<14}{row['mesh']:<24}{row['median_step_s']:>10.3f}"
+                  f"{row['ratio']:>8.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,177 @@
+"""Pipeline parallelism over `pipe`: every schedule against the 1-device run,
+in full 3D, and what the compiled step holds and sends.
+
+gpt-tiny with 8 layers, so that p = 4 stages x v = 2 chunks divide it.
+"""
+
+import itertools
+import re
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from tests.helpers import assert_close, compile_step, host, initial_state, make_job, train
+from zero_jax import data as data_lib, hlo
+
+COMMON = dict(seq_len=16, batch_size=32, n_layer=8)
+MESHES = {
+    "pipe2-fsdp4": dict(mesh="pipe=2,fsdp=4"),
+    "pipe2-fsdp2-tensor2": dict(mesh="pipe=2,fsdp=2,tensor=2", layout="fsdp_tp_sp"),
+    "pipe4-data2": dict(mesh="pipe=4,data=2"),
+}
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+GRID = list(itertools.product(SCHEDULES, MESHES, (4, 8), (1, 3)))
+
+
+def _job(corpus, schedule, mesh, m, zero, **extra):
+    return make_job(corpus, **COMMON, **MESHES[mesh], pipeline_schedule=schedule,
+                    microbatches=m, zero_stage=zero, **extra)
+
+
+@pytest.fixture(scope="module")
+def reference(corpus):
+    """The non-pipelined run on one device: loss and gradients of step 0, ten steps."""
+    job = make_job(corpus, **COMMON, mesh="fsdp=1", devices=jax.devices()[:1])
+    loss, grads = host(_loss_and_grads(job, corpus))
+    losses, state = train(job, corpus)
+    return loss, grads, losses, host(state.params)
+
+
+def _loss_and_grads(job, corpus):
+    t = job.run.train
+    batch = data_lib.global_batch(corpus, "train", job.run.data.seq_len, t.batch_size, t.seed,
+                                  step=0, sharding=job.layout.batch_sharding)
+    return job.jit_loss_and_grads()(initial_state(job).params, batch)
+
+
+@pytest.mark.parametrize("schedule,mesh,m,zero", GRID, ids=["-".join(map(str, c)) for c in GRID])
+def test_one_step_loss_and_gradients_match_one_device(corpus, reference, schedule, mesh, m, zero):
+    job = _job(corpus, schedule, mesh, m, zero)
+    loss, grads = _loss_and_grads(job, corpus)
+    np.testing.assert_allclose(float(loss), reference[0], rtol=1e-5)
+    assert_close(host(grads), reference[1])
+
+
+# Ten steps compile the whole train step, three times the cost of the loss
+# and gradients alone: CI runs each schedule on each mesh once, cycling
+# through (m, ZeRO stage); ZERO_JAX_FULL_PIPELINE_GRID=1 runs all 36.
+_CYCLE = [(4, 1), (8, 3), (8, 1), (4, 3)]
+TEN = (GRID if os.environ.get("ZERO_JAX_FULL_PIPELINE_GRID") else
+       [(s, mesh, *_CYCLE[i % 4]) for i, (s, mesh) in enumerate(itertools.product(SCHEDULES, MESHES))])
+
+
+@pytest.mark.parametrize("schedule,mesh,m,zero", TEN, ids=["-".join(map(str, c)) for c in TEN])
+def test_ten_steps_match_one_device(corpus, reference, schedule, mesh, m, zero):
+    job = _job(corpus, schedule, mesh, m, zero)
+    losses, state = train(job, corpus)
+    np.testing.assert_allclose(losses, reference[2], rtol=1e-5)
+    assert_close(host(state.params), reference[3])
+
+
+def test_gather_once_matches_and_leaves_no_gather_in_the_loop(corpus, reference):
+    """ZeRO-3 with the stage's weights gathered once per step: same numbers,
+    and no all-gather of a weight left inside the pipeline's tick loop (the
+    embedding's backward still gathers its batch-sharded input gradient)."""
+    gathers = {}
+    for once in (False, True):
+        job = _job(corpus, "1f1b", "pipe2-fsdp4", 4, 3, pipeline_gather_once=once)
+        loss, grads = _loss_and_grads(job, corpus)
+        np.testing.assert_allclose(float(loss), reference[0], rtol=1e-5)
+        assert_close(host(grads), reference[1])
+        text = compile_step(job).as_text()
+        weights = {tuple(a.shape[i:]) for a in jax.tree.leaves(job.layout.abstract.params)
+                   for i in (0, 1)}
+        gathers[once] = [c for c in hlo.collectives(_inside_loops(text))
+                         if c.op == "all-gather" and _result_shape(c.line) in weights]
+    assert gathers[False], "ZeRO-3 gathers each stage's weights inside the loop"
+    assert not gathers[True], [c.line[:160] for c in gathers[True]]
+
+
+def _result_shape(line: str) -> tuple[int, ...]:
+    dims = re.search(r"= \w+\[([\d,]*)\]", line).group(1)
+    return tuple(int(d) for d in dims.split(",") if d)
+
+
+def _inside_loops(text: str) -> str:
+    """The HLO of every computation reachable from a while loop's body."""
+    bodies, calls, name = {}, {}, None
+    for line in text.splitlines():
+        head = line.split(" ", 2)
+        if line and not line.startswith(" ") and line.rstrip().endswith("{") and len(head) > 1:
+            name = head[1] if head[0] == "ENTRY" else head[0]
+            name = name.lstrip("%")
+            bodies[name], calls[name] = [], set()
+        elif name is not None:
+            bodies[name].append(line)
+            for callee in _callees(line):
+                calls[name].add(callee)
+    roots = {c for lines in bodies.values() for line in lines for c in _callees(line, "body")}
+    seen, todo = set(), list(roots)
+    while todo:
+        c = todo.pop()
+        if c not in seen and c in bodies:
+            seen.add(c)
+            todo += calls[c]
+    return "\n".join(line for c in seen for line in bodies[c])
+
+
+def _callees(line: str, only: str | None = None) -> list[str]:
+    keys = (only,) if only else ("body", "condition", "to_apply", "calls", "branch_computations",
+                                 "true_computation", "false_computation")
+    found = []
+    for key in keys:
+        for m in re.finditer(key + r"=\{?([%\w.\-, ]+)\}?", line):
+            found += [n.strip().lstrip("%") for n in m.group(1).split(",")]
+    return found
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_stages_talk_by_collective_permute_over_pipe_only(corpus, schedule):
+    """Activations and their gradients move by collective-permute between
+    stages (and, interleaved, the stack is regrouped by one); no all-gather runs over `pipe`, so no stage's
+    activations (or weights) are ever gathered across stages."""
+    job = _job(corpus, schedule, "pipe4-data2", 4, 3)
+    mesh = job.layout.mesh
+    found = hlo.collectives(compile_step(job).as_text())
+    coords = {int(i): c for c, i in np.ndenumerate(np.arange(mesh.devices.size).reshape(mesh.devices.shape))}
+    pipe = list(mesh.axis_names).index("pipe")
+    permutes = [c for c in found if c.op == "collective-permute"]
+    assert permutes
+    for c in permutes:
+        for source, target in c.groups():
+            differ = [i for i, (a, b) in enumerate(zip(coords[source], coords[target])) if a != b]
+            assert differ in ([], [pipe]), c.line[:200]  # [] : a device keeps its part
+    over_pipe = [c for c in found if c.op == "all-gather" and "pipe" in (c.axes(mesh) or ("pipe",))]
+    assert not over_pipe, [c.line[:200] for c in over_pipe]
+
+
+def test_one_f_one_b_holds_at_most_p_microbatches(corpus, capsys):
+    """Compiled temporaries with p = 4: 1f1b below gpipe at m = 8, flat from
+    m = 8 to 32 at a fixed microbatch size, while gpipe's grow with m."""
+    rows = 4  # per microbatch: 2 per data-parallel shard
+    temp = {}
+    for schedule, m in itertools.product(("gpipe", "1f1b"), (8, 32)):
+        job = make_job(corpus, mesh="pipe=4,data=2", n_layer=8, seq_len=128, batch_size=rows * m,
+                       pipeline_schedule=schedule, microbatches=m)
+        temp[schedule, m] = compile_step(job).memory_analysis().temp_size_in_bytes
+    d_model = job.model.config.d_model
+    act = rows // 2 * 128 * d_model * 4  # one stage input, per device (fp32)
+    with capsys.disabled():
+        print(f"\npipe=4,data=2 temp bytes per device (one microbatch's stage input {act:,} B): "
+              + ", ".join(f"{s} m={m}: {b:,}" for (s, m), b in temp.items()))
+    assert temp["1f1b", 8] < temp["gpipe", 8]
+    assert abs(temp["1f1b", 32] - temp["1f1b", 8]) <= 2 * act
+    assert temp["gpipe", 32] - temp["gpipe", 8] >= 24 * act  # 24 more stashed inputs
+
+
+@pytest.mark.parametrize("bad,message", [
+    (dict(mesh="pipe=4,fsdp=2", n_layer=6), "6 layers do not split into 4 stages"),
+    (dict(mesh="pipe=2,fsdp=4", pipeline_schedule="interleaved", microbatches=3), "--microbatches 4"),
+    (dict(mesh="pipe=2,fsdp=4", pipeline_schedule="zigzag"), "choose from gpipe, 1f1b, interleaved"),
+])
+def test_pipeline_shapes_are_checked_before_compiling(corpus, bad, message):
+    from zero_jax.config import ConfigError
+    with pytest.raises(ConfigError, match=message):
+        make_job(corpus, **{**dict(seq_len=16, batch_size=24), **bad})
