@@ -8,7 +8,12 @@
 Prints the resolved plan, then trains with a progress bar and periodic
 validation. Every flag is also a key of the TOML run config (see --help).
 Exit status: 0 done (or preempted and saved), 2 bad input, 3 training halted
-(non-finite gradients), 4 a checkpoint could not be saved or restored.
+(non-finite gradients), 4 a checkpoint could not be saved or restored, 5 a
+step ran far past the recent median (the watchdog), 6 processes disagree
+on the config or the compiled step.
+
+Under scripts/launch.py, SLURM, Open MPI or on a TPU pod each process runs
+this same script; `jax.distributed` is set up from the environment.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import jax
 
 import models
 from zero_jax import checkpoint as ckpt_lib
-from zero_jax import config as config_lib, data as data_lib, job as job_lib, loop, plan, run
+from zero_jax import config as config_lib, data as data_lib, distributed, job as job_lib, loop, plan, run
 from zero_jax.mesh import MeshError
 from zero_jax.rules import ShardingError
 
@@ -35,23 +40,44 @@ def parse(argv: list[str] | None = None) -> tuple[config_lib.RunConfig, argparse
     return config_lib.from_args(args, args.config), args
 
 
+def start_up_fingerprint(cfg: config_lib.RunConfig, lowered) -> dict[str, str]:
+    """A hash of the program each process compiles (the lowered train step:
+    compiled text differs when one process finds it in the compilation
+    cache), and every config field but this process's own."""
+    flat = {f"{section}.{key}": value for section, fields in cfg.to_dict().items()
+            for key, value in fields.items() if section != "distributed"}
+    return {"train_step": distributed.fingerprint(lowered.as_text()), **flat}
+
+
 def main(argv: list[str] | None = None) -> int:
     # A size limit on files (disk quota) must fail the write, not kill the process.
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    cfg, args = parse(argv)
     try:
-        cfg, args = parse(argv)
+        distributed.initialize(cfg.distributed)  # before anything asks for devices
         corpus = data_lib.load(cfg.data.source)
         job = job_lib.prepare(cfg, models.builder(cfg.model.name, corpus.vocab_size))
-    except (config_lib.ConfigError, MeshError, ShardingError, ValueError, FileNotFoundError) as e:
+    except (config_lib.ConfigError, MeshError, ShardingError, ValueError, FileNotFoundError,
+            distributed.DistributedError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
-    train_step = job.compile_train_step()
+    lowered = job.lower_train_step()
+    train_step = lowered.compile()
+    try:
+        # Processes about to run different programs would hang in the first
+        # collective: compare before running anything.
+        distributed.agree("start-up", start_up_fingerprint(cfg, lowered),
+                          cfg.distributed.barrier_timeout_s)
+    except distributed.DistributedError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 6
     eval_step = job.compile_eval_step()
     data_line = (f"{corpus.name}: {len(corpus.train):,} train / {len(corpus.val):,} "
                  f"validation tokens, vocab {corpus.vocab_size}")
     model_line = models.describe(cfg.model.name, corpus.vocab_size, cfg.model.vocab_multiple)
-    print(plan.describe(job, data_line, model_line, train_step), flush=True)
+    if jax.process_index() == 0:
+        print(plan.describe(job, data_line, model_line, train_step), flush=True)
 
     try:
         outcome = run.train(job, corpus, train_step, eval_step, loaders=[models.hf_loader],
@@ -64,14 +90,14 @@ def main(argv: list[str] | None = None) -> int:
         return 4
     history = outcome.history
     if not history:
-        print(f"nothing to do: the state is already at step {int(outcome.state.step)}")
+        print(f"nothing to do: the state is already at step {int(loop.local(outcome.state.step))}")
         return 0
     last = history[-1]
     tokens_per_s = sorted(r["tokens_per_s"] for r in history[1:] or history)
     val = f", validation loss {last['val_loss']:.4f} nats/token" if "val_loss" in last else ""
     print(f"{outcome.stopped or 'done'}: step {last['step']}, train loss {last['loss']:.4f}{val}, "
           f"median {tokens_per_s[len(tokens_per_s) // 2]:,.0f} tokens/s on "
-          f"{jax.device_count()} devices")
+          f"{jax.device_count()} devices" + (f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""))
     return 0
 
 

@@ -152,14 +152,17 @@ class Checkpointer:
     --init-from) must never touch a directory another process may be writing.
     """
 
-    def __init__(self, cfg: CheckpointConfig, param_names: Any = None, writer: bool = False):
+    def __init__(self, cfg: CheckpointConfig, param_names: Any = None, writer: bool = False,
+                 barrier_timeout_s: int = 600):
         self.cfg = cfg
         self._param_save_args = None if param_names is None else layer_chunks(param_names)
         self.directory = Path(cfg.dir).absolute()
         options = ocp.CheckpointManagerOptions(
             max_to_keep=cfg.keep_last, keep_period=cfg.keep_every or None,
             enable_async_checkpointing=cfg.async_save, cleanup_tmp_directories=writer,
-            create=writer, read_only=not writer)
+            create=writer, read_only=not writer,
+            # Orbax's own barriers between processes give up after this.
+            async_options=ocp.AsyncOptions(timeout_secs=barrier_timeout_s))
         self.manager = ocp.CheckpointManager(self.directory, options=options)
 
     # -- listing -----------------------------------------------------------

@@ -18,6 +18,7 @@ import typing
 from typing import Any
 
 from zero_jax.checkpoint import CheckpointConfig
+from zero_jax.distributed import DistributedConfig
 from zero_jax.mesh import MeshShape
 from zero_jax.optim import OptimConfig
 
@@ -92,6 +93,7 @@ class RunConfig:
     data: DataConfig = DataConfig()
     train: TrainConfig = TrainConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    distributed: DistributedConfig = DistributedConfig()
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -100,7 +102,7 @@ class RunConfig:
 _SECTION_TYPES = {"model": ModelConfig, "parallel": ParallelConfig,
                   "precision": PrecisionConfig, "activations": ActivationConfig,
                   "optim": OptimConfig, "data": DataConfig, "train": TrainConfig,
-                  "checkpoint": CheckpointConfig}
+                  "checkpoint": CheckpointConfig, "distributed": DistributedConfig}
 # Fields whose flag is not their own name.
 _FLAG_NAMES = {("model", "name"): "model", ("optim", "name"): "optimizer",
                ("data", "source"): "data", ("precision", "policy"): "precision",

@@ -42,10 +42,14 @@ class Job:
         return jax.ShapeDtypeStruct((t.batch_size, self.run.data.seq_len + 1), jnp.int32,
                                     sharding=self.layout.batch_sharding)
 
+    def lower_train_step(self):
+        """The train step traced for the abstract state: the program every
+        process must agree on before running it."""
+        return self.jit_train_step().lower(self.layout.abstract, self.abstract_batch)
+
     def compile_train_step(self, **compiler_options):
         """The jitted train step, compiled ahead of time for the abstract state."""
-        return self.jit_train_step().lower(self.layout.abstract, self.abstract_batch).compile(
-            compiler_options=compiler_options or None)
+        return self.lower_train_step().compile(compiler_options=compiler_options or None)
 
     def jit_train_step(self):
         return step.jit_train_step(self.layout, self.model, self.hooks, self.tx, self.lr,

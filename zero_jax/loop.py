@@ -20,6 +20,7 @@ import numpy as np
 from tqdm import tqdm
 
 from zero_jax.state import TrainState
+from zero_jax.watchdog import StepWatchdog
 
 
 class TrainingHalted(RuntimeError):
@@ -42,9 +43,15 @@ class MetricsWriter:
             self._file.close()
 
 
+def local(tree: Any) -> Any:
+    """Replicated results as numpy, each process reading its own copy
+    (`device_get` refuses arrays that span processes)."""
+    return jax.tree.map(lambda a: np.asarray(a.addressable_data(0)), tree)
+
+
 def evaluate(eval_step: Callable, params: Any, batches: Callable[[int], jax.Array], n: int) -> float:
     """Mean loss over `n` validation batches, one in flight at a time."""
-    losses = [float(eval_step(params, batches(i))) for i in range(n)]
+    losses = [float(local(eval_step(params, batches(i)))) for i in range(n)]
     return float(np.mean(losses))
 
 
@@ -53,6 +60,7 @@ def train(state: TrainState, train_step: Callable, batch_at: Callable[[int], jax
           metrics_path: str = "", out: TextIO = sys.stdout, progress: bool = True,
           max_consecutive_skips: int = 20,
           after_step: Callable[[int, TrainState], bool] | None = None,
+          watchdog: StepWatchdog | None = None,
           ) -> tuple[TrainState, list[dict[str, Any]]]:
     """Run `train_step` from `state.step` to `steps`; returns the state and per-step records.
 
@@ -61,9 +69,10 @@ def train(state: TrainState, train_step: Callable, batch_at: Callable[[int], jax
     `after_step(n, state)` is called with the state after n steps, before the
     next step is dispatched (and may donate it), so it can save that state;
     it returns True to stop there. Raises TrainingHalted after
-    `max_consecutive_skips` skipped steps in a row.
+    `max_consecutive_skips` skipped steps in a row. `watchdog` is told when
+    the loop starts and stops waiting on each step.
     """
-    start = int(state.step)
+    start = int(local(state.step))
     writer = MetricsWriter(metrics_path, append=start > 0)
     bar = tqdm(total=steps, initial=start, file=out, disable=not progress, dynamic_ncols=True,
                mininterval=1.0, unit="step")
@@ -73,9 +82,13 @@ def train(state: TrainState, train_step: Callable, batch_at: Callable[[int], jax
 
     def finish(step: int, metrics: dict[str, jax.Array], eval_params: Any = None) -> None:
         nonlocal last_done
-        # Wait for this step on every device, not only the one device_get reads
-        # the replicated metrics from: the bound must hold per device.
-        values = jax.device_get(jax.block_until_ready(metrics))
+        # Wait for this step on every device, not only the one the replicated
+        # metrics are read from: the bound must hold per device.
+        if watchdog is not None:
+            watchdog.started(step)
+        values = local(jax.block_until_ready(metrics))
+        if watchdog is not None:
+            watchdog.finished(step)
         now = time.perf_counter()
         record = {"step": step + 1, "loss": float(values["loss"]),
                   "grad_norm": float(values["grad_norm"]), "lr": float(values["lr"]),

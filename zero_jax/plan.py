@@ -21,6 +21,20 @@ def shaped(shape, spec: PartitionSpec) -> str:
     return " x ".join(dims) or "scalar"
 
 
+def placement(shape) -> str:
+    """Per mesh axis: whether its collectives cross hosts (dcn) or stay inside one (ici)."""
+    unit = "process" if jax.process_count() > 1 else "host"
+    parts = []
+    for a in AXES:
+        i, d = shape.ici[AXES.index(a)], shape.dcn[AXES.index(a)]
+        if i * d == 1:
+            continue
+        where = (f"across {unit}es (dcn {d})" if i == 1 else f"across {unit}es (dcn {d} x ici {i})"
+                 ) if d > 1 else f"inside each {unit} (ici {i})"
+        parts.append(f"{a}: {where}")
+    return "; ".join(parts) or "one device"
+
+
 def _mb(n: float) -> str:
     return f"{n / 2**20:10.2f}"
 
@@ -49,7 +63,6 @@ def describe(job: Job, data_line: str, model_line: str, compiled_step=None) -> s
     t = run.train
     per_device = t.batch_size // (t.microbatches * dp)
     word = lambda b: "sharded" if b else "replicated"
-    crossing = [a for a in AXES if shape.crosses_hosts(a)]
     report = job.memory_report(compiled_step)
     per = report["bytes_per_param"]
     tp = [n for n in ("heads", "mlp", "vocab") if "tensor" in layout.rules.mesh_axes(n)]
@@ -59,7 +72,8 @@ def describe(job: Job, data_line: str, model_line: str, compiled_step=None) -> s
         f"data       {data_line}",
         f"mesh       {shape.name}: {shape.num_devices} devices, "
         + " ".join(f"{a}={sizes[a]}" for a in AXES)
-        + (f"; across hosts: {', '.join(crossing)}" if crossing else "; no axis crosses hosts"),
+        + (f"; {jax.process_count()} processes" if jax.process_count() > 1 else ""),
+        "placement  " + placement(shape),
         f"layout     {layout.rules.name}: tensor splits "
         + (", ".join(tp) if tp and sizes["tensor"] > 1 else "nothing")
         + ("; sequence split over tensor between blocks" if job.sequence_parallel and sizes["tensor"] > 1 else ""),

@@ -21,10 +21,11 @@ import numpy as np
 
 from zero_jax import checkpoint as ckpt_lib
 from zero_jax import data as data_lib
-from zero_jax import export, integrity, loop
+from zero_jax import distributed, export, integrity, loop
 from zero_jax.job import Job
 from zero_jax.preempt import Preemption
 from zero_jax.state import TrainState
+from zero_jax.watchdog import StepWatchdog
 
 # (path, job) -> parameter tree as numpy, for weight formats a model package knows
 ParamLoader = Callable[[str, Job], Any]
@@ -105,8 +106,10 @@ def initial_state(job: Job, checkpointer: ckpt_lib.Checkpointer | None,
         restored = checkpointer.restore_latest(job.layout.targets, log)
         if restored is not None:
             state, meta = restored
-            step = int(state.step)
-            log(f"resumed from {checkpointer.directory / str(step)} (step {step})")
+            step = int(loop.local(state.step))
+            arrays = sum(len(leaves) for leaves in meta["manifest"].values())
+            log(f"resumed from {checkpointer.directory / str(step)} (step {step}; {arrays} arrays "
+                "equal to the saved ones by checksum)")
             _log_config_changes(meta.get("run", {}), job.run.to_dict(), log)
             return state, step
         log(f"--resume: no complete checkpoint in {checkpointer.directory}; starting fresh")
@@ -128,14 +131,19 @@ def train(job: Job, corpus: data_lib.TokenData, train_step, eval_step, *,
           loaders: list[ParamLoader] = (), progress: bool = True,
           log: Callable[[str], None] = print) -> Outcome:
     run, t, c = job.run, job.run.train, job.run.checkpoint
-    checkpointer = ckpt_lib.Checkpointer(c, job.layout.names, writer=True) if c.dir else None
+    d = run.distributed
+    checkpointer = (ckpt_lib.Checkpointer(c, job.layout.names, writer=True,
+                                          barrier_timeout_s=d.barrier_timeout_s) if c.dir else None)
     state, resumed = initial_state(job, checkpointer, loaders, log)
+    # Every process has its state before any starts stepping; bounded, so a
+    # process that died while restoring ends the run instead of holding it.
+    distributed.barrier("state ready", d.barrier_timeout_s)
     seq, sharding = run.data.seq_len, job.layout.batch_sharding
     batch = functools.partial(data_lib.global_batch, corpus, "train", seq, t.batch_size, t.seed,
                               sharding=sharding)
     val_batch = functools.partial(data_lib.global_batch, corpus, "val", seq, t.batch_size, t.seed,
                                   sharding=sharding)
-    preemption = Preemption(checkpointer.manager if checkpointer else None)
+    preemption = Preemption()
     last = t.stop_at or t.steps
     stopped = ""
 
@@ -151,12 +159,16 @@ def train(job: Job, corpus: data_lib.TokenData, train_step, eval_step, *,
             checkpointer.check()
         return bool(stopped)
 
+    watchdog = StepWatchdog(d.watchdog_warn, d.watchdog_stop, d.watchdog_min_s,
+                            who=f"process {jax.process_index()}: " if jax.process_count() > 1 else "")
+    lead = jax.process_index() == 0  # one metrics file and progress bar per run
     try:
         state, history = loop.train(
             state, train_step, lambda step: batch(step=step), steps=t.steps,
             eval_fn=lambda params: loop.evaluate(eval_step, params, val_batch, t.eval_batches),
-            eval_every=t.eval_every, metrics_path=t.metrics_out, progress=progress,
-            max_consecutive_skips=run.precision.max_consecutive_skips, after_step=after_step)
+            eval_every=t.eval_every, metrics_path=t.metrics_out if lead else "",
+            progress=progress and lead, max_consecutive_skips=run.precision.max_consecutive_skips,
+            after_step=after_step, watchdog=watchdog)
         if checkpointer is not None:
             checkpointer.wait()
     except ckpt_lib.SaveFailed:
@@ -164,6 +176,8 @@ def train(job: Job, corpus: data_lib.TokenData, train_step, eval_step, *,
             for name in checkpointer.remove_incomplete():
                 log(f"removed the uncommitted {checkpointer.directory / name}")
         raise
+    finally:
+        watchdog.close()
     if stopped and checkpointer is not None:
-        log(f"{stopped}: saved step {int(state.step)} in {checkpointer.directory}")
+        log(f"{stopped}: saved step {int(loop.local(state.step))} in {checkpointer.directory}")
     return Outcome(state, history, stopped, resumed)
