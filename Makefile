@@ -12,6 +12,9 @@ ISTAMP := $(IVENV)/.installed
 INTEROP_PACKAGES := 'torch==2.13.0' 'transformers>=4.40'
 CHECK_PYTHON = @$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || \
 	  { echo "zero_jax needs Python 3.11 or newer: run make PYTHON=python3.11 (or newer)"; exit 1; }
+# The tests compile hundreds of small programs, one compile per core at a
+# time: one worker per core, each test file on one worker (its fixtures once).
+TEST_WORKERS ?= 2
 # The default job and the tests run on 8 simulated CPU devices.
 CPU8   := XLA_FLAGS=--xla_force_host_platform_device_count=8
 
@@ -21,7 +24,7 @@ train: $(STAMP)
 	$(CPU8) $(PY) scripts/train.py
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests --ignore=tests/interop
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests --ignore=tests/interop
 
 test-interop: $(ISTAMP)
 	$(IVENV)/bin/python -m pytest -q tests/interop

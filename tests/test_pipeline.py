@@ -56,9 +56,9 @@ def test_one_step_loss_and_gradients_match_one_device(corpus, reference, schedul
 
 # Ten steps compile the whole train step, three times the cost of the loss
 # and gradients alone: CI runs each schedule on each mesh once, cycling
-# through (m, ZeRO stage); ZERO_JAX_FULL_PIPELINE_GRID=1 runs all 36.
+# through (m, ZeRO stage); ZERO_JAX_FULL_GRID=1 runs all 36.
 _CYCLE = [(4, 1), (8, 3), (8, 1), (4, 3)]
-TEN = (GRID if os.environ.get("ZERO_JAX_FULL_PIPELINE_GRID") else
+TEN = (GRID if os.environ.get("ZERO_JAX_FULL_GRID") else
        [(s, mesh, *_CYCLE[i % 4]) for i, (s, mesh) in enumerate(itertools.product(SCHEDULES, MESHES))])
 
 
