@@ -140,7 +140,7 @@ def test_sigterm_saves_waits_and_exits_zero(tmp_path):
     assert 3 <= step < 400
     resumed = train("--steps", str(step + 3), "--resume", "--eval-every", "0",
                     "--checkpoint-dir", str(ckpt), "--metrics-out", str(metrics))
-    assert resumed.returncode == 0 and f"(step {step})" in resumed.stdout, resumed.stderr
+    assert resumed.returncode == 0 and f"(step {step};" in resumed.stdout, resumed.stderr
     assert max(losses(metrics)) == step + 3
 
 

@@ -23,6 +23,13 @@ MESHES = {
 }
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 GRID = list(itertools.product(SCHEDULES, MESHES, (4, 8), (1, 3)))
+# CI's time budget covers half the grid for one step: every schedule on
+# every mesh with m = 4 and 8, ZeRO 1 and 3 alternating; and one ten-step
+# run per schedule. ZERO_JAX_FULL_GRID=1 runs all 36 of both.
+FULL = bool(os.environ.get("ZERO_JAX_FULL_GRID"))
+ONE = GRID if FULL else [c for i, c in enumerate(GRID) if c[3] == (1, 3)[(i // 2 + i // 4) % 2]]
+TEN = GRID if FULL else [("gpipe", "pipe2-fsdp2-tensor2", 8, 1), ("1f1b", "pipe4-data2", 4, 3),
+                         ("interleaved", "pipe2-fsdp4", 8, 3)]
 
 
 def _job(corpus, schedule, mesh, m, zero, **extra):
@@ -46,20 +53,12 @@ def _loss_and_grads(job, corpus):
     return job.jit_loss_and_grads()(initial_state(job).params, batch)
 
 
-@pytest.mark.parametrize("schedule,mesh,m,zero", GRID, ids=["-".join(map(str, c)) for c in GRID])
+@pytest.mark.parametrize("schedule,mesh,m,zero", ONE, ids=["-".join(map(str, c)) for c in ONE])
 def test_one_step_loss_and_gradients_match_one_device(corpus, reference, schedule, mesh, m, zero):
     job = _job(corpus, schedule, mesh, m, zero)
     loss, grads = _loss_and_grads(job, corpus)
     np.testing.assert_allclose(float(loss), reference[0], rtol=1e-5)
     assert_close(host(grads), reference[1])
-
-
-# Ten steps compile the whole train step, three times the cost of the loss
-# and gradients alone: CI runs each schedule on each mesh once, cycling
-# through (m, ZeRO stage); ZERO_JAX_FULL_GRID=1 runs all 36.
-_CYCLE = [(4, 1), (8, 3), (8, 1), (4, 3)]
-TEN = (GRID if os.environ.get("ZERO_JAX_FULL_GRID") else
-       [(s, mesh, *_CYCLE[i % 4]) for i, (s, mesh) in enumerate(itertools.product(SCHEDULES, MESHES))])
 
 
 @pytest.mark.parametrize("schedule,mesh,m,zero", TEN, ids=["-".join(map(str, c)) for c in TEN])
