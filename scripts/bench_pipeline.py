@@ -41,7 +41,7 @@ def main(argv=None) -> int:
     parser.add_argument("--zero-stage", type=int, default=3)
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per variant")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
