@@ -73,3 +73,11 @@ def test_watchdog_ignores_short_steps_and_the_first_ones():
     w.finished(3)
     w.close()
     assert out.getvalue() == "" and exits == []
+
+
+def test_plan_says_which_axes_cross_hosts():
+    from zero_jax import mesh, plan
+    assert plan.placement(mesh.load("gpu-4x8").resolve(32)) == \
+        "data: across hosts (dcn 4); fsdp: inside each host (ici 8)"
+    assert plan.placement(mesh.load("fsdp=4,tensor=2").resolve(8)) == \
+        "fsdp: inside each host (ici 4); tensor: inside each host (ici 2)"

@@ -23,13 +23,13 @@ def shaped(shape, spec: PartitionSpec) -> str:
 
 def placement(shape) -> str:
     """Per mesh axis: whether its collectives cross hosts (dcn) or stay inside one (ici)."""
-    unit = "process" if jax.process_count() > 1 else "host"
+    unit, units = ("process", "processes") if jax.process_count() > 1 else ("host", "hosts")
     parts = []
     for a in AXES:
         i, d = shape.ici[AXES.index(a)], shape.dcn[AXES.index(a)]
         if i * d == 1:
             continue
-        where = (f"across {unit}es (dcn {d})" if i == 1 else f"across {unit}es (dcn {d} x ici {i})"
+        where = (f"across {units} (dcn {d})" if i == 1 else f"across {units} (dcn {d} x ici {i})"
                  ) if d > 1 else f"inside each {unit} (ici {i})"
         parts.append(f"{a}: {where}")
     return "; ".join(parts) or "one device"
