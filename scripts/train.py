@@ -97,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     val = f", validation loss {last['val_loss']:.4f} nats/token" if "val_loss" in last else ""
     print(f"{outcome.stopped or 'done'}: step {last['step']}, train loss {last['loss']:.4f}{val}, "
           f"median {tokens_per_s[len(tokens_per_s) // 2]:,.0f} tokens/s on "
-          f"{jax.device_count()} devices" + (f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""))
+          f"{jax.device_count()} devices"
+          + (f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""))
     return 0
 
 
