@@ -146,7 +146,7 @@ def test_stages_talk_by_collective_permute_over_pipe_only(corpus, schedule):
     assert not over_pipe, [c.line[:200] for c in over_pipe]
 
 
-def test_one_f_one_b_holds_at_most_p_microbatches(corpus, capsys):
+def test_one_f_one_b_memory_is_below_gpipe_and_flat_in_m(corpus, capsys):
     """Compiled temporaries with p = 4: 1f1b below gpipe at m = 8, flat from
     m = 8 to 32 at a fixed microbatch size, while gpipe's grow with m."""
     rows = 4  # per microbatch: 2 per data-parallel shard
