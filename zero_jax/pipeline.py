@@ -67,11 +67,15 @@ class Program:
     slots: tuple[int, int, int]  # (stash, forward inbox, backward inbox) sizes
 
     @classmethod
+    def tables(cls) -> tuple[str, ...]:
+        """The per-(tick, device) arrays, by field name."""
+        return tuple(f.name for f in dataclasses.fields(cls) if f.name != "slots")
+
+    @classmethod
     def of(cls, s: Schedule) -> "Program":
         T, p, G = s.ticks, s.p, s.chunks
         z = lambda: np.zeros((T, p), np.int32)
-        arr = {k: z() for k in ("kind", "mb", "chunk", "first", "last", "stash", "read", "dy",
-                                "fwd_arrival", "bwd_arrival")}
+        arr = {k: z() for k in cls.tables()}
         free = {name: [[] for _ in range(p)] for name in ("stash", "fwd", "bwd")}
         used = {name: [0] * p for name in free}  # slots each device has opened
         held: dict[tuple, int] = {}
@@ -163,9 +167,7 @@ def loss_and_grads(fns: PipelineFns, hooks, schedule: Schedule, mesh: Mesh, para
         stack, jax.tree.map(lambda s: NamedSharding(mesh, s), stack_specs,
                             is_leaf=lambda x: isinstance(x, PartitionSpec)))
     micro = split_microbatches(batch, m)
-    table = {k: jnp.asarray(getattr(prog, k)) for k in
-             ("kind", "mb", "chunk", "first", "last", "stash", "read", "dy",
-              "fwd_arrival", "bwd_arrival")}
+    table = {k: jnp.asarray(getattr(prog, k)) for k in Program.tables()}
     n_stash, n_fwd, n_bwd = prog.slots
     x_shape = jax.eval_shape(lambda o, t: fns.embed(o, t[:, :-1], hooks), outer, micro[0])
 
@@ -186,9 +188,9 @@ def loss_and_grads(fns: PipelineFns, hooks, schedule: Schedule, mesh: Mesh, para
         # Activation buffers are laid out like the activations (batch split).
         place = lambda buf: hooks_in.act(buf, (None, "batch", "res_seq", "embed"))
         act = lambda x: hooks_in.act(x, ("batch", "res_seq", "embed"))
-        zeros = lambda n: place(jnp.zeros((n + 1, *x_shape.shape), x_shape.dtype))
-        carry = {
-            "fwd": zeros(n_fwd), "bwd": zeros(n_bwd), "stash": zeros(n_stash - 1),
+        zeros = lambda n: place(jnp.zeros((n, *x_shape.shape), x_shape.dtype))
+        carry = {  # inboxes have one spare slot, where "nothing arrived" is written
+            "fwd": zeros(n_fwd + 1), "bwd": zeros(n_bwd + 1), "stash": zeros(n_stash),
             "g_stack": constrain_stage_grads(jax.tree.map(lambda a: jnp.zeros(a.shape, grad_dtype), chunks)),
             "g_outer": jax.tree.map(lambda a: jnp.zeros(a.shape, grad_dtype), outer),
             "loss": jnp.zeros((), jnp.float32),
