@@ -23,21 +23,21 @@ import jax
 
 import models
 from zero_jax import config as config_lib, data as data_lib, job as job_lib
+from zero_jax import mesh as mesh_lib
 from zero_jax.schedule import SCHEDULES
 
 
 def _without_pipe(mesh: str) -> str:
-    """The inline mesh with `pipe` folded into `fsdp`: the same devices, no stages."""
-    sizes = dict(part.split("=") for part in mesh.split(","))
-    pipe = int(sizes.pop("pipe", 1))
-    sizes["fsdp"] = str(int(sizes.get("fsdp", 1)) * pipe)
-    return ",".join(f"{a}={s}" for a, s in sizes.items())
+    """The mesh with `pipe` folded into `fsdp`, inline: the same devices, no stages."""
+    sizes = dict(zip(mesh_lib.AXES, mesh_lib.load(mesh).ici))
+    sizes["fsdp"] *= sizes.pop("pipe")
+    return ",".join(f"{a}={s}" for a, s in sizes.items() if s != 1) or "fsdp=1"
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="gpt-tiny")
-    parser.add_argument("--mesh", default="pipe=2,fsdp=4", help="inline, with a pipe axis")
+    parser.add_argument("--mesh", default="pipe=2,fsdp=4", help="with a pipe axis, on one host")
     parser.add_argument("--zero-stage", type=int, default=3)
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=128)
@@ -45,8 +45,11 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=5, help="timed steps per variant")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    if "pipe=" not in args.mesh:
-        parser.error(f"--mesh {args.mesh}: give an inline mesh with a pipe axis, like pipe=2,fsdp=4")
+    config = mesh_lib.load(args.mesh)
+    if (config.dcn != (1,) * len(mesh_lib.AXES) or -1 in config.ici
+            or config.ici[mesh_lib.AXES.index("pipe")] < 2):
+        parser.error(f"--mesh {args.mesh}: give a one-host mesh with a pipe axis and every size "
+                     "fixed, like pipe=2,fsdp=4")
 
     corpus = data_lib.load("stdlib")
     variants = {"no pipeline": (_without_pipe(args.mesh), "1f1b")}
