@@ -10,15 +10,16 @@ from zero_jax.model import ModelFns
 from models import gpt, gpt_hf
 
 
-def build(name: str, vocab_size: int, vocab_multiple: int = 1) -> ModelFns:
-    """A model by preset name, sized to the data's vocabulary."""
-    return gpt.model_fns(gpt.config(name, vocab_size, vocab_multiple=vocab_multiple))
+def build(name: str, vocab_size: int, vocab_multiple: int = 1, **overrides) -> ModelFns:
+    """A model by preset name, sized to the data's vocabulary (`overrides`
+    change other shape fields, e.g. n_layer)."""
+    return gpt.model_fns(gpt.config(name, vocab_size, vocab_multiple=vocab_multiple, **overrides))
 
 
-def builder(name: str, vocab_size: int):
+def builder(name: str, vocab_size: int, **overrides):
     """`vocab_multiple -> ModelFns`, checking the name now."""
-    gpt.config(name, vocab_size)
-    return lambda vocab_multiple: build(name, vocab_size, vocab_multiple)
+    gpt.config(name, vocab_size, **overrides)
+    return lambda vocab_multiple: build(name, vocab_size, vocab_multiple, **overrides)
 
 
 def describe(name: str, vocab_size: int, vocab_multiple: int = 1) -> str:

@@ -13,7 +13,6 @@ measured numbers.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import itertools
 import os
 
@@ -22,7 +21,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from models import gpt  # noqa: E402
+import models  # noqa: E402
 from zero_jax import config as config_lib, data as data_lib, job as job_lib  # noqa: E402
 
 MESHES = {"pipe=2,fsdp=4": {}, "pipe=2,fsdp=2,tensor=2": {"parallel.layout": "fsdp_tp_sp"},
@@ -31,9 +30,7 @@ MESHES = {"pipe=2,fsdp=4": {}, "pipe=2,fsdp=2,tensor=2": {"parallel.layout": "fs
 
 def loss_and_grads(corpus, devices=None, **flat):
     run = config_lib.build(None, {"data.seq_len": 16, "train.batch_size": 32, **flat})
-    cfg = gpt.config("gpt-tiny", corpus.vocab_size, n_layer=8)
-    job = job_lib.prepare(run, lambda multiple: gpt.model_fns(
-        dataclasses.replace(cfg, vocab_multiple=multiple)), devices)
+    job = job_lib.prepare(run, models.builder("gpt-tiny", corpus.vocab_size, n_layer=8), devices)
     batch = data_lib.global_batch(corpus, "train", 16, 32, 0, step=0,
                                   sharding=job.layout.batch_sharding)
     loss, grads = job.jit_loss_and_grads()(job.init_state().params, batch)

@@ -23,12 +23,8 @@ def make_job(corpus, *, devices=None, n_layer=None, **overrides):
                  precision="precision.policy", layout="parallel.layout")
     flat = {where[key]: value for key, value in fields.items()}
     run = config_lib.build(None, flat)
-    if n_layer is None:
-        return job_lib.prepare(run, models.builder(run.model.name, corpus.vocab_size), devices)
-    from models import gpt
-    cfg = gpt.config(run.model.name, corpus.vocab_size, n_layer=n_layer)
-    return job_lib.prepare(run, lambda multiple: gpt.model_fns(
-        dataclasses.replace(cfg, vocab_multiple=multiple)), devices)
+    depth = {} if n_layer is None else {"n_layer": n_layer}
+    return job_lib.prepare(run, models.builder(run.model.name, corpus.vocab_size, **depth), devices)
 
 
 # A pipelined step loops over ticks, each running a whole stage: the tests
