@@ -5,7 +5,6 @@ gpt-tiny with 8 layers, so that p = 4 stages x v = 2 chunks divide it.
 """
 
 import itertools
-import re
 import os
 
 import jax
@@ -82,48 +81,10 @@ def test_gather_once_matches_and_leaves_no_gather_in_the_loop(corpus, reference)
         text = compile_step(job).as_text()
         weights = {tuple(a.shape[i:]) for a in jax.tree.leaves(job.layout.abstract.params)
                    for i in (0, 1)}
-        gathers[once] = [c for c in hlo.collectives(_inside_loops(text))
-                         if c.op == "all-gather" and _result_shape(c.line) in weights]
+        gathers[once] = [c for c in hlo.collectives(hlo.inside_loops(text))
+                         if c.op == "all-gather" and c.shape in weights]
     assert gathers[False], "ZeRO-3 gathers each stage's weights inside the loop"
     assert not gathers[True], [c.line[:160] for c in gathers[True]]
-
-
-def _result_shape(line: str) -> tuple[int, ...]:
-    dims = re.search(r"= \w+\[([\d,]*)\]", line).group(1)
-    return tuple(int(d) for d in dims.split(",") if d)
-
-
-def _inside_loops(text: str) -> str:
-    """The HLO of every computation reachable from a while loop's body."""
-    bodies, calls, name = {}, {}, None
-    for line in text.splitlines():
-        head = line.split(" ", 2)
-        if line and not line.startswith(" ") and line.rstrip().endswith("{") and len(head) > 1:
-            name = head[1] if head[0] == "ENTRY" else head[0]
-            name = name.lstrip("%")
-            bodies[name], calls[name] = [], set()
-        elif name is not None:
-            bodies[name].append(line)
-            for callee in _callees(line):
-                calls[name].add(callee)
-    roots = {c for lines in bodies.values() for line in lines for c in _callees(line, "body")}
-    seen, todo = set(), list(roots)
-    while todo:
-        c = todo.pop()
-        if c not in seen and c in bodies:
-            seen.add(c)
-            todo += calls[c]
-    return "\n".join(line for c in seen for line in bodies[c])
-
-
-def _callees(line: str, only: str | None = None) -> list[str]:
-    keys = (only,) if only else ("body", "condition", "to_apply", "calls", "branch_computations",
-                                 "true_computation", "false_computation")
-    found = []
-    for key in keys:
-        for m in re.finditer(key + r"=\{?([%\w.\-, ]+)\}?", line):
-            found += [n.strip().lstrip("%") for n in m.group(1).split(",")]
-    return found
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)

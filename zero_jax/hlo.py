@@ -41,6 +41,12 @@ class Collective:
         """Part of the backward pass (a transposed, i.e. differentiated, op)."""
         return "transpose(" in self.op_name
 
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The result's dimensions (the first array of a tuple result)."""
+        dims = re.search(r"= \(?\w+\[([\d,]*)\]", self.line).group(1)
+        return tuple(int(d) for d in dims.split(",") if d)
+
     def groups(self) -> list[list[int]]:
         """The device groups it runs over, as positions in the mesh's device order."""
         return replica_groups(self.line)
@@ -136,3 +142,38 @@ def partitioned_text(lowered) -> str:
         if not found:
             raise RuntimeError("XLA wrote no post-partitioning HLO dump")
         return found[-1].read_text()
+
+
+# Attributes by which an instruction calls another computation.
+_CALLS = ("body", "condition", "to_apply", "calls", "branch_computations",
+          "true_computation", "false_computation")
+
+
+def _callees(line: str, keys: tuple[str, ...] = _CALLS) -> list[str]:
+    found = []
+    for key in keys:
+        for m in re.finditer(key + r"=\{?([%\w.\-, ]+)\}?", line):
+            found += [n.strip().lstrip("%") for n in m.group(1).split(",")]
+    return found
+
+
+def inside_loops(hlo_text: str) -> str:
+    """The HLO of every computation reachable from a while loop's body: what
+    runs once per iteration (e.g. per pipeline tick), not once per step."""
+    bodies: dict[str, list[str]] = {}
+    name = None
+    for line in hlo_text.splitlines():
+        head = line.split(" ", 2)
+        if line and not line.startswith(" ") and line.rstrip().endswith("{") and len(head) > 1:
+            name = (head[1] if head[0] == "ENTRY" else head[0]).lstrip("%")
+            bodies[name] = []
+        elif name is not None:
+            bodies[name].append(line)
+    todo = [c for lines in bodies.values() for line in lines for c in _callees(line, ("body",))]
+    seen: set[str] = set()
+    while todo:
+        c = todo.pop()
+        if c not in seen and c in bodies:
+            seen.add(c)
+            todo += [callee for line in bodies[c] for callee in _callees(line)]
+    return "\n".join(line for c in seen for line in bodies[c])
