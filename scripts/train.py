@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         return 4
     history = outcome.history
     if not history:
-        print(f"nothing to do: the state is already at step {int(loop.local(outcome.state.step))}")
+        print(f"nothing to do: the state is already at step {int(distributed.local(outcome.state.step))}")
         return 0
     last = history[-1]
     tokens_per_s = sorted(r["tokens_per_s"] for r in history[1:] or history)

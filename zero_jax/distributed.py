@@ -22,6 +22,7 @@ import os
 from typing import Any
 
 import jax
+import numpy as np
 
 ENV_COORDINATOR = "ZERO_JAX_COORDINATOR"
 ENV_NUM_PROCESSES = "ZERO_JAX_NUM_PROCESSES"
@@ -141,6 +142,12 @@ def agree(name: str, value: dict[str, Any], timeout_s: float) -> None:
 def _short(v: Any) -> str:
     text = json.dumps(v, default=str)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+def local(tree: Any) -> Any:
+    """Replicated arrays as numpy, each process reading its own copy
+    (`device_get` refuses arrays that span processes)."""
+    return jax.tree.map(lambda a: np.asarray(a.addressable_data(0)), tree)
 
 
 def fingerprint(compiled_text: str) -> str:

@@ -19,6 +19,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
+from zero_jax.distributed import local
 from zero_jax.state import TrainState
 from zero_jax.watchdog import StepWatchdog
 
@@ -41,12 +42,6 @@ class MetricsWriter:
     def close(self) -> None:
         if self._file:
             self._file.close()
-
-
-def local(tree: Any) -> Any:
-    """Replicated results as numpy, each process reading its own copy
-    (`device_get` refuses arrays that span processes)."""
-    return jax.tree.map(lambda a: np.asarray(a.addressable_data(0)), tree)
 
 
 def evaluate(eval_step: Callable, params: Any, batches: Callable[[int], jax.Array], n: int) -> float:

@@ -106,7 +106,7 @@ def initial_state(job: Job, checkpointer: ckpt_lib.Checkpointer | None,
         restored = checkpointer.restore_latest(job.layout.targets, log)
         if restored is not None:
             state, meta = restored
-            step = int(loop.local(state.step))
+            step = int(distributed.local(state.step))
             arrays = sum(len(leaves) for leaves in meta["manifest"].values())
             log(f"resumed from {checkpointer.directory / str(step)} (step {step}; {arrays} arrays "
                 "equal to the saved ones by checksum)")
@@ -179,5 +179,5 @@ def train(job: Job, corpus: data_lib.TokenData, train_step, eval_step, *,
     finally:
         watchdog.close()
     if stopped and checkpointer is not None:
-        log(f"{stopped}: saved step {int(loop.local(state.step))} in {checkpointer.directory}")
+        log(f"{stopped}: saved step {int(distributed.local(state.step))} in {checkpointer.directory}")
     return Outcome(state, history, stopped, resumed)
