@@ -157,6 +157,10 @@ class Checkpointer:
         self.cfg = cfg
         self._param_save_args = None if param_names is None else layer_chunks(param_names)
         self.directory = Path(cfg.dir).absolute()
+        # A writer's manager deletes what interrupted saves left as it starts
+        # (sometimes before, sometimes after it returns): note them first, so
+        # that a resume can always say which save never committed.
+        self.interrupted = self.incomplete()
         options = ocp.CheckpointManagerOptions(
             max_to_keep=cfg.keep_last, keep_period=cfg.keep_every or None,
             enable_async_checkpointing=cfg.async_save, cleanup_tmp_directories=writer,
@@ -292,7 +296,7 @@ class Checkpointer:
 
         A corrupt checkpoint is reported and the previous complete one tried.
         """
-        for name in self.incomplete():
+        for name in self.interrupted:
             log(f"checkpoint {self.directory / name}: never committed (interrupted save); ignored")
         for step in reversed(self.complete_steps()):
             try:
