@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
 import itertools
+import os
 import re
 import tempfile
 from pathlib import Path
 
+import jax
 import numpy as np
+from jax.experimental.compilation_cache import compilation_cache
 
 OPS = ("all-gather", "all-reduce", "reduce-scatter", "collective-permute", "all-to-all")
 
@@ -135,13 +139,58 @@ def partitioned_text(lowered) -> str:
     keep it. What the program asks for (gather the bf16 copy) is visible
     here, on every platform.
     """
-    with tempfile.TemporaryDirectory() as out:
-        lowered.compile(compiler_options={"xla_dump_to": out,
-                                          "xla_dump_hlo_pass_re": "spmd-partitioning"})
-        found = sorted(Path(out).glob("*after_spmd-partitioning*.txt"))
-        if not found:
-            raise RuntimeError("XLA wrote no post-partitioning HLO dump")
-        return found[-1].read_text()
+    return compile_partitioned(lowered)[1]
+
+
+def compile_partitioned(lowered, **compiler_options):
+    """(compiled executable, its HLO right after SPMD partitioning).
+
+    The text comes from a compile that dumps it. The persistent compilation
+    cache ignores dump options, so a hit there would skip that compile and
+    write nothing: that compile runs with the cache off. With the cache on,
+    the text is kept beside it under a hash of the program and the options,
+    so a later compile of the same program reads the text and compiles as
+    usual (a cache hit from then on).
+    """
+    key = _text_key(lowered, compiler_options)
+    if key is not None and key.exists():
+        return lowered.compile(compiler_options=compiler_options or None), key.read_text()
+    compiled, text = _dump_compile(lowered, compiler_options)
+    if key is not None:
+        partial = key.with_suffix(f".tmp{os.getpid()}")
+        partial.write_text(text)
+        partial.replace(key)  # atomic: a reader sees all of it or nothing
+    return compiled, text
+
+
+def _dump_compile(lowered, compiler_options):
+    cached = jax.config.jax_enable_compilation_cache
+    # JAX decides whether to use its cache once per process: reset around this.
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
+    try:
+        with tempfile.TemporaryDirectory() as out:
+            compiled = lowered.compile(compiler_options={
+                **compiler_options, "xla_dump_to": out, "xla_dump_hlo_pass_re": "spmd-partitioning"})
+            found = sorted(Path(out).glob("*after_spmd-partitioning*.txt"))
+            if not found:
+                raise RuntimeError("XLA wrote no post-partitioning HLO dump")
+            return compiled, found[-1].read_text()
+    finally:
+        jax.config.update("jax_enable_compilation_cache", cached)
+        compilation_cache.reset_cache()
+
+
+def _text_key(lowered, options) -> Path | None:
+    directory = jax.config.jax_compilation_cache_dir
+    if not (jax.config.jax_enable_compilation_cache and directory):
+        return None
+    devices = jax.devices()
+    digest = hashlib.sha256("\n".join([
+        lowered.as_text(), repr(sorted(options.items())), jax.__version__,
+        devices[0].platform, devices[0].device_kind, str(len(devices)),
+        os.environ.get("XLA_FLAGS", "")]).encode()).hexdigest()
+    return Path(directory) / f"zero_jax-partitioned-{digest}.txt"
 
 
 # Attributes by which an instruction calls another computation.
@@ -157,18 +206,25 @@ def _callees(line: str, keys: tuple[str, ...] = _CALLS) -> list[str]:
     return found
 
 
-def inside_loops(hlo_text: str) -> str:
-    """The HLO of every computation reachable from a while loop's body: what
-    runs once per iteration (e.g. per pipeline tick), not once per step."""
+def computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None]:
+    """{computation name: instruction lines} and the entry computation's name."""
     bodies: dict[str, list[str]] = {}
-    name = None
+    name, entry = None, None
     for line in hlo_text.splitlines():
         head = line.split(" ", 2)
         if line and not line.startswith(" ") and line.rstrip().endswith("{") and len(head) > 1:
             name = (head[1] if head[0] == "ENTRY" else head[0]).lstrip("%")
+            entry = name if head[0] == "ENTRY" else entry
             bodies[name] = []
-        elif name is not None:
+        elif name is not None and line.startswith(" "):
             bodies[name].append(line)
+    return bodies, entry
+
+
+def inside_loops(hlo_text: str) -> str:
+    """The HLO of every computation reachable from a while loop's body: what
+    runs once per iteration (e.g. per pipeline tick), not once per step."""
+    bodies, _ = computations(hlo_text)
     todo = [c for lines in bodies.values() for line in lines for c in _callees(line, ("body",))]
     seen: set[str] = set()
     while todo:

@@ -1,0 +1,250 @@
+"""Collective bytes per device per optimizer step, read from compiled HLO.
+
+The payload of a collective is the size of the array it produces, or, for a
+reduce-scatter, of the array it consumes: what the ZeRO paper's volumes count
+before the ring factor (an all-reduce of the gradients is Psi g bytes, its
+ring traffic 2 (N - 1) / N of that). A collective inside a while loop (the
+layer scan, the microbatch loop, the pipeline's ticks) runs once per
+iteration, so it is multiplied by the trip counts of the loops around it.
+
+XLA's CPU compiler forms no reduce-scatter from GSPMD: it emits an
+all-reduce whose result is only dynamic-sliced down to this device's shard.
+Such an all-reduce is counted as the reduce-scatter it stands for (same
+payload, the consumed array); the result names it `reduce-scatter` and
+`rewritten` says how many were.
+
+A collective inside a conditional branch (a pipeline tick's forward or
+backward) is counted every time the conditional runs, as if every branch
+were taken: an upper bound, reported apart as `in_branches`.
+
+A collective-permute is named by the mesh axes along which its source and
+target devices differ.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import re
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from zero_jax import hlo
+from zero_jax import zero as zero_lib
+from zero_jax.mesh import DATA_AXES
+
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
+          "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+_ARRAY = re.compile(r"\b(pred|[suf]\d+|bf16|f8\w*)\[([\d,]*)\]")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_NAME = re.compile(r"^\s*(?:ROOT\s+)?(%?[\w.\-]+)\s*=")
+# Instructions that only re-view an array on its way to a slice.
+_VIEWS = ("bitcast", "reshape", "copy", "convert", "transpose")
+
+
+@dataclasses.dataclass(frozen=True)
+class Traffic:
+    """Payload bytes per device per step, by `op@axes` (e.g. `all-gather@fsdp`)."""
+
+    by_op: dict[str, int]  # "op@axis,axis" -> bytes
+    rewritten: int  # all-reduces counted as the reduce-scatter they stand for
+    unknown_loops: int  # while loops whose trip count could not be read (counted once)
+    in_branches: int = 0  # bytes of collectives inside conditional branches (in by_op too)
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_op.values())
+
+    def over(self, axis: str) -> int:
+        """Bytes of the collectives whose groups span `axis` (alone or with others)."""
+        return sum(b for k, b in self.by_op.items() if axis in k.partition("@")[2].split(","))
+
+    def of(self, op: str) -> int:
+        return sum(b for k, b in self.by_op.items() if k.partition("@")[0] == op)
+
+
+def array_bytes(type_text: str) -> list[int]:
+    """Bytes of each array in an HLO type (a tuple lists several)."""
+    return [math.prod(int(d) for d in dims.split(",") if d) * _dtype_bytes(dtype)
+            for dtype, dims in _ARRAY.findall(type_text)]
+
+
+def _dtype_bytes(dtype: str) -> int:
+    return 1 if dtype.startswith("f8") else _BYTES[dtype]
+
+
+def trip_count(while_line: str, bodies: dict[str, list[str]]) -> int | None:
+    """Iterations of a while loop: XLA's annotation, else `i < N` in its condition
+    (the form scans and fori_loops lower to, counting from 0)."""
+    m = _TRIP.search(while_line)
+    if m:
+        return int(m.group(1))
+    cond = re.search(r"condition=%?([\w.\-]+)", while_line)
+    lines = bodies.get(cond.group(1), []) if cond else []
+    if not any("direction=LT" in line for line in lines):
+        return None
+    limits = [int(c) for line in lines for c in re.findall(r"s32\[\] constant\((\d+)\)", line)]
+    return limits[0] if len(limits) == 1 else None
+
+
+_BRANCHES = ("branch_computations", "true_computation", "false_computation")
+
+
+def multiplicities(text: str) -> tuple[dict[str, int], set[str], int]:
+    """How many times each computation runs per call of the entry; the
+    computations reached through a conditional branch; and the number of
+    loops whose trip count was unknown (counted as one)."""
+    bodies, entry = hlo.computations(text)
+    times: dict[str, int] = collections.defaultdict(int)
+    branched: set[str] = set()
+    unknown = 0
+
+    def visit(name: str, n: int, in_branch: bool) -> None:
+        nonlocal unknown
+        times[name] += n
+        if in_branch:
+            branched.add(name)
+        for line in bodies.get(name, []):
+            if " while(" in line:
+                trips = trip_count(line, bodies)
+                unknown += trips is None
+                body = re.search(r"body=%?([\w.\-]+)", line).group(1)
+                visit(body, n * (trips or 1), in_branch)
+                continue
+            # `to_apply` names a reducer, except on a call (a shard_map body).
+            keys = ("calls",) + _BRANCHES + (("to_apply",) if re.search(r"\scall\(", line) else ())
+            for key in keys:
+                for m in re.finditer(key + r"=\{?([%\w.\-, ]+)\}?", line):
+                    for callee in m.group(1).split(","):
+                        callee = callee.strip().lstrip("%")
+                        if callee in bodies:
+                            visit(callee, n, in_branch or key in _BRANCHES)
+
+    if entry is not None:
+        visit(entry, 1, False)
+    return dict(times), branched, unknown
+
+
+def _payload(c: hlo.Collective, type_text: str) -> int:
+    arrays = array_bytes(type_text)
+    if not arrays:
+        return 0
+    if "-start(" in c.line and c.op in ("all-gather", "collective-permute"):
+        return arrays[1] if len(arrays) > 1 else arrays[0]  # (operand, result, ...)
+    if c.op == "reduce-scatter":
+        groups = c.groups()
+        return sum(arrays) * (len(groups[0]) if groups else 1)
+    return sum(arrays)
+
+
+def _elements(type_text: str) -> int:
+    return sum(math.prod(int(d) for d in dims.split(",") if d)
+               for _, dims in _ARRAY.findall(type_text))
+
+
+def _stands_for_reduce_scatter(name: str, elements: int, group: int, lines: list[str]) -> bool:
+    """An all-reduce whose every use, through views, is a slice to 1/group of it."""
+    frontier, seen, slices = [name], {name}, 0
+    while frontier:
+        pattern = re.compile(re.escape(frontier.pop()) + r"(?![\w.\-])")
+        for line in lines:
+            m = _NAME.match(line)
+            rhs = line.split("=", 1)[1] if m else ""
+            if not m or not pattern.search(rhs.split("metadata=")[0]) or m.group(1) in seen:
+                continue
+            op = re.match(r"\s*(\(.*?\)|\S+)\s+([\w\-]+)\(", rhs)
+            kind = op.group(2) if op else ""
+            if kind in _VIEWS:
+                seen.add(m.group(1))
+                frontier.append(m.group(1))
+            elif kind == "dynamic-slice" and _elements(op.group(1)) * group == elements:
+                seen.add(m.group(1))
+                slices += 1
+            else:
+                return False
+    return slices > 0
+
+
+def traffic(text: str, mesh) -> Traffic:
+    """Collective payload bytes per device per step of the program `text`."""
+    bodies, _ = hlo.computations(text)
+    times, branched, unknown = multiplicities(text)
+    out: dict[str, int] = collections.defaultdict(int)
+    rewritten = in_branches = 0
+    for name, lines in bodies.items():
+        n = times.get(name, 0)
+        if not n:
+            continue
+        for c in hlo.collectives("\n".join(lines)):
+            type_text = hlo._LINE.match(c.line)["type"]
+            size = _payload(c, type_text)
+            op = c.op
+            groups = c.groups()
+            if op == "all-reduce" and groups and len(groups[0]) > 1:
+                m = _NAME.match(c.line)
+                if m and _stands_for_reduce_scatter(m.group(1), _elements(type_text),
+                                                    len(groups[0]), lines):
+                    op, rewritten = "reduce-scatter", rewritten + 1
+            axes = _permute_axes(groups, mesh) if op == "collective-permute" else c.axes(mesh)
+            if axes == () or (groups and len(groups[0]) <= 1 and op != "collective-permute"):
+                continue  # a group of one device moves nothing
+            out[f"{op}@{','.join(axes) if axes else '?'}"] += size * n
+            in_branches += size * n if name in branched else 0
+    return Traffic(dict(sorted(out.items())), rewritten, unknown, in_branches)
+
+
+def _permute_axes(pairs: list[list[int]], mesh) -> tuple[str, ...] | None:
+    """The mesh axes along which the sources and targets of a permute differ."""
+    coords = np.stack(np.unravel_index(np.arange(mesh.devices.size), mesh.devices.shape), axis=1)
+    differ = {i for pair in pairs if len(pair) == 2
+              for i in np.flatnonzero(coords[pair[0]] != coords[pair[1]])}
+    return tuple(mesh.axis_names[i] for i in sorted(differ)) if pairs else None
+
+
+def theory(layout, microbatches: int, reduce_once: bool, compute_dtype) -> dict[str, int] | None:
+    """The ZeRO paper's volumes in payload bytes per device per step, for a
+    layout without a pipeline (None with one): {"gradients", "parameters"}.
+
+    With Psi_d the parameters a device computes with (its tensor-parallel
+    part), g the gradient bytes and c the bytes of the copy gathered:
+
+        stage 0        gradients Psi_d g (all-reduce)
+        stages 1, 2    + parameters Psi_d c (the updated working copy, all-gathered)
+        stage 3        + parameters 2 m Psi_d c (each microbatch's forward and
+                       backward gather)
+
+    The gradients are reduced once per step, or m times where each
+    microbatch's are (ZeRO-3 by default). Hybrid sharding adds the
+    all-reduce of the sharded gradients' shards across the other
+    data-parallel axes. Arrays ZeRO leaves whole are reduced, never gathered.
+    """
+    shape = layout.mesh_shape
+    if shape.sizes["pipe"] > 1:
+        return None
+    stage = zero_lib.stage(layout.zero_stage)
+    is_spec = lambda x: isinstance(x, PartitionSpec)
+    leaves = jax.tree.leaves(layout.abstract.params)
+    compute = jax.tree.leaves(layout.specs.compute, is_leaf=is_spec)
+    sharded = jax.tree.leaves(layout.specs.sharded, is_leaf=is_spec)
+    elements = [math.prod(NamedSharding(layout.mesh, s).shard_shape(p.shape))
+                for p, s in zip(leaves, compute)]
+    split = [s != c for s, c in zip(sharded, compute)]
+    g = np.dtype(layout.grad_dtype).itemsize
+    if layout.master:  # the working copy, leaf by leaf
+        gathered = [p.dtype.itemsize for p in leaves]
+    else:
+        c = np.dtype(compute_dtype if stage.params else leaves[0].dtype).itemsize
+        gathered = [c] * len(leaves)
+    m = microbatches
+    reductions = m if (stage.grads and not reduce_once and m > 1) else 1
+    across = math.prod(shape.sizes[a] for a in DATA_AXES if a not in shape.shard_axes)
+    n_zero = math.prod(shape.sizes[a] for a in shape.shard_axes)
+    grads = sum(e * g for e in elements) * reductions
+    if stage.grads and across > 1:
+        grads += sum(e * g // n_zero for e, s in zip(elements, split) if s)
+    params = sum(e * c for e, c, s in zip(elements, gathered, split) if s)
+    uses = 0 if not stage.opt_state else (2 * m if stage.params else 1)
+    return {"gradients": grads, "parameters": params * uses}
