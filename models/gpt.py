@@ -251,11 +251,12 @@ class GPT(nn.Module):
         # only then is the residual stream split along the sequence (under
         # sequence parallelism), rather than the table being gathered.
         tokens = h.lookup(self.wte, tokens_BxT, ("vocab", "embed"))
-        positions = h.lookup(self.wpe, jnp.arange(T), ("pos", "embed"))
-        # Added in float32: the positions' gradient is a sum over the batch,
-        # which XLA reduces across devices in the dtype of this addition.
-        x_BxTxD = h.act((tokens.astype(jnp.float32) + positions.astype(jnp.float32))
-                        .astype(h.dtype), ("batch", "seq", "embed"))
+        # Positions are added in float32: their gradient is a sum over the
+        # batch, and each device's part of it must reach the reduction across
+        # devices in float32, not rounded to the compute dtype first.
+        positions = h.lookup(self.wpe, jnp.arange(T), ("pos", "embed"), out_dtype=jnp.float32)
+        x_BxTxD = h.act((tokens.astype(jnp.float32) + positions).astype(h.dtype),
+                        ("batch", "seq", "embed"))
         return h.act(x_BxTxD, ("batch", "res_seq", "embed"))
 
     def stack(self, x_BxTxD):

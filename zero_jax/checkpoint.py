@@ -32,7 +32,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from zero_jax import integrity
-from zero_jax.state import TrainState
+from zero_jax.state import TrainState, saved_form
 
 ITEMS = ("params", "opt_state", "scalars")
 COMMIT_MARKER = "commit_success.txt"
@@ -60,11 +60,15 @@ class SaveFailed(CheckpointError):
 
 
 def items_of(state: TrainState) -> dict[str, Any]:
+    """The items of a checkpoint: the state's saved form (master weights, no
+    working copy), the same whichever layout wrote it."""
+    state = saved_form(state)
     return {"params": state.params, "opt_state": state.opt_state,
             "scalars": {"step": state.step, "loss_scale": state.loss_scale}}
 
 
 def state_of(items: dict[str, Any]) -> TrainState:
+    """The saved form back from the items (`Layout.from_saved` makes a state of it)."""
     s = items["scalars"]
     return TrainState(s["step"], items["params"], items["opt_state"], s["loss_scale"])
 
@@ -234,10 +238,11 @@ class Checkpointer:
             raise CorruptCheckpoint(self.directory, step, f"meta item unreadable: {e}") from e
 
     def restore(self, step: int, target: TrainState, params_only: bool = False):
-        """(state or params, meta) of `step`, laid out as `target` and verified.
+        """(saved state or master weights, meta) of `step`, laid out as
+        `target` and verified.
 
-        `target` is the current run's abstract state, each leaf a
-        ShapeDtypeStruct with its sharding.
+        `target` is the current run's abstract saved form (`Layout.targets`),
+        each leaf a ShapeDtypeStruct with its sharding.
         """
         meta = self.meta(step)
         wanted = items_of(target)

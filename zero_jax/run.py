@@ -55,6 +55,9 @@ def checkpoint_meta(job: Job, step: int) -> dict[str, Any]:
                  "batch_size": t.batch_size, "seq_len": run.data.seq_len},
         # No other randomness than the seed (initialisation, data order).
         "prng": {"seed": t.seed, "impl": str(jax.config.jax_default_prng_impl)},
+        # The resolved policy ("auto" depends on the platform): a resume under
+        # another one says so.
+        "precision": dataclasses.asdict(job.policy),
         "layout": {"mesh": job.layout.mesh_shape.sizes, "zero_stage": job.layout.zero_stage,
                    "rules": job.layout.rules.name, "processes": jax.process_count()},
         "versions": {"jax": jax.__version__},
@@ -81,8 +84,8 @@ def load_params(source: str, job: Job, loaders: list[ParamLoader] = ()) -> Any:
 
 
 def place(tree: Any, job: Job, log: Callable[[str], None] = print) -> Any:
-    """Numpy parameters -> arrays in the job's layout, checked leaf by leaf."""
-    want, have = integrity.flatten(job.layout.abstract.params), integrity.flatten(tree)
+    """Numpy parameters -> master weights in the job's layout, checked leaf by leaf."""
+    want, have = integrity.flatten(job.layout.master_params), integrity.flatten(tree)
     problems = [f"{p}: in the model, not in the weights" for p in sorted(want.keys() - have.keys())]
     problems += [f"{p}: in the weights, not in the model" for p in sorted(have.keys() - want.keys())]
     problems += [f"{p}: shape {tuple(np.shape(have[p]))}, the model has {want[p].shape}"
@@ -96,7 +99,7 @@ def place(tree: Any, job: Job, log: Callable[[str], None] = print) -> Any:
     return jax.tree.map(
         lambda x, a, s: jax.make_array_from_callback(
             a.shape, s, lambda idx: np.asarray(x[idx], dtype=a.dtype)),
-        tree, job.layout.abstract.params, job.layout.shardings.params)
+        tree, job.layout.master_params, job.layout.named(job.layout.master_specs))
 
 
 def initial_state(job: Job, checkpointer: ckpt_lib.Checkpointer | None,
@@ -105,18 +108,34 @@ def initial_state(job: Job, checkpointer: ckpt_lib.Checkpointer | None,
     if c.resume:
         restored = checkpointer.restore_latest(job.layout.targets, log)
         if restored is not None:
-            state, meta = restored
+            saved, meta = restored
+            state = job.layout.from_saved(saved)
             step = int(distributed.local(state.step))
             arrays = sum(len(leaves) for leaves in meta["manifest"].values())
             log(f"resumed from {checkpointer.directory / str(step)} (step {step}; {arrays} arrays "
                 "equal to the saved ones by checksum)")
             _log_config_changes(meta.get("run", {}), job.run.to_dict(), log)
+            _log_precision_change(meta.get("precision"), job, log)
             return state, step
         log(f"--resume: no complete checkpoint in {checkpointer.directory}; starting fresh")
     if c.init_from:
         log(f"parameters from {c.init_from}; new optimizer state, step 0")
         return job.state_from_params(load_params(c.init_from, job, loaders)), None
     return job.init_state(), None
+
+
+def _log_precision_change(saved: dict | None, job: Job, log) -> None:
+    """One explicit line when a run resumes under another precision policy."""
+    now = dataclasses.asdict(job.policy)
+    if saved is None or saved == now:
+        return
+    describe = lambda p: ", ".join(f"{k} {v}" for k, v in p.items())
+    working = (f"the working copy is cast from them to {job.policy.compute}" if job.layout.master
+               else "the parameters are cast to "
+                    f"{job.policy.compute} at use")
+    log(f"precision changed: saved with {describe(saved)}; resuming with {describe(now)}. The "
+        f"master weights ({saved.get('params')}) and optimizer state are restored as saved; "
+        f"{working}")
 
 
 def _log_config_changes(saved: dict, now: dict, log) -> None:

@@ -19,8 +19,10 @@ from flax.core import meta
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from zero_jax import loss_scale as loss_scale_lib
+from zero_jax import master as master_lib
 from zero_jax import precision as precision_lib
 from zero_jax import zero as zero_lib
+from zero_jax.hooks import use_dtypes
 from zero_jax.mesh import DATA_AXES, MeshShape
 from zero_jax.model import ModelFns
 from zero_jax.rules import AxisRules
@@ -28,9 +30,19 @@ from zero_jax.rules import AxisRules
 
 class TrainState(NamedTuple):
     step: Any  # int32 scalar: steps taken (batches consumed, skipped steps included)
-    params: Any  # parameter tree, in the policy's parameter dtype
-    opt_state: Any  # optax state
+    params: Any  # parameter tree: the master weights, or the working copy (master.py)
+    opt_state: Any  # optax state (master.MasterState around it with a working copy)
     loss_scale: Any  # loss_scale.LossScale: scale and skip counters (replicated scalars)
+
+
+def saved_form(state: TrainState) -> TrainState:
+    """The state as checkpoints hold it, the same under every layout: the
+    master weights as `params` and the optimizer's own state, with no
+    working copy (it is cast from the master weights again on restore)."""
+    if isinstance(state.opt_state, master_lib.MasterState):
+        return TrainState(state.step, state.opt_state.master, state.opt_state.inner,
+                          state.loss_scale)
+    return state
 
 
 def logical_names(boxed_params: Any) -> Any:
@@ -57,6 +69,16 @@ class Layout:
     specs: zero_lib.StateSpecs  # storage and compute specs
     placement: zero_lib.Placement  # the ZeRO split (used again at each parameter's use)
     grad_dtype: Any  # gradients are held (and accumulated) in this dtype
+    master: bool = False  # params are a working copy; float32 masters live in the optimizer state
+
+    @property
+    def master_params(self) -> Any:
+        """Abstract master weights: `params`, or the copy in the optimizer state."""
+        return self.abstract.opt_state.master if self.master else self.abstract.params
+
+    @property
+    def master_specs(self) -> Any:
+        return self.specs.opt_state.master if self.master else self.specs.params
 
     @property
     def abstract_grads(self) -> Any:
@@ -78,15 +100,38 @@ class Layout:
 
     @property
     def targets(self) -> TrainState:
-        """The abstract state with its shardings: what a restore fills in."""
-        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                            self.abstract, self.shardings)
+        """The abstract saved form (`saved_form`) with its shardings: what a
+        restore fills in."""
+        with_sharding = lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+        return saved_form(jax.tree.map(with_sharding, self.abstract, self.shardings))
+
+    @property
+    def working_dtypes(self) -> Any:
+        return jax.tree.map(lambda p: p.dtype, self.abstract.params)
+
+    def to_working(self, master: Any) -> Any:
+        """The working copy from master weights, cast shard by shard where the
+        masters are sharded, so that gathering it moves the narrow dtype."""
+        cast = master_lib.cast_to(self.working_dtypes)(master)
+        return jax.lax.with_sharding_constraint(cast, self.named(self.master_specs))
+
+    def from_saved(self, saved: TrainState) -> TrainState:
+        """A train state in this layout from its saved form (`saved_form`)."""
+        if not self.master:
+            return saved
+        params = jax.jit(self.to_working, out_shardings=self.shardings.params)(saved.params)
+        return TrainState(saved.step, params, master_lib.MasterState(saved.params, saved.opt_state),
+                          saved.loss_scale)
+
+    @property
+    def data_axes(self) -> tuple[str, ...]:
+        """The data-parallel mesh axes the batch is split over (size-1 ones left out)."""
+        return tuple(a for a in DATA_AXES if self.mesh_shape.sizes[a] > 1)
 
     @property
     def batch_sharding(self) -> NamedSharding:
         """Token batches (B, T): rows split over every data-parallel axis."""
-        axes = tuple(a for a in DATA_AXES if self.mesh_shape.sizes[a] > 1)
-        return NamedSharding(self.mesh, PartitionSpec(axes or None))
+        return NamedSharding(self.mesh, PartitionSpec(self.data_axes or None))
 
     @property
     def data_parallel_size(self) -> int:
@@ -98,15 +143,36 @@ def init_params(model: ModelFns, key: jax.Array, param_dtype) -> Any:
     return precision_lib.cast_tree(nn.unbox(model.init(key)), param_dtype)
 
 
+def needs_master(zero_stage: int, param_dtype, compute_dtype) -> bool:
+    """Whether a working copy is stored apart from the master weights: where
+    parameters are replicated but the optimizer state is sharded (stages 1
+    and 2) and the model computes in a narrower dtype than it stores."""
+    stage = zero_lib.stage(zero_stage)
+    narrower = jnp.dtype(compute_dtype).itemsize < jnp.dtype(param_dtype).itemsize
+    return stage.opt_state and not stage.params and narrower
+
+
 def make_layout(model: ModelFns, tx: optax.GradientTransformation, mesh: Mesh,
                 mesh_shape: MeshShape, rules: AxisRules, zero_stage: int,
                 min_shard_elements: int, param_dtype=jnp.float32,
-                grad_dtype=jnp.float32) -> Layout:
-    """Abstract state and the specs of every leaf; raises ShardingError early."""
+                grad_dtype=jnp.float32, compute_dtype=None) -> Layout:
+    """Abstract state and the specs of every leaf; raises ShardingError early.
+
+    With master weights (`needs_master` for `compute_dtype`), `tx` must be
+    wrapped by `master.wrap`: it is initialised with the float32 parameters,
+    and the stored parameters are the working copy in the dtypes the model
+    uses them in.
+    """
     boxed = jax.eval_shape(lambda: model.init(jax.random.key(0)))  # traces the key too: no compile
     names = logical_names(boxed)
     params = jax.eval_shape(lambda: init_params(model, jax.random.key(0), param_dtype))
     opt_state = jax.eval_shape(tx.init, params)
+    master = compute_dtype is not None and needs_master(zero_stage, param_dtype, compute_dtype)
+    if master:
+        tokens = (1, min(8, model.max_seq_len or 8))
+        dtypes = use_dtypes(model.apply, params, names, jnp.dtype(compute_dtype).name, tokens,
+                            unused_dtype=param_dtype)
+        params = jax.tree.map(lambda p, d: jax.ShapeDtypeStruct(p.shape, d), params, dtypes)
     scale = jax.eval_shape(lambda: loss_scale_lib.init(loss_scale_lib.LossScaleConfig()))
     abstract = TrainState(jax.ShapeDtypeStruct((), jnp.int32), params, opt_state, scale)
     sizes = mesh_shape.sizes
@@ -119,7 +185,7 @@ def make_layout(model: ModelFns, tx: optax.GradientTransformation, mesh: Mesh,
     specs = zero_lib.state_specs(params, compute, names, opt_state, tx,
                                  zero_lib.stage(zero_stage), placement)
     return Layout(mesh, mesh_shape, rules, zero_stage, abstract, names, specs, placement,
-                  jnp.dtype(grad_dtype))
+                  jnp.dtype(grad_dtype), master)
 
 
 def init_state(layout: Layout, model: ModelFns, tx: optax.GradientTransformation,
@@ -128,20 +194,21 @@ def init_state(layout: Layout, model: ModelFns, tx: optax.GradientTransformation
     """A fresh train state, each array created directly in its sharding."""
 
     def init(key):
-        params = init_params(model, key, param_dtype)
-        return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params),
-                          loss_scale_lib.init(scale_cfg))
+        return _fresh(layout, tx, init_params(model, key, param_dtype), scale_cfg)
 
     return jax.jit(init, out_shardings=layout.shardings)(key)
 
 
 def state_from_params(layout: Layout, tx: optax.GradientTransformation, params: Any,
                       scale_cfg: loss_scale_lib.LossScaleConfig) -> TrainState:
-    """A fresh train state (step 0, new optimizer) around given parameters."""
-
-    def init(params):
-        return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params),
-                          loss_scale_lib.init(scale_cfg))
-
-    return jax.jit(init, in_shardings=(layout.shardings.params,),
+    """A fresh train state (step 0, new optimizer) around given master weights."""
+    return jax.jit(lambda p: _fresh(layout, tx, p, scale_cfg),
+                   in_shardings=(layout.named(layout.master_specs),),
                    out_shardings=layout.shardings)(params)
+
+
+def _fresh(layout: Layout, tx, params, scale_cfg) -> TrainState:
+    opt_state = tx.init(params)
+    if layout.master:
+        params = layout.to_working(params)
+    return TrainState(jnp.zeros((), jnp.int32), params, opt_state, loss_scale_lib.init(scale_cfg))
