@@ -1,16 +1,33 @@
-"""Gradient accumulation over microbatches, in the stage's gradient layout.
+"""Gradient accumulation over microbatches, and the reduction of gradients.
 
-The accumulator is the scan carry, constrained to the gradient sharding, so
-under ZeRO-2/3 each device holds only its shard of the running sum. Tested
-against one `value_and_grad` on the whole batch.
+Two ways to accumulate, both tested against one `value_and_grad` on the
+whole batch:
+
+- `accumulate`: each microbatch's gradient is reduced into the stage's
+  gradient layout and added to an accumulator held in that layout. Under
+  ZeRO-3 each device then holds only its shard of the running sum (the
+  reduction is a reduce-scatter per layer, inside the backward pass): memory
+  1/N of the gradients, traffic once per microbatch. DeepSpeed's ZeRO-3 and
+  PyTorch FSDP accumulate this way.
+- `accumulate_partials`: each device adds up its own rows' gradients, the
+  partial sums of DDP's `no_sync`, and nothing is communicated inside the
+  microbatch loop; `reduce_partials` then reduces them once per optimizer
+  step into the gradient layout. Traffic once per step, at the cost of a
+  full-size accumulator on each device.
+
+The per-device partial sums come from `vmap` over the data-parallel shards
+of each microbatch (the shards' axis laid out over the data-parallel mesh
+axes), with hooks that leave gradients unreduced (`Hooks.per_shard`).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
 
 
 def split_microbatches(batch: jax.Array, microbatches: int) -> jax.Array:
@@ -28,7 +45,8 @@ def accumulate(value_and_grad: Callable[[Any, jax.Array], tuple[jax.Array, Any]]
                params: Any, batch: jax.Array, microbatches: int,
                constrain_grads: Callable[[Any], Any],
                constrain_micro: Callable[[jax.Array], jax.Array]) -> tuple[jax.Array, Any]:
-    """Mean loss and mean gradient over `microbatches` equal microbatches.
+    """Mean loss and mean gradient over `microbatches` equal microbatches,
+    each microbatch's gradient reduced into the gradient layout.
 
     `constrain_grads` casts a gradient tree to the gradient dtype and pins it
     to the stage's gradient sharding; `constrain_micro` pins the (m, B/m, ...)
@@ -48,3 +66,81 @@ def accumulate(value_and_grad: Callable[[Any, jax.Array], tuple[jax.Array, Any]]
     micro = constrain_micro(split_microbatches(batch, microbatches))
     (loss_sum, acc), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), micro)
     return loss_sum / microbatches, jax.tree.map(lambda g: g / microbatches, acc)
+
+
+def accumulate_partials(value_and_grad: Callable[[Any, jax.Array], tuple[jax.Array, Any]],
+                        params: Any, batch: jax.Array, microbatches: int,
+                        axes: tuple[str, ...], shards: int,
+                        constrain_partials: Callable[[Any], Any],
+                        constrain_micro: Callable[[jax.Array], jax.Array]
+                        ) -> tuple[jax.Array, Any]:
+    """Sums of the loss and gradients over `microbatches`, per shard of the
+    batch over the data-parallel mesh `axes` (`shards` of them).
+
+    `value_and_grad(params, rows)` is the loss and gradient of one shard's
+    rows of one microbatch, with hooks from `Hooks.per_shard(axes)`. It runs
+    under `vmap` over the shards, whose axis is laid out over `axes`, so each
+    device computes its own shard's. Returns the loss sums and gradient sums
+    with a leading axis of `shards`; `constrain_partials` casts such a
+    gradient tree to the gradient dtype and pins its layout. `constrain_micro`
+    pins the (m, shards, rows, ...) split of the batch.
+    """
+    per_shard = jax.vmap(value_and_grad, in_axes=(None, 0), spmd_axis_name=axes)
+    micro = split_microbatches(batch, microbatches)
+    micro = constrain_micro(micro.reshape(microbatches, shards, -1, *batch.shape[1:]))
+
+    def body(carry, rows):
+        loss_sum, acc = carry
+        loss, grads = per_shard(params, rows)
+        acc = constrain_partials(jax.tree.map(jnp.add, acc, constrain_partials(grads)))
+        return (loss_sum + loss, acc), None
+
+    zeros = constrain_partials(jax.tree.map(lambda p: jnp.zeros((shards, *p.shape), p.dtype),
+                                            params))
+    return jax.lax.scan(body, (jnp.zeros((shards,), jnp.float32), zeros), micro)[0]
+
+
+def _axes(entry) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def reduce_partials(partials: Any, grad_specs: Any, mesh: Mesh, axes: Sequence[str],
+                    zero_axes: Sequence[str]) -> Any:
+    """Partial sums with a leading axis over the data-parallel mesh `axes` ->
+    their sum, in the gradient layout `grad_specs`.
+
+    The order is spelled out: a gradient sharded over ZeRO axes among `axes`
+    is first summed over those into its shard (a reduce-scatter), and only
+    that shard is then summed over the rest of `axes` (an all-reduce moving
+    1/N_zero of the gradient: hybrid sharding); any other gradient is summed
+    over `axes` at once (an all-reduce, or a reduce-scatter into its shard).
+    Each sum runs over a dimension laid out over mesh axes, pinned to its
+    result's layout, so GSPMD turns it into exactly that collective. (The
+    same in `shard_map` with psum_scatter and psum crashes XLA:CPU's compiler
+    for bf16 gradients on a mesh with other, automatic axes.)
+    """
+    axes = tuple(axes)
+    sizes = dict(mesh.shape)
+    is_spec = lambda x: isinstance(x, PartitionSpec)
+    pin = lambda x, spec: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+    def total(x, dims):
+        # In the gradient dtype: jnp.sum would sum bf16 in float32, and so
+        # reduce 4 bytes per parameter across devices instead of 2.
+        return jax.lax.reduce(x, jnp.zeros((), x.dtype), jax.lax.add, dims)
+
+    def reduce_one(x, spec):
+        entries = tuple(spec) + (None,) * (x.ndim - 1 - len(spec))
+        first = tuple(a for a in zero_axes if a in axes and any(a in _axes(e) for e in entries))
+        rest = tuple(a for a in axes if a not in first)
+        if not first or not rest:
+            return pin(total(x, (0,)), spec)
+        # One dimension per mesh axis of the shards' axis, in `axes` order.
+        x = pin(x.reshape(*(sizes[a] for a in axes), *x.shape[1:]), PartitionSpec(*axes))
+        over_first = tuple(i for i, a in enumerate(axes) if a in first)
+        x = pin(total(x, over_first), PartitionSpec(*rest, *entries))
+        return pin(total(x, tuple(range(len(rest)))), spec)
+
+    specs = jax.tree.leaves(grad_specs, is_leaf=is_spec)
+    leaves, tree = jax.tree.flatten(partials)
+    return jax.tree.unflatten(tree, [reduce_one(x, s) for x, s in zip(leaves, specs)])

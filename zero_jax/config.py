@@ -43,6 +43,7 @@ class ParallelConfig:
     pipeline_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved (with a pipe axis)
     virtual_stages: int = 0  # chunks per device for interleaved (0: 2 for interleaved, else 1)
     pipeline_gather_once: bool = False  # ZeRO-3: gather a stage's weights once per step, not per microbatch
+    grad_reduce: str = "auto"  # step | microbatch: when accumulated gradients are reduced; auto: microbatch at stage 3
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import optax
 
 from zero_jax import config as config_lib
-from zero_jax import loss_scale, memory, optim, precision, remat, rules, state, step
+from zero_jax import hlo, loss_scale, master, memory, optim, precision, remat, rules, state, step, traffic
 from zero_jax import mesh as mesh_lib
 from zero_jax import schedule as sched_lib
 from zero_jax import zero as zero_lib
@@ -51,17 +51,22 @@ class Job:
         """The jitted train step, compiled ahead of time for the abstract state."""
         return self.lower_train_step().compile(compiler_options=compiler_options or None)
 
+    @property
+    def reduce_once(self) -> bool:
+        """Gradients reduced once per optimizer step (else once per microbatch)."""
+        return resolve_grad_reduce(self.run.parallel.grad_reduce, self.layout.zero_stage) == "step"
+
     def jit_train_step(self):
         return step.jit_train_step(self.layout, self.model, self.hooks, self.tx, self.lr,
                                    self.run.train.microbatches, self.scale_cfg, self.schedule,
-                                   self.run.parallel.pipeline_gather_once)
+                                   self.run.parallel.pipeline_gather_once, self.reduce_once)
 
     def jit_loss_and_grads(self):
         """The step's loss and gradients alone, `(params, batch) -> (loss, grads)`:
         what tests compare between layouts and schedules."""
         fn = step.make_loss_and_grads(self.layout, self.model, self.hooks,
                                       self.run.train.microbatches, self.schedule,
-                                      self.run.parallel.pipeline_gather_once)
+                                      self.run.parallel.pipeline_gather_once, self.reduce_once)
         replicated = jax.sharding.NamedSharding(self.layout.mesh, jax.sharding.PartitionSpec())
         return jax.jit(lambda params, batch: fn(params, batch, None),
                        in_shardings=(self.layout.shardings.params, self.layout.batch_sharding),
@@ -86,8 +91,33 @@ class Job:
                                            self.hooks.remat, sizes["tensor"],
                                            self.sequence_parallel)
 
-    def memory_report(self, compiled_step=None) -> dict:
-        return memory.report(self.layout, compiled_step, self.activation_estimate())
+    def compile_with_text(self):
+        """The compiled train step and its HLO after SPMD partitioning (what
+        `collectives` measures), from one compile."""
+        return hlo.compile_partitioned(self.lower_train_step())
+
+    def collectives(self, partitioned_text: str, compiled_step=None) -> dict:
+        """Collective payload bytes per device per step, measured and in theory."""
+        measured = traffic.traffic(partitioned_text, self.layout.mesh)
+        expected = traffic.theory(self.layout, self.run.train.microbatches, self.reduce_once,
+                                  self.policy.dtype("compute"))
+        out = {"collectives": measured.by_op, "collective_bytes": measured.total,
+               "collective_theory": None if expected is None
+               else {**expected, "total": sum(expected.values())},
+               "collective_notes": {
+                   "source": "HLO after SPMD partitioning (before backend passes)",
+                   "reduce_scatters_from_all_reduce": measured.rewritten,
+                   "bytes_in_conditional_branches": measured.in_branches,
+                   "loops_of_unknown_trip_count": measured.unknown_loops}}
+        if compiled_step is not None:
+            backend = traffic.traffic(compiled_step.as_text(), self.layout.mesh)
+            out["collective_notes"]["after_backend_passes_bytes"] = backend.total
+        return out
+
+    def memory_report(self, compiled_step=None, partitioned_text: str | None = None) -> dict:
+        collectives = (None if partitioned_text is None
+                       else self.collectives(partitioned_text, compiled_step))
+        return memory.report(self.layout, compiled_step, self.activation_estimate(), collectives)
 
     def init_state(self) -> state.TrainState:
         return state.init_state(self.layout, self.model, self.tx,
@@ -125,6 +155,7 @@ def prepare(run: config_lib.RunConfig, build_model: Callable[[int], ModelFns],
     schedule = pipeline_schedule(run, model, shape)
     chosen = rules.layout(run.parallel.layout, shape.sizes)
     zero_stage = chosen.zero_stage if run.parallel.zero_stage is None else run.parallel.zero_stage
+    check_grad_reduce(run.parallel.grad_reduce, zero_stage)
     try:
         policy = precision_policy(run, mesh.devices.flat[0].platform)
         remat_policy = remat.Remat(run.activations.remat,
@@ -139,12 +170,38 @@ def prepare(run: config_lib.RunConfig, build_model: Callable[[int], ModelFns],
     lr = optim.schedule(run.optim, run.train.steps)
     tx = precision.with_state_dtype(optim.optimizer(run.optim, lr, model.decay_mask),
                                     policy.dtype("opt_state"))
+    if state.needs_master(zero_stage, policy.dtype("params"), policy.dtype("compute")):
+        tx = master.wrap(tx)
     layout = state.make_layout(model, tx, mesh, shape, chosen.rules, zero_stage,
                                run.parallel.min_shard_elements, policy.dtype("params"),
-                               policy.dtype("grads"))
+                               policy.dtype("grads"), policy.dtype("compute"))
     stored = layout.placement if zero_lib.stage(zero_stage).params else None
     hooks = Hooks(mesh, chosen.rules, policy.compute, policy.grads, remat_policy, stored)
     return Job(run, model, layout, tx, lr, policy, hooks, scale_cfg, schedule)
+
+
+GRAD_REDUCE = ("auto", "step", "microbatch")
+
+
+def resolve_grad_reduce(choice: str, zero_stage: int) -> str:
+    """When accumulated gradients are reduced: "step" (once per optimizer step,
+    from per-device partial sums) or "microbatch" (each microbatch's, into the
+    gradient layout). "auto": once per step, except at ZeRO-3, where reducing
+    each microbatch is what keeps the accumulator at 1/N of the gradients."""
+    if choice == "auto":
+        return "microbatch" if zero_stage == 3 else "step"
+    return choice
+
+
+def check_grad_reduce(choice: str, zero_stage: int) -> None:
+    if choice not in GRAD_REDUCE:
+        raise config_lib.ConfigError(f"--grad-reduce {choice!r}: choose from {', '.join(GRAD_REDUCE)}")
+    if choice == "microbatch" and not zero_lib.stage(zero_stage).grads:
+        raise config_lib.ConfigError(
+            f"--grad-reduce microbatch with --zero-stage {zero_stage}: gradients are replicated "
+            "at stages 0 and 1, so the accumulator is full-size either way and reducing every "
+            "microbatch only multiplies the traffic; use --grad-reduce step (or auto), or "
+            "--zero-stage 2 or 3 to keep the accumulator sharded")
 
 
 def pipeline_schedule(run: config_lib.RunConfig, model: ModelFns,

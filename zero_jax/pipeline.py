@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -149,26 +149,47 @@ def _interleave(tree: Any, p: int, v: int, inverse: bool = False) -> Any:
     return jax.tree.map(move, tree)
 
 
+@dataclasses.dataclass(frozen=True)
+class StageLayout:
+    """Where a pipeline's parameters and gradient accumulators live."""
+
+    stack: Any  # specs of the stacked parameters (first dimension over `pipe`)
+    stage_grads: Any  # a stage's gradient accumulator: its chunks first, `pipe` left out
+    outer_grads: Any  # the embedding and head gradient accumulator
+    grad_dtype: Any  # gradients are accumulated in this dtype
+    gather: tuple[Any, Any] | None = None  # (outer, stacked) compute specs: gather once per step
+    shard_axes: tuple[str, ...] = ()  # data-parallel axes whose gradient sums stay per device
+    shards: int = 1  # product of their sizes
+
+
+class Tick(NamedTuple):
+    """What one device's action at one tick produces (zeros where it has none)."""
+
+    stash: jax.Array  # F: its input, kept for its backward
+    to_next: jax.Array  # F: its output, for the next stage
+    to_prev: jax.Array  # B: the gradient of its input, for the previous stage
+    loss_grad: jax.Array  # F of the last chunk: the loss gradient its backward starts from
+    chunk_grads: Any  # B: gradients of the chunk's weights, per shard
+    outer_grads: Any  # embedding (B of the first chunk) and head (F of the last) gradients, per shard
+    loss: jax.Array  # F of the last chunk: the microbatch's loss, per shard
+
+
 def loss_and_grads(fns: PipelineFns, hooks, schedule: Schedule, mesh: Mesh, params: Any,
-                   batch: jax.Array, scale: jax.Array, stack_specs: Any, grad_dtype,
-                   stage_grad_specs: Any, gather_specs: Any = None) -> tuple[jax.Array, Any]:
+                   batch: jax.Array, scale: jax.Array, where: StageLayout) -> tuple[jax.Array, Any]:
     """Mean loss (times `scale`) and gradients of `params` over `batch`, pipelined.
 
-    `stack_specs` are the stacked parameters' PartitionSpecs (first dimension
-    over `pipe`); `stage_grad_specs` lay out a stage's gradient accumulator
-    (its chunks, `pipe` left out). `gather_specs` (outer, stacked), if given,
-    gather a stage's parameters once per step instead of once per microbatch.
+    Gradients come back as sums per shard of the batch over
+    `where.shard_axes`, with a leading axis of `where.shards`, for the caller
+    to reduce once; with no such axes they are reduced already (a leading
+    axis of one).
     """
     p, m, v = schedule.p, schedule.m, schedule.v
     prog = Program.of(schedule)
     outer, stack = fns.split(params)
     stack = _interleave(stack, p, v)
-    stack = jax.lax.with_sharding_constraint(
-        stack, jax.tree.map(lambda s: NamedSharding(mesh, s), stack_specs,
-                            is_leaf=lambda x: isinstance(x, PartitionSpec)))
+    stack = jax.lax.with_sharding_constraint(stack, _named(mesh, where.stack))
     micro = split_microbatches(batch, m)
     table = {k: jnp.asarray(getattr(prog, k)) for k in Program.tables()}
-    n_stash, n_fwd, n_bwd = prog.slots
     x_shape = jax.eval_shape(lambda o, t: fns.embed(o, t[:, :-1], hooks), outer, micro[0])
 
     def body(outer, stack, micro, scale):
@@ -176,103 +197,182 @@ def loss_and_grads(fns: PipelineFns, hooks, schedule: Schedule, mesh: Mesh, para
         # Inside, shardings refer to the context mesh, whose `pipe` is manual.
         inner = jax.sharding.get_abstract_mesh()
         hooks_in = dataclasses.replace(hooks, mesh=inner)
-        if gather_specs is not None:
+        if where.gather is not None:  # ZeRO-3: gather here, before the loop, once
             # Already in the compute layout: the hooks must not re-shard them.
             hooks_in = dataclasses.replace(hooks_in, stored=None)
-        pin = lambda tree, specs: jax.lax.with_sharding_constraint(tree, jax.tree.map(
-            lambda s: NamedSharding(inner, s), specs, is_leaf=lambda x: isinstance(x, PartitionSpec)))
-        constrain_stage_grads = lambda g: pin(g, stage_grad_specs)
-        if gather_specs is not None:  # ZeRO-3: gather here, before the loop, once
-            outer, stack = pin(outer, gather_specs[0]), pin(stack, gather_specs[1])
+            outer = jax.lax.with_sharding_constraint(outer, _named(inner, where.gather[0]))
+            stack = jax.lax.with_sharding_constraint(stack, _named(inner, where.gather[1]))
         chunks = jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), stack)
-        # Activation buffers are laid out like the activations (batch split).
-        place = lambda buf: hooks_in.act(buf, (None, "batch", "res_seq", "embed"))
-        act = lambda x: hooks_in.act(x, ("batch", "res_seq", "embed"))
-        zeros = lambda n: place(jnp.zeros((n, *x_shape.shape), x_shape.dtype))
-        carry = {  # inboxes have one spare slot, where "nothing arrived" is written
-            "fwd": zeros(n_fwd + 1), "bwd": zeros(n_bwd + 1), "stash": zeros(n_stash),
-            "g_stack": constrain_stage_grads(jax.tree.map(lambda a: jnp.zeros(a.shape, grad_dtype), chunks)),
-            "g_outer": jax.tree.map(lambda a: jnp.zeros(a.shape, grad_dtype), outer),
-            "loss": jnp.zeros((), jnp.float32),
-        }
-
-        def head_loss(o, y, tokens):
-            return cross_entropy(fns.head(o, y, hooks_in), tokens[:, 1:]) * scale / m
-
-        zero_x = jnp.zeros(x_shape.shape, x_shape.dtype)
-        zero_g_outer = jax.tree.map(lambda a: jnp.zeros(a.shape, grad_dtype), outer)
-        zero_g_chunk = jax.tree.map(lambda a: jnp.zeros(a.shape[1:], grad_dtype), chunks)
-
-        # Each branch returns the same small tuple; the buffers are updated
-        # outside the switch, in place, instead of passing through it.
-        #   (stash this, send on, send back, loss gradient, chunk grads, outer grads, loss)
-        def fwd(c, row):
-            tokens = micro[row["mb"]]
-            x = jax.lax.cond(row["first"], lambda: act(fns.embed(outer, tokens[:, :-1], hooks_in)),
-                             lambda: act(c["fwd"][row["read"]]))
-            y = act(fns.stage(jax.tree.map(lambda a: a[row["chunk"]], chunks), x, hooks_in))
-
-            def ends():
-                loss, (g_o, dy) = jax.value_and_grad(head_loss, argnums=(0, 1))(outer, y, tokens)
-                return loss, jax.tree.map(lambda g: g.astype(grad_dtype), g_o), act(dy)
-
-            loss, g_o, dy = jax.lax.cond(row["last"], ends,
-                                         lambda: (jnp.zeros((), jnp.float32), zero_g_outer, zero_x))
-            return x, jnp.where(row["last"], zero_x, y), zero_x, dy, zero_g_chunk, g_o, loss
-
-        def bwd(c, row):
-            chunk = jax.tree.map(lambda a: a[row["chunk"]], chunks)
-            x, dy = c["stash"][row["stash"]], c["bwd"][row["read"]]
-            _, vjp = jax.vjp(lambda w, x: fns.stage(w, x, hooks_in), chunk, x)
-            g_chunk, dx = vjp(dy)
-            g_chunk = jax.tree.map(lambda g: g.astype(grad_dtype), g_chunk)
-
-            def starts():
-                tokens = micro[row["mb"]]
-                _, vjp_embed = jax.vjp(lambda o: fns.embed(o, tokens[:, :-1], hooks_in), outer)
-                return jax.tree.map(lambda g: g.astype(grad_dtype), vjp_embed(dx)[0])
-
-            g_o = jax.lax.cond(row["first"], starts, lambda: zero_g_outer)
-            dx = act(dx)
-            return (zero_x, zero_x, jnp.where(row["first"], zero_x, dx), zero_x, g_chunk, g_o,
-                    jnp.zeros((), jnp.float32))
-
-        def nop(c, row):
-            return (zero_x, zero_x, zero_x, zero_x, zero_g_chunk, zero_g_outer,
-                    jnp.zeros((), jnp.float32))
+        steps = _Steps(fns, hooks_in, where, inner, outer, chunks, micro, scale / m, x_shape)
 
         def tick(t, c):
             row = {k: v[t, d] for k, v in table.items()}
-            is_f, is_b = row["kind"] == FWD, row["kind"] == BWD
-            x, to_next, to_prev, dy, g_chunk, g_o, loss = jax.lax.switch(
-                row["kind"], [nop, fwd, bwd], c, row)
-            stash = c["stash"].at[row["stash"]].set(
-                jnp.where(is_f, x, c["stash"][row["stash"]]))
-            bwd_box = c["bwd"].at[row["dy"]].set(
-                jnp.where(is_f & row["last"], dy, c["bwd"][row["dy"]]))
-            g_stack = jax.tree.map(
-                lambda a, g: a.at[row["chunk"]].add(jnp.where(is_b, g, jnp.zeros_like(g))),
-                c["g_stack"], g_chunk)
-            to_next = jax.lax.ppermute(to_next, "pipe", [(i, (i + 1) % p) for i in range(p)])
-            to_prev = jax.lax.ppermute(to_prev, "pipe", [(i, (i - 1) % p) for i in range(p)])
-            return {
-                "stash": place(stash),
-                "fwd": place(c["fwd"].at[row["fwd_arrival"]].set(to_next)),
-                "bwd": place(bwd_box.at[row["bwd_arrival"]].set(to_prev)),
-                "g_stack": constrain_stage_grads(g_stack),
-                "g_outer": jax.tree.map(jnp.add, c["g_outer"], g_o),
-                "loss": c["loss"] + loss,
-            }
+            out = jax.lax.switch(row["kind"], [steps.nothing, steps.forward, steps.backward], c, row)
+            return steps.record(c, row, out, p)
 
-        c = jax.lax.fori_loop(0, schedule.ticks, tick, carry)
-        g_stack = jax.tree.map(lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]),
-                               c["g_stack"])
-        return (jax.lax.psum(c["loss"], "pipe"), jax.lax.psum(c["g_outer"], "pipe"), g_stack)
+        c = jax.lax.fori_loop(0, schedule.ticks, tick, steps.start(prog.slots))
+        g_stack = jax.tree.map(lambda a: a.reshape(a.shape[0], -1, *a.shape[3:]), c["g_stack"])
+        return jax.lax.psum(c["loss"].sum(), "pipe"), jax.lax.psum(c["g_outer"], "pipe"), g_stack
 
     replicated = jax.tree.map(lambda _: PartitionSpec(), outer)
     piped = jax.tree.map(lambda _: PartitionSpec("pipe"), stack)
+    per_shard_piped = jax.tree.map(lambda _: PartitionSpec(None, "pipe"), stack)
     run = jax.shard_map(body, mesh=mesh, in_specs=(replicated, piped, PartitionSpec(), PartitionSpec()),
-                        out_specs=(PartitionSpec(), replicated, piped), axis_names={"pipe"},
-                        check_vma=False)
+                        out_specs=(PartitionSpec(), replicated, per_shard_piped),
+                        axis_names={"pipe"}, check_vma=False)
     loss, g_outer, g_stack = run(outer, stack, micro, scale)
-    return loss, fns.merge(g_outer, _interleave(g_stack, p, v, inverse=True))
+    g_stack = jax.tree.map(lambda g: jax.vmap(lambda x: _interleave(x, p, v, inverse=True))(g),
+                           g_stack)
+    return loss, fns.merge(g_outer, g_stack)
+
+
+def _named(mesh, specs):
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                        is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+class _Steps:
+    """A device's three possible actions at a tick, and how their results are
+    written into the loop's buffers.
+
+    Activations and their gradients keep the model's layout (batch split).
+    Gradients of weights are computed under `vmap` per shard of the batch
+    over `where.shard_axes` (as in accumulate.py), so none is reduced over
+    those axes inside the loop.
+    """
+
+    def __init__(self, fns: PipelineFns, hooks, where: StageLayout, mesh, outer, chunks, micro,
+                 loss_scale, x_shape):
+        self.fns, self.hooks, self.where, self.mesh = fns, hooks, where, mesh
+        self.outer, self.chunks, self.micro = outer, chunks, micro
+        self.loss_scale = loss_scale  # the scale over the microbatch count
+        self.x_zero = jnp.zeros(x_shape.shape, x_shape.dtype)
+        self.shard_hooks = hooks.per_shard(where.shard_axes)
+        self.n = where.shards
+
+    # -- layouts ----------------------------------------------------------
+    def act(self, x):
+        return self.hooks.act(x, ("batch", "res_seq", "embed"))
+
+    def place(self, buf):
+        return self.hooks.act(buf, (None, "batch", "res_seq", "embed"))
+
+    def split(self, x):
+        """(B, ...) -> (shards, B / shards, ...), each device's rows in its own entry."""
+        spec = PartitionSpec(self.where.shard_axes or None)
+        return jax.lax.with_sharding_constraint(x.reshape(self.n, -1, *x.shape[1:]),
+                                                NamedSharding(self.mesh, spec))
+
+    def merge(self, x):
+        return self.act(x.reshape(-1, *x.shape[2:]))
+
+    def pin(self, tree, specs):
+        """A per-shard gradient tree pinned to `specs` behind its shards' axis."""
+        lead = lambda s: PartitionSpec(self.where.shard_axes or None, *s)
+        return jax.lax.with_sharding_constraint(tree, _named(self.mesh, jax.tree.map(
+            lead, specs, is_leaf=lambda x: isinstance(x, PartitionSpec))))
+
+    def per_shard(self, f, weights, *rows):
+        """`f(weights, *rows)` for each shard: `weights` shared, `rows` split (`split`)."""
+        if not self.where.shard_axes:  # one shard: the same program without a vmap
+            return jax.tree.map(lambda x: x[None], f(weights, *(r[0] for r in rows)))
+        return jax.vmap(f, in_axes=(None,) + (0,) * len(rows),
+                        spmd_axis_name=self.where.shard_axes)(weights, *rows)
+
+    def zero_grads(self, tree, drop: int = 0):
+        return jax.tree.map(lambda a: jnp.zeros((self.n, *a.shape[drop:]), self.where.grad_dtype),
+                            tree)
+
+    # -- the loop's carry -------------------------------------------------
+    def start(self, slots: tuple[int, int, int]) -> dict:
+        n_stash, n_fwd, n_bwd = slots
+        zeros = lambda k: self.place(jnp.zeros((k, *self.x_zero.shape), self.x_zero.dtype))
+        return {  # inboxes have one spare slot, where "nothing arrived" is written
+            "fwd": zeros(n_fwd + 1), "bwd": zeros(n_bwd + 1), "stash": zeros(n_stash),
+            "g_stack": self.pin(self.zero_grads(self.chunks), self.where.stage_grads),
+            "g_outer": self.pin(self.zero_grads(self.outer), self.where.outer_grads),
+            "loss": jnp.zeros((self.n,), jnp.float32),
+        }
+
+    def nothing(self, c, row) -> Tick:
+        x = self.x_zero
+        return Tick(x, x, x, x, self.zero_grads(self.chunks, drop=1), self.zero_grads(self.outer),
+                    jnp.zeros((self.n,), jnp.float32))
+
+    # -- forward: embed (first chunk), one chunk, loss (last chunk) ---------
+    def forward(self, c, row) -> Tick:
+        fns, h = self.fns, self.hooks
+        tokens = self.micro[row["mb"]]
+        x = jax.lax.cond(row["first"], lambda: self.act(fns.embed(self.outer, tokens[:, :-1], h)),
+                         lambda: self.act(c["fwd"][row["read"]]))
+        chunk = jax.tree.map(lambda a: a[row["chunk"]], self.chunks)
+        y = self.act(fns.stage(chunk, x, h))
+
+        def head_loss(outer, y, tokens):
+            # Each shard's mean over its rows, over the shard count: the
+            # shards' sum is the microbatch's mean.
+            logits = fns.head(outer, y, self.shard_hooks)
+            return cross_entropy(logits, tokens[:, 1:]) * self.loss_scale / self.n
+
+        def ends():
+            loss, (g_o, dy) = self.per_shard(
+                jax.value_and_grad(head_loss, argnums=(0, 1)), self.outer, self.split(y),
+                self.split(tokens))
+            return loss, self._cast(g_o), self.merge(dy)
+
+        nothing = lambda: (jnp.zeros((self.n,), jnp.float32), self.zero_grads(self.outer), self.x_zero)
+        loss, g_o, dy = jax.lax.cond(row["last"], ends, nothing)
+        return Tick(stash=x, to_next=jnp.where(row["last"], self.x_zero, y), to_prev=self.x_zero,
+                    loss_grad=dy, chunk_grads=self.zero_grads(self.chunks, drop=1),
+                    outer_grads=g_o, loss=loss)
+
+    # -- backward: one chunk, then the embedding (first chunk) --------------
+    def backward(self, c, row) -> Tick:
+        fns, h = self.fns, self.shard_hooks
+        chunk = jax.tree.map(lambda a: a[row["chunk"]], self.chunks)
+        x, dy = c["stash"][row["stash"]], c["bwd"][row["read"]]
+
+        def chunk_vjp(chunk, x, dy):
+            return jax.vjp(lambda w, x: fns.stage(w, x, h), chunk, x)[1](dy)
+
+        g_chunk, dx = self.per_shard(chunk_vjp, chunk, self.split(x), self.split(dy))
+
+        def starts():
+            def embed_vjp(outer, tokens, dx):
+                return jax.vjp(lambda o: fns.embed(o, tokens[:, :-1], h), outer)[1](dx)[0]
+            return self._cast(self.per_shard(embed_vjp, self.outer,
+                                             self.split(self.micro[row["mb"]]), dx))
+
+        g_o = jax.lax.cond(row["first"], starts, lambda: self.zero_grads(self.outer))
+        dx = self.merge(dx)
+        return Tick(stash=self.x_zero, to_next=self.x_zero,
+                    to_prev=jnp.where(row["first"], self.x_zero, dx), loss_grad=self.x_zero,
+                    chunk_grads=self._cast(g_chunk), outer_grads=g_o,
+                    loss=jnp.zeros((self.n,), jnp.float32))
+
+    def _cast(self, grads):
+        return jax.tree.map(lambda g: g.astype(self.where.grad_dtype), grads)
+
+    # -- the buffers a tick writes ------------------------------------------
+    def record(self, c, row, out: Tick, p: int) -> dict:
+        """Buffers after the tick: stash, loss gradient and weight gradients
+        written in place (only where this tick's action made them), then
+        activations sent one stage on and gradients one stage back."""
+        is_f, is_b = row["kind"] == FWD, row["kind"] == BWD
+        stash = c["stash"].at[row["stash"]].set(jnp.where(is_f, out.stash, c["stash"][row["stash"]]))
+        bwd_box = c["bwd"].at[row["dy"]].set(
+            jnp.where(is_f & row["last"], out.loss_grad, c["bwd"][row["dy"]]))
+        g_stack = jax.tree.map(
+            lambda a, g: a.at[:, row["chunk"]].add(jnp.where(is_b, g, jnp.zeros_like(g))),
+            c["g_stack"], out.chunk_grads)
+        to_next = jax.lax.ppermute(out.to_next, "pipe", [(i, (i + 1) % p) for i in range(p)])
+        to_prev = jax.lax.ppermute(out.to_prev, "pipe", [(i, (i - 1) % p) for i in range(p)])
+        return {
+            "stash": self.place(stash),
+            "fwd": self.place(c["fwd"].at[row["fwd_arrival"]].set(to_next)),
+            "bwd": self.place(bwd_box.at[row["bwd_arrival"]].set(to_prev)),
+            "g_stack": self.pin(g_stack, self.where.stage_grads),
+            "g_outer": self.pin(jax.tree.map(jnp.add, c["g_outer"], out.outer_grads),
+                                self.where.outer_grads),
+            "loss": c["loss"] + out.loss,
+        }

@@ -58,6 +58,11 @@ class AxisRules:
     def table(self) -> Mapping[str, tuple[str, ...]]:
         return dict(self.rules)
 
+    def replace(self, **table: tuple[str, ...]) -> "AxisRules":
+        """These rules with the given logical names mapped anew."""
+        merged = {**self.table, **{k: tuple(v) for k, v in table.items()}}
+        return AxisRules(self.name, tuple(merged.items()))
+
     def mesh_axes(self, logical: str | None) -> tuple[str, ...]:
         if logical is None:
             return ()

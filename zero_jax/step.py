@@ -11,6 +11,7 @@ state is donated, so XLA updates it in place.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, Callable
 
 import jax
@@ -19,8 +20,10 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from zero_jax import loss_scale as loss_scale_lib
+from zero_jax import master as master_lib
 from zero_jax import pipeline as pipeline_lib
-from zero_jax.accumulate import accumulate
+from zero_jax import zero as zero_lib
+from zero_jax.accumulate import accumulate, accumulate_partials, reduce_partials
 from zero_jax.hooks import Hooks
 from zero_jax.loss import cross_entropy
 from zero_jax.model import ModelFns
@@ -36,9 +39,11 @@ def lm_loss(model: ModelFns, hooks: Hooks, params: Any, tokens_BxT1: jax.Array) 
 
 def train_step(state: TrainState, batch: jax.Array, *, loss_and_grads: Callable,
                tx: optax.GradientTransformation, lr: optax.Schedule,
-               scale_cfg: loss_scale_lib.LossScaleConfig) -> tuple[TrainState, dict[str, jax.Array]]:
+               scale_cfg: loss_scale_lib.LossScaleConfig,
+               to_working: Callable) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer step. `loss_and_grads(params, batch, scale)` returns the
-    mean loss and its gradients, both times `scale` (accumulated or pipelined)."""
+    mean loss and its gradients, both times `scale` (accumulated or pipelined);
+    `to_working` casts new master weights to the working copy (master.py)."""
     scale = state.loss_scale.scale
     loss, grads = loss_and_grads(state.params, batch, scale if scale_cfg.enabled else None)
     if scale_cfg.enabled:
@@ -46,8 +51,7 @@ def train_step(state: TrainState, batch: jax.Array, *, loss_and_grads: Callable,
         grads = jax.tree.map(lambda g: (g.astype(jnp.float32) / scale).astype(g.dtype), grads)
     grad_norm = optax.tree.norm(grads)  # before clipping
     finite = jnp.isfinite(grad_norm)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
+    params, opt_state = master_lib.apply(tx, grads, state.opt_state, state.params, to_working)
     # A step with non-finite gradients leaves parameters and optimizer state
     # bitwise as they were; only the step count and the loss scale move.
     keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
@@ -79,23 +83,92 @@ def accumulated(loss_fn: Callable, microbatches: int, constrain_grads: Callable,
     return loss_and_grads
 
 
+def unreduced_axes(layout: Layout, microbatches: int, reduce_once: bool) -> tuple[str, ...]:
+    """Data-parallel axes over which the step keeps per-device partial sums of
+    the gradients, to reduce them once at its end (accumulate.py).
+
+    Reducing once per step: every data-parallel axis. Even with one
+    microbatch this reduces a parameter used twice (a tied embedding) once,
+    where reducing at each use would reduce it twice; except at ZeRO-3,
+    whose one microbatch is better reduced layer by layer in the backward
+    pass (its accumulator stays 1/N). Reducing each microbatch into sharded
+    gradients: the axes ZeRO does not shard over (hybrid sharding), whose
+    all-reduce of the shards then runs once per step.
+    """
+    stage = zero_lib.stage(layout.zero_stage)
+    if reduce_once and (microbatches > 1 or not stage.params):
+        return layout.data_axes
+    if stage.grads:
+        return tuple(a for a in layout.data_axes if a not in layout.mesh_shape.shard_axes)
+    return ()
+
+
+def partial_sums(layout: Layout, model: ModelFns, hooks: Hooks, microbatches: int,
+                 axes: tuple[str, ...], constrain_grads: Callable) -> Callable:
+    """loss_and_grads keeping partial sums over the data-parallel `axes` through
+    the microbatches and reducing them at the end (accumulate.py)."""
+    sizes = layout.mesh_shape.sizes
+    n, m = math.prod(sizes[a] for a in axes), microbatches
+    local = functools.partial(lm_loss, model, hooks.per_shard(axes))
+    # Over the other data-parallel axes (hybrid: the ZeRO axes) each shard's
+    # gradient is reduced into its stored layout as usual.
+    inside = set(axes) != set(layout.data_axes)
+    specs = layout.specs.grads if inside else layout.specs.compute
+    partial_specs = jax.tree.map(lambda s: PartitionSpec(axes, *s), specs,
+                                 is_leaf=lambda x: isinstance(x, PartitionSpec))
+    constrain_partials = _constrainer(layout, partial_specs, hooks.grad_dtype)
+    constrain_inside = _constrainer(layout, specs, hooks.grad_dtype)
+    micro = NamedSharding(layout.mesh, PartitionSpec(None, axes))
+
+    def value_and_grad(params, rows, scale):
+        scaled = local if scale is None else (lambda p, b: local(p, b) * scale)
+        loss, grads = jax.value_and_grad(scaled)(params, rows)
+        return loss, constrain_inside(grads) if inside else grads
+
+    def loss_and_grads(params, batch, scale):
+        loss_sums, partials = accumulate_partials(
+            lambda p, rows: value_and_grad(p, rows, scale), params, batch, m, axes, n,
+            constrain_partials, lambda x: jax.lax.with_sharding_constraint(x, micro))
+        grads = reduce_partials(partials, layout.specs.grads, layout.mesh, axes,
+                                layout.mesh_shape.shard_axes)
+        # Each shard's loss is the mean over its rows of one microbatch, and
+        # every shard and microbatch has as many rows: the batch mean is theirs.
+        return loss_sums.sum() / (n * m), constrain_grads(jax.tree.map(lambda g: g / (n * m), grads))
+
+    return loss_and_grads
+
+
 def pipelined(layout: Layout, model: ModelFns, hooks: Hooks, sched: Schedule,
-              constrain_grads: Callable, gather_once: bool) -> Callable:
+              constrain_grads: Callable, gather_once: bool, reduce_once: bool) -> Callable:
     """loss_and_grads through the pipeline schedule `sched` (pipeline.py)."""
     fns = model.pipeline
+    axes = unreduced_axes(layout, sched.m, reduce_once)
+    sizes = layout.mesh_shape.sizes
+    # Partial sums over every data-parallel axis are accumulated unreduced
+    # (compute layout); otherwise in the gradient layout.
+    accumulated = layout.specs.compute if set(axes) == set(layout.data_axes) and axes \
+        else layout.specs.grads
     _, stack_specs = fns.split(layout.specs.params)
-    _, stack_grads = fns.split(layout.specs.grads)
+    outer_acc, stack_acc = fns.split(accumulated)
     outer_compute, stack_compute = fns.split(layout.specs.compute)
     is_spec = lambda x: isinstance(x, PartitionSpec)
     within = lambda specs, lead: jax.tree.map(  # a stage's view: `pipe` left out
         lambda s: PartitionSpec(*lead, None, *tuple(s)[1:]), specs, is_leaf=is_spec)
+    where = pipeline_lib.StageLayout(
+        stack=stack_specs, stage_grads=within(stack_acc, (None,)), outer_grads=outer_acc,
+        grad_dtype=layout.grad_dtype,
+        gather=(outer_compute, within(stack_compute, ())) if gather_once else None,
+        shard_axes=axes, shards=math.prod(sizes[a] for a in axes))
 
     def loss_and_grads(params, batch, scale):
         loss, grads = pipeline_lib.loss_and_grads(
             fns, hooks, sched, layout.mesh, params, batch,
-            jnp.float32(1.0) if scale is None else scale, stack_specs, layout.grad_dtype,
-            stage_grad_specs=within(stack_grads, (None,)),
-            gather_specs=(outer_compute, within(stack_compute, ())) if gather_once else None)
+            jnp.float32(1.0) if scale is None else scale, where)
+        if axes:
+            grads = reduce_partials(grads, layout.specs.grads, layout.mesh, axes,
+                                    layout.mesh_shape.shard_axes)
+        else:
+            grads = jax.tree.map(lambda g: g[0], grads)
         return loss, constrain_grads(grads)
 
     return loss_and_grads
@@ -108,26 +181,39 @@ def _constrainer(layout: Layout, specs: Any, dtype) -> Callable[[Any], Any]:
 
 
 def make_loss_and_grads(layout: Layout, model: ModelFns, hooks: Hooks, microbatches: int,
-                        sched: Schedule | None = None, gather_once: bool = False) -> Callable:
+                        sched: Schedule | None = None, gather_once: bool = False,
+                        reduce_once: bool = True) -> Callable:
     """`(params, batch, scale) -> (loss, grads)` for a layout: pipelined over
-    `pipe` through `sched` if given, else accumulated over microbatches.
+    `pipe` through `sched` if given, else accumulated over microbatches,
+    reduced once per step (`reduce_once`) or once per microbatch.
     Gradients come out in the layout's gradient sharding and dtype."""
     constrain_grads = _constrainer(layout, layout.specs.grads, hooks.grad_dtype)
     if sched is not None:
-        return pipelined(layout, model, hooks, sched, constrain_grads, gather_once)
-    micro = NamedSharding(layout.mesh, PartitionSpec(None, *layout.batch_sharding.spec))
-    return accumulated(functools.partial(lm_loss, model, hooks), microbatches, constrain_grads,
-                       lambda x: jax.lax.with_sharding_constraint(x, micro))
+        fn = pipelined(layout, model, hooks, sched, constrain_grads, gather_once, reduce_once)
+    elif axes := unreduced_axes(layout, microbatches, reduce_once):
+        fn = partial_sums(layout, model, hooks, microbatches, axes, constrain_grads)
+    else:
+        micro = NamedSharding(layout.mesh, PartitionSpec(None, *layout.batch_sharding.spec))
+        fn = accumulated(functools.partial(lm_loss, model, hooks), microbatches, constrain_grads,
+                         lambda x: jax.lax.with_sharding_constraint(x, micro))
+    if not layout.master:
+        return fn
+    # A working copy narrower than the master weights is differentiated as
+    # its exact float32 widening, so that gradients come out in float32 (and
+    # are then cast to the gradient dtype), as they do from float32 parameters.
+    widen = master_lib.cast_to(jax.tree.map(lambda m: m.dtype, layout.master_params))
+    return lambda params, batch, scale: fn(widen(params), batch, scale)
 
 
 def jit_train_step(layout: Layout, model: ModelFns, hooks: Hooks, tx: optax.GradientTransformation,
                    lr: optax.Schedule, microbatches: int,
                    scale_cfg: loss_scale_lib.LossScaleConfig, sched: Schedule | None = None,
-                   gather_once: bool = False):
+                   gather_once: bool = False, reduce_once: bool = True):
     """`train_step` bound to a layout, jitted with its shardings, state donated."""
-    loss_and_grads = make_loss_and_grads(layout, model, hooks, microbatches, sched, gather_once)
+    loss_and_grads = make_loss_and_grads(layout, model, hooks, microbatches, sched, gather_once,
+                                         reduce_once)
     step = functools.partial(train_step, loss_and_grads=loss_and_grads, tx=tx, lr=lr,
-                             scale_cfg=scale_cfg)
+                             scale_cfg=scale_cfg, to_working=layout.to_working)
     replicated = NamedSharding(layout.mesh, PartitionSpec())
     return jax.jit(step, in_shardings=(layout.shardings, layout.batch_sharding),
                    out_shardings=(layout.shardings, replicated), donate_argnums=0)
