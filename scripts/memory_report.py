@@ -9,7 +9,8 @@ Reports (a) the ZeRO formula, (b) the bytes of the actual shardings of
 parameters, gradients and optimizer state, and (c) the compiled train step's
 `memory_analysis()`, under the run's tensor parallelism and precision policy,
 with the activation bytes (the model's estimate for the remat policy, and the
-compiled temporaries) beside them. Only abstract shapes are used, so the model may be far
+compiled temporaries) beside them; and the collective bytes per device per
+step, measured from the compiled program beside the ZeRO paper's volumes. Only abstract shapes are used, so the model may be far
 larger than this machine; the CPU is simulated with as many devices as the
 mesh needs (or --devices).
 """
@@ -58,13 +59,14 @@ def main(argv=None) -> int:
         return 2
     if args.remat_table:
         return remat_table(run, vocab, args.json)
-    compiled = None if args.no_compile else job.compile_train_step()
-    report = job.memory_report(compiled)
+    compiled, text = (None, None) if args.no_compile else job.compile_with_text()
+    report = job.memory_report(compiled, text)
     if args.json:
         print(json.dumps(report, indent=1))
     else:
         print(plan.describe(job, f"vocab {vocab} (shapes only)",
-                            models.describe(run.model.name, vocab, run.model.vocab_multiple), compiled))
+                            models.describe(run.model.name, vocab, run.model.vocab_multiple),
+                            compiled, text))
     return 0
 
 

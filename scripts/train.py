@@ -26,7 +26,7 @@ import jax
 
 import models
 from zero_jax import checkpoint as ckpt_lib
-from zero_jax import config as config_lib, data as data_lib, distributed, job as job_lib, loop, plan, run
+from zero_jax import config as config_lib, data as data_lib, distributed, hlo, job as job_lib, loop, plan, run
 from zero_jax.mesh import MeshError
 from zero_jax.rules import ShardingError
 
@@ -63,7 +63,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     lowered = job.lower_train_step()
-    train_step = lowered.compile()
+    # The process that prints the plan compiles with the HLO after
+    # partitioning written out, for its collective bytes (this compile skips
+    # the persistent cache); the others compile as usual.
+    lead = jax.process_index() == 0
+    train_step, partitioned = hlo.compile_partitioned(lowered) if lead else (lowered.compile(), None)
     try:
         # Processes about to run different programs would hang in the first
         # collective: compare before running anything.
@@ -76,8 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     data_line = (f"{corpus.name}: {len(corpus.train):,} train / {len(corpus.val):,} "
                  f"validation tokens, vocab {corpus.vocab_size}")
     model_line = models.describe(cfg.model.name, corpus.vocab_size, cfg.model.vocab_multiple)
-    if jax.process_index() == 0:
-        print(plan.describe(job, data_line, model_line, train_step), flush=True)
+    if lead:
+        print(plan.describe(job, data_line, model_line, train_step, partitioned), flush=True)
 
     try:
         outcome = run.train(job, corpus, train_step, eval_step, loaders=[models.hf_loader],

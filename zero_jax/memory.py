@@ -72,6 +72,25 @@ def theory(layout: Layout) -> dict[str, float]:
     }
 
 
+def formula(layout: Layout) -> str:
+    """The model-state formula in use, per parameter: at ZeRO-1 over 8 devices
+    with a bf16 working copy, float32 gradients and Adam, "params 2 + grads 4
+    + optimizer state 12/8 = 7.5 bytes per parameter"."""
+    stage = zero_lib.stage(layout.zero_stage)
+    sizes = layout.mesh_shape.sizes
+    n = math.prod(sizes[a] for a in layout.mesh_shape.shard_axes)
+    per = bytes_per_param(layout)
+    terms, total = [], 0.0
+    for key, name, sharded_ in (("params", "params", stage.params), ("grads", "grads", stage.grads),
+                                ("opt_state", "optimizer state", stage.opt_state)):
+        value = per[key] / (n if sharded_ else 1)
+        total += value
+        terms.append(f"{name} {per[key]:.3g}" + (f"/{n}" if sharded_ and n > 1 else ""))
+    t = sizes["tensor"]
+    return (" + ".join(terms) + f" = {total:.4g} bytes per parameter"
+            + (f", / tensor {t} = {total / t:.4g}" if t > 1 else ""))
+
+
 def sharded(layout: Layout) -> dict[str, int]:
     a, s = layout.abstract, layout.specs
     return {
@@ -91,12 +110,15 @@ def compiled(compiled_step) -> dict[str, int]:
     }
 
 
-def report(layout: Layout, compiled_step=None, activations: dict[str, float] | None = None
-           ) -> dict[str, Any]:
+def report(layout: Layout, compiled_step=None, activations: dict[str, float] | None = None,
+           collectives: dict[str, Any] | None = None) -> dict[str, Any]:
     out = {"param_count": param_count(layout), "bytes_per_param": bytes_per_param(layout),
-           "theory_bytes": theory(layout), "sharded_bytes": sharded(layout)}
+           "formula": formula(layout), "theory_bytes": theory(layout),
+           "sharded_bytes": sharded(layout)}
     if compiled_step is not None:
         out["compiled"] = compiled(compiled_step)
+    if collectives is not None:
+        out.update(collectives)
     if activations is not None:
         out["activations"] = {"analytic_bytes": activations}
         if compiled_step is not None:

@@ -35,17 +35,17 @@ def placement(shape) -> str:
     return "; ".join(parts) or "one device"
 
 
-def _mb(n: float) -> str:
-    return f"{n / 2**20:10.2f}"
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.2f}"
 
 
 def _state_rows(job: Job) -> list[str]:
     layout = job.layout
     paths = [jax.tree_util.keystr(p, simple=True, separator=".")
              for p, _ in jax.tree_util.tree_flatten_with_path(layout.abstract.params)[0]]
-    is_spec = lambda x: isinstance(x, PartitionSpec)
     opt = layout.specs.sharded if zero_lib.stage(layout.zero_stage).opt_state else layout.specs.compute
-    columns = [jax.tree.leaves(t, is_leaf=is_spec) for t in (layout.specs.params, layout.specs.grads, opt)]
+    columns = [jax.tree.leaves(t, is_leaf=_is_spec)
+               for t in (layout.specs.params, layout.specs.grads, opt)]
     width = max(len(p) for p in paths)
     rows = [f"  {'parameter':<{width}}  {'stored':<26}  {'gradient':<26}  optimizer state"]
     for path, leaf, *specs in zip(paths, jax.tree.leaves(layout.abstract.params), *columns):
@@ -53,7 +53,20 @@ def _state_rows(job: Job) -> list[str]:
     return rows
 
 
-def describe(job: Job, data_line: str, model_line: str, compiled_step=None) -> str:
+def _is_spec(x) -> bool:
+    return isinstance(x, PartitionSpec)
+
+
+def _table(header: tuple[str, ...], rows: list[tuple]) -> list[str]:
+    """Right-aligned columns under `header`, the first column left-aligned."""
+    cells = [header] + [tuple(str(c) for c in row) for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    return ["  " + "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                             for i, (c, w) in enumerate(zip(r, widths))) for r in cells]
+
+
+def summary_rows(job: Job, data_line: str, model_line: str, report: dict) -> list[tuple[str, str]]:
+    """(label, text) rows: what runs where."""
     run, layout, shape = job.run, job.layout, job.layout.mesh_shape
     stage = zero_lib.stage(layout.zero_stage)
     sizes = shape.sizes
@@ -61,63 +74,99 @@ def describe(job: Job, data_line: str, model_line: str, compiled_step=None) -> s
     shard_axes = shape.shard_axes
     n_shard = math.prod(sizes[a] for a in shard_axes)
     t = run.train
-    per_device = t.batch_size // (t.microbatches * dp)
     word = lambda b: "sharded" if b else "replicated"
-    report = job.memory_report(compiled_step)
-    per = report["bytes_per_param"]
     tp = [n for n in ("heads", "mlp", "vocab") if "tensor" in layout.rules.mesh_axes(n)]
-    lines = [
-        "== zero_jax plan ==",
-        f"model      {model_line} ({report['param_count'] / 1e6:.2f} M parameters)",
-        f"data       {data_line}",
-        f"mesh       {shape.name}: {shape.num_devices} devices, "
-        + " ".join(f"{a}={sizes[a]}" for a in AXES)
-        + (f"; {jax.process_count()} processes" if jax.process_count() > 1 else ""),
-        "placement  " + placement(shape),
-        f"layout     {layout.rules.name}: tensor splits "
-        + (", ".join(tp) if tp and sizes["tensor"] > 1 else "nothing")
-        + ("; sequence split over tensor between blocks" if job.sequence_parallel and sizes["tensor"] > 1 else ""),
-        f"precision  {job.policy.describe()}; "
-        f"{per['params']:g} + {per['grads']:g} + {per['opt_state']:g} = "
-        f"{sum(per.values()):g} bytes per parameter; loss scaling "
-        + (f"from 2^{job.scale_cfg.initial_scale_power}" if job.scale_cfg.enabled else "off"),
-        f"remat      {job.hooks.remat.describe()}",
-        f"zero       stage {layout.zero_stage} over "
-        + (f"{'*'.join(shard_axes)} (N_d={n_shard})" if shard_axes else "no axis (N_d=1)")
-        + f": optimizer state {word(stage.opt_state)}, gradients {word(stage.grads)}, "
-          f"parameters {word(stage.params)}",
-        f"batch      global {t.batch_size} = {per_device} per device x {t.microbatches} "
-        f"microbatches x {dp} data-parallel; seq {run.data.seq_len} -> "
-        f"{t.batch_size * run.data.seq_len:,} tokens/step",
-        f"optimizer  {run.optim.name}, lr {run.optim.lr:g} (warm-up {run.optim.warmup_steps}, "
-        f"{run.optim.decay} to x{run.optim.min_lr_ratio:g}), weight decay "
-        f"{run.optim.weight_decay:g}, clip {run.optim.clip_norm:g}; {t.steps} steps",
-        "memory per device (MiB)      params       grads   opt_state       total",
+    master = ("; float32 master weights in the sharded optimizer state, a working copy "
+              "stored replicated" if layout.master else "")
+    reduce = ("once per step" if job.reduce_once or t.microbatches == 1
+              else "every microbatch, into shards")
+    return [
+        ("model", f"{model_line} ({report['param_count'] / 1e6:.2f} M parameters)"),
+        ("data", data_line),
+        ("mesh", f"{shape.name}: {shape.num_devices} devices, "
+                 + " ".join(f"{a}={sizes[a]}" for a in AXES)
+                 + (f"; {jax.process_count()} processes" if jax.process_count() > 1 else "")),
+        ("placement", placement(shape)),
+        ("layout", f"{layout.rules.name}: tensor splits "
+                   + (", ".join(tp) if tp and sizes["tensor"] > 1 else "nothing")
+                   + ("; sequence split over tensor between blocks"
+                      if job.sequence_parallel and sizes["tensor"] > 1 else "")),
+        ("precision", f"{job.policy.describe()}{master}; loss scaling "
+                      + (f"from 2^{job.scale_cfg.initial_scale_power}" if job.scale_cfg.enabled
+                         else "off")),
+        ("remat", job.hooks.remat.describe()),
+        ("zero", f"stage {layout.zero_stage} over "
+                 + (f"{'*'.join(shard_axes)} (N_d={n_shard})" if shard_axes else "no axis (N_d=1)")
+                 + f": optimizer state {word(stage.opt_state)}, gradients {word(stage.grads)}, "
+                   f"parameters {word(stage.params)}; gradients reduced {reduce}"),
+        ("states", report["formula"]),
+        ("batch", f"global {t.batch_size} = {t.batch_size // (t.microbatches * dp)} per device x "
+                  f"{t.microbatches} microbatches x {dp} data-parallel; seq {run.data.seq_len} -> "
+                  f"{t.batch_size * run.data.seq_len:,} tokens/step"),
+        ("optimizer", f"{run.optim.name}, lr {run.optim.lr:g} (warm-up {run.optim.warmup_steps}, "
+                      f"{run.optim.decay} to x{run.optim.min_lr_ratio:g}), weight decay "
+                      f"{run.optim.weight_decay:g}, clip {run.optim.clip_norm:g}; {t.steps} steps"),
     ]
-    for name in ("theory_bytes", "sharded_bytes"):
-        r = report[name]
-        label = "ZeRO formula" if name == "theory_bytes" else "actual shardings"
-        lines.append(f"  {label:<22}" + "".join(_mb(r[k]) + "  " for k in ("params", "grads", "opt_state"))
-                     + _mb(sum(r.values())))
+
+
+def memory_rows(report: dict) -> list[str]:
+    """Bytes per device of the model states, three ways, and the activations."""
+    keys = ("params", "grads", "opt_state")
+    rows = [(label, *(_mib(report[name][k]) for k in keys), _mib(sum(report[name].values())))
+            for label, name in (("ZeRO formula", "theory_bytes"),
+                                ("actual shardings", "sharded_bytes"))]
+    lines = ["memory per device (MiB)"] + _table(("", "params", "grads", "opt_state", "total"), rows)
     if "compiled" in report:
         c = report["compiled"]
-        lines.append(f"  compiled step: arguments {c['argument_bytes'] / 2**20:.2f}, outputs "
-                     f"{c['output_bytes'] / 2**20:.2f}, temporaries {c['temp_bytes'] / 2**20:.2f}")
+        lines.append(f"  compiled step: arguments {_mib(c['argument_bytes'])}, outputs "
+                     f"{_mib(c['output_bytes'])}, temporaries {_mib(c['temp_bytes'])}")
     if "activations" in report:
         a = report["activations"]
-        lines.append(f"  activations, one microbatch: {a['analytic_bytes'] / 2**20:.2f} estimated"
-                     + (f" (compiled temporaries {a['compiled_temp_bytes'] / 2**20:.2f})"
+        lines.append(f"  activations, one microbatch: {_mib(a['analytic_bytes'])} estimated"
+                     + (f" (compiled temporaries {_mib(a['compiled_temp_bytes'])})"
                         if "compiled_temp_bytes" in a else ""))
+    return lines
+
+
+def collective_rows(report: dict) -> list[str]:
+    """Collective payload bytes per device per step: measured, and the ZeRO volumes."""
+    if "collectives" not in report:
+        return []
+    notes = report["collective_notes"]
+    lines = ["collectives per device per step (MiB of payload; measured in the HLO after SPMD "
+             "partitioning, loops times their trip counts)"]
+    lines += _table(("", "MiB"), [(k, _mib(b)) for k, b in report["collectives"].items()]
+                    + [("total", _mib(report["collective_bytes"]))])
+    theory = report["collective_theory"]
+    if theory is not None:
+        lines.append(f"  ZeRO volumes: gradients {_mib(theory['gradients'])} + parameters "
+                     f"{_mib(theory['parameters'])} = {_mib(theory['total'])}")
+    if notes["reduce_scatters_from_all_reduce"]:
+        lines.append(f"  {notes['reduce_scatters_from_all_reduce']} all-reduces followed only by "
+                     "a slice to the device's shard are counted as the reduce-scatters they "
+                     "stand for (XLA:CPU forms none)")
+    if notes["bytes_in_conditional_branches"]:
+        lines.append(f"  {_mib(notes['bytes_in_conditional_branches'])} MiB run inside pipeline "
+                     "ticks' branches and are counted as if every branch ran: an upper bound")
+    return lines
+
+
+def describe(job: Job, data_line: str, model_line: str, compiled_step=None,
+             partitioned_text: str | None = None) -> str:
+    report = job.memory_report(compiled_step, partitioned_text)
+    summary = summary_rows(job, data_line, model_line, report)
+    width = max(len(label) for label, _ in summary)
+    lines = ["== zero_jax plan =="] + [f"{label:<{width}}  {text}" for label, text in summary]
+    lines += memory_rows(report) + collective_rows(report)
     if job.schedule is not None:
         lines += pipeline_rows(job)
     lines.append("state layout per device (optimizer-state leaves that mirror a parameter "
                  "share its optimizer-state layout):")
     lines += _state_rows(job)
-    if layout.specs.replicated:
-        lines.append(f"left whole by ZeRO ({len(layout.specs.replicated)} arrays):")
-        lines += [f"  {path}: {why}" for path, why in layout.specs.replicated]
+    if job.layout.specs.replicated:
+        lines.append(f"left whole by ZeRO ({len(job.layout.specs.replicated)} arrays):")
+        lines += [f"  {path}: {why}" for path, why in job.layout.specs.replicated]
     return "\n".join(lines)
-
 
 
 def pipeline_rows(job: Job) -> list[str]:
