@@ -3,6 +3,7 @@
 import functools
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -12,9 +13,10 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from tests.helpers import host, make_job
+from tests.helpers import host, initial_state, make_job
 from zero_jax import checkpoint as ckpt_lib
 from zero_jax import data as data_lib, export, integrity, run
+from zero_jax import master as master_lib, state as state_lib
 
 
 def _steps(job, corpus, state, first, last):
@@ -111,6 +113,50 @@ def test_dtype_shape_and_tree_mismatches_are_listed(corpus, saved):
     wider = make_job(corpus, vocab_multiple=384)
     with pytest.raises(ckpt_lib.IncompatibleCheckpoint, match=r"params\.wte: shape \(256, 192\) saved, \(384, 192\)"):
         checkpointer.restore(5, wider.layout.targets)
+
+
+@pytest.fixture(scope="module")
+def saved_master(corpus, tmp_path_factory):
+    """ZeRO-1 under bf16 after 3 steps: its checkpoint and its saved form."""
+    directory = tmp_path_factory.mktemp("master")
+    job = make_job(corpus, zero_stage=1, precision="bf16")
+    _, state = _steps(job, corpus, initial_state(job), 0, 3)
+    saved = host(state_lib.saved_form(state))
+    _save(job, state, directory, 3)
+    return directory, saved
+
+
+@pytest.mark.parametrize("target", [
+    dict(zero_stage=3, precision="bf16"),
+    dict(zero_stage=2, precision="bf16", mesh="data=2,fsdp=4"),
+    dict(zero_stage=1, precision="fp32"),
+], ids=["bf16-zero3", "bf16-zero2-data2", "fp32-zero1"])
+def test_master_weights_are_what_is_saved_and_resumed(corpus, saved_master, tmp_path, target):
+    """ZeRO-1 under bf16 saves its float32 master weights (no working copy):
+    they resume bitwise under another stage, mesh or precision, the working
+    copy is cast from them again, and a change of precision is said."""
+    shutil.copytree(saved_master[0], tmp_path, dirs_exist_ok=True)
+    saved = saved_master[1]
+    meta = json.loads((tmp_path / "3" / "meta" / "metadata").read_text())
+    assert {m["dtype"] for m in meta["manifest"]["params"].values()} == {"float32"}
+    wte = export.ParamReader(tmp_path / "3").read("wte")  # the export reads the master weights
+    np.testing.assert_array_equal(wte, saved.params["wte"])
+
+    resumed = make_job(corpus, dir=str(tmp_path), resume=True, **target)
+    lines = []
+    checkpointer = ckpt_lib.Checkpointer(resumed.run.checkpoint)
+    state2, step = run.initial_state(resumed, checkpointer, [], lines.append)
+    assert step == 3
+    jax.tree.map(np.testing.assert_array_equal, host(state_lib.saved_form(state2)), saved)
+    if resumed.layout.master:
+        working = master_lib.cast_to(resumed.layout.working_dtypes)(saved.params)
+        jax.tree.map(np.testing.assert_array_equal, host(state2.params), working)
+    changed = [line for line in lines if line.startswith("precision changed")]
+    assert bool(changed) == (target["precision"] != "bf16"), lines
+    if changed:
+        assert "compute bfloat16" in changed[0] and "compute float32" in changed[0]
+    params = run.load_params(str(tmp_path), resumed)  # --init-from takes the master weights too
+    jax.tree.map(np.testing.assert_array_equal, host(params), saved.params)
 
 
 @pytest.fixture()
