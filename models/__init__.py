@@ -10,23 +10,44 @@ from zero_jax.model import ModelFns
 from models import gpt, gpt_hf
 
 
-def build(name: str, vocab_size: int, vocab_multiple: int = 1, **overrides) -> ModelFns:
-    """A model by preset name, sized to the data's vocabulary (`overrides`
-    change other shape fields, e.g. n_layer)."""
-    return gpt.model_fns(gpt.config(name, vocab_size, vocab_multiple=vocab_multiple, **overrides))
+def build(name: str, data_vocab: int, vocab_multiple: int = 1, **overrides) -> ModelFns:
+    """A model by preset name, sized to the data's vocabulary unless the preset
+    or `overrides` name one (`overrides` change any shape field, e.g. n_layer)."""
+    return gpt.model_fns(gpt.config(name, data_vocab, vocab_multiple=vocab_multiple, **overrides))
 
 
-def builder(name: str, vocab_size: int, **overrides):
+def builder(name: str, data_vocab: int, **overrides):
     """`vocab_multiple -> ModelFns`, checking the name now."""
-    gpt.config(name, vocab_size, **overrides)
-    return lambda vocab_multiple: build(name, vocab_size, vocab_multiple, **overrides)
+    gpt.config(name, data_vocab, **overrides)
+    return lambda vocab_multiple: build(name, data_vocab, vocab_multiple, **overrides)
 
 
-def describe(name: str, vocab_size: int, vocab_multiple: int = 1) -> str:
-    c = gpt.config(name, vocab_size, vocab_multiple=vocab_multiple)
+def describe(name: str, data_vocab: int, vocab_multiple: int = 1, **overrides) -> str:
+    c = gpt.config(name, data_vocab, vocab_multiple=vocab_multiple, **overrides)
     vocab = f"{c.vocab_size}" + (f" padded to {c.padded_vocab}" if c.padded_vocab != c.vocab_size else "")
-    return (f"{name}: {c.n_layer} layers, d_model {c.d_model}, {c.n_head} heads, "
+    changed = [k for k, v in overrides.items() if v]
+    return (f"{name or 'custom'}{' with ' + ', '.join(changed) + ' set' if name and changed else ''}: "
+            f"{c.n_layer} layers, d_model {c.d_model}, {c.n_head} heads, "
             f"mlp {c.d_mlp}, vocab {vocab}, positions {c.max_seq_len}")
+
+
+def preset_vocab(name: str) -> int:
+    """The vocabulary a preset names (0: the data's)."""
+    return gpt.PRESETS[name][4] if name in gpt.PRESETS else 0
+
+
+def for_run(model_cfg, data_vocab: int):
+    """(builder, describe line) for a run's [model] table: its preset and
+    shape fields, the data's vocabulary where neither names one. A model
+    vocabulary smaller than the data's is an error."""
+    shape = model_cfg.shape()
+    cfg = gpt.config(model_cfg.name, data_vocab, **shape)
+    if cfg.vocab_size < data_vocab:
+        raise ValueError(f"the model's vocabulary ({cfg.vocab_size}, --vocab-size or the preset) "
+                         f"is smaller than the data's ({data_vocab}): token ids would fall outside "
+                         f"the embedding; use --vocab-size {data_vocab} or more")
+    return (builder(model_cfg.name, data_vocab, **shape),
+            describe(model_cfg.name, data_vocab, model_cfg.vocab_multiple, **shape))
 
 
 def config_from(recorded: dict) -> gpt.GPTConfig:

@@ -106,25 +106,48 @@ class GPTConfig:
         return (kept + head) * dtype_bytes
 
 
-# name -> (n_layer, n_head, d_model, max_seq_len); d_mlp = 4 d_model.
-PRESETS: dict[str, tuple[int, int, int, int]] = {
-    "gpt-tiny": (4, 8, 192, 256),
-    "gpt-small": (12, 12, 768, 1024),
-    "gpt-medium": (24, 16, 1024, 1024),
-    "gpt-large": (36, 20, 1280, 1024),
-    "gpt-xl": (48, 25, 1600, 1024),
-    "gpt-7b": (32, 32, 4096, 2048),
+# name -> (n_layer, n_head, d_model, max_seq_len, vocab_size); d_mlp = 4 d_model. A
+# vocab_size of 0 takes the data's. The large ones are the published shapes
+# (BLOOM uses ALiBi rather than learned positions; the shapes are what a plan needs).
+PRESETS: dict[str, tuple[int, int, int, int, int]] = {
+    "gpt-tiny": (4, 8, 192, 256, 0),
+    "gpt-small": (12, 12, 768, 1024, 0),
+    "gpt-medium": (24, 16, 1024, 1024, 0),
+    "gpt-large": (36, 20, 1280, 1024, 0),
+    "gpt-xl": (48, 25, 1600, 1024, 0),
+    "gpt-7b": (32, 32, 4096, 2048, 0),
+    "gpt3-175b": (96, 96, 12288, 2048, 50257),  # Brown et al. 2020, table 2.1
+    "bloom-176b": (70, 112, 14336, 2048, 250880),  # BigScience, tr11-176B-ml
+    "mt-nlg-530b": (105, 128, 20480, 2048, 50257),  # Smith et al. 2022
 }
+SHAPE_FIELDS = ("n_layer", "n_head", "d_model", "d_mlp", "vocab_size", "max_seq_len")
 
 
-def config(name: str, vocab_size: int, **overrides) -> GPTConfig:
-    """A preset's shape with the data's vocabulary (and any field overridden)."""
-    if name not in PRESETS:
-        raise ValueError(f"unknown model {name!r}; choose from {', '.join(PRESETS)}")
-    n_layer, n_head, d_model, max_seq_len = PRESETS[name]
-    fields = dict(vocab_size=vocab_size, n_layer=n_layer, n_head=n_head, d_model=d_model,
-                  d_mlp=4 * d_model, max_seq_len=max_seq_len)
-    return GPTConfig(**{**fields, **overrides})
+def config(name: str, data_vocab: int, **overrides) -> GPTConfig:
+    """A preset's shape (or, with name "", none) with any field overridden.
+
+    `data_vocab` is the data's vocabulary: it applies where neither the
+    preset nor an override names one. Without a preset, n_layer, n_head and d_model are
+    required; d_mlp defaults to 4 d_model and max_seq_len to 2048.
+    """
+    given = {k: v for k, v in overrides.items() if v}
+    if name:
+        if name not in PRESETS:
+            raise ValueError(f"unknown model {name!r}; choose from {', '.join(PRESETS)}, or give "
+                             f"every shape (--model '' --n-layer .. --n-head .. --d-model ..)")
+        n_layer, n_head, d_model, max_seq_len, preset_vocab = PRESETS[name]
+        fields = dict(vocab_size=preset_vocab or data_vocab, n_layer=n_layer, n_head=n_head,
+                      d_model=d_model, max_seq_len=max_seq_len)
+    else:
+        missing = [k for k in ("n_layer", "n_head", "d_model") if k not in given]
+        if missing:
+            raise ValueError(f"no model preset, so the shape needs {', '.join(missing)}: give "
+                             f"{' '.join('--' + k.replace('_', '-') for k in missing)}, or a "
+                             f"preset with --model ({', '.join(PRESETS)})")
+        fields = dict(vocab_size=data_vocab, max_seq_len=2048)
+    fields.update(given)
+    fields.setdefault("d_mlp", 4 * fields["d_model"])
+    return GPTConfig(**fields)
 
 
 def _param(module: nn.Module, name: str, shape, names, init):

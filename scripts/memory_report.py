@@ -3,6 +3,8 @@
     python scripts/memory_report.py --model gpt-small --mesh fsdp=8 --zero-stage 3
     python scripts/memory_report.py --model gpt-7b --mesh fsdp=64 --zero-stage 3 \\
         --vocab-size 50257 --seq-len 2048 --batch-size 64 --json
+    python scripts/memory_report.py --model bloom-176b --mesh pipe=12,data=8,tensor=4 \\
+        --zero-stage 1 --precision bf16 --n-layer 72 --seq-len 2048 --batch-size 2048 --microbatches 128
     python scripts/memory_report.py --model gpt-small --seq-len 1024 --batch-size 8 --remat-table
 
 Reports (a) the ZeRO formula, (b) the bytes of the actual shardings of
@@ -33,7 +35,6 @@ from zero_jax.rules import ShardingError
 def parse(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", help="TOML run config; flags override it")
-    parser.add_argument("--vocab-size", type=int, help="vocabulary (default: the data's)")
     parser.add_argument("--devices", type=int, help="simulated CPU devices (default: the mesh's)")
     parser.add_argument("--no-compile", action="store_true", help="skip the compiled figures")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -52,8 +53,9 @@ def main(argv=None) -> int:
                                    else 8)
         # Before the backend starts: simulate the devices the mesh needs.
         jax.config.update("jax_num_cpu_devices", devices)
-        vocab = args.vocab_size or data_lib.load(run.data.source).vocab_size
-        job = job_lib.prepare(run, models.builder(run.model.name, vocab))
+        vocab = data_vocab(run)
+        build, model_line = models.for_run(run.model, vocab)
+        job = job_lib.prepare(run, build)
     except (config_lib.ConfigError, MeshError, ShardingError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -64,10 +66,16 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps(report, indent=1))
     else:
-        print(plan.describe(job, f"vocab {vocab} (shapes only)",
-                            models.describe(run.model.name, vocab, run.model.vocab_multiple),
+        print(plan.describe(job, f"vocab {job.model.vocab_size} (shapes only)", model_line,
                             compiled, text))
     return 0
+
+
+def data_vocab(run) -> int:
+    """The data's vocabulary, read only when the model names none."""
+    if run.model.vocab_size or models.preset_vocab(run.model.name):
+        return 0
+    return data_lib.load(run.data.source).vocab_size
 
 
 def remat_table(run, vocab: int, as_json: bool) -> int:
@@ -75,7 +83,7 @@ def remat_table(run, vocab: int, as_json: bool) -> int:
     rows = {}
     for policy in remat.POLICIES:
         r = dataclasses.replace(run, activations=dataclasses.replace(run.activations, remat=policy))
-        job = job_lib.prepare(r, models.builder(r.model.name, vocab))
+        job = job_lib.prepare(r, models.for_run(r.model, vocab)[0])
         compiled = memory.compiled(job.compile_train_step())
         rows[policy] = {"analytic_activation_bytes": job.activation_estimate(),
                         "compiled_temp_bytes": compiled["temp_bytes"]}

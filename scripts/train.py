@@ -56,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         distributed.initialize(cfg.distributed)  # before anything asks for devices
         corpus = data_lib.load(cfg.data.source)
-        job = job_lib.prepare(cfg, models.builder(cfg.model.name, corpus.vocab_size))
+        build, model_line = models.for_run(cfg.model, corpus.vocab_size)
+        job = job_lib.prepare(cfg, build)
     except (config_lib.ConfigError, MeshError, ShardingError, ValueError, FileNotFoundError,
             distributed.DistributedError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -79,7 +80,6 @@ def main(argv: list[str] | None = None) -> int:
     eval_step = job.compile_eval_step()
     data_line = (f"{corpus.name}: {len(corpus.train):,} train / {len(corpus.val):,} "
                  f"validation tokens, vocab {corpus.vocab_size}")
-    model_line = models.describe(cfg.model.name, corpus.vocab_size, cfg.model.vocab_multiple)
     if lead:
         print(plan.describe(job, data_line, model_line, train_step, partitioned), flush=True)
 

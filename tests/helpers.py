@@ -10,11 +10,11 @@ import numpy as np
 
 import models
 from zero_jax import config as config_lib, data as data_lib, job as job_lib
+from zero_jax.state import saved_form
 
 
-def make_job(corpus, *, devices=None, n_layer=None, **overrides):
-    """A Job from config overrides given as {field: value} (flag names);
-    `n_layer` changes the preset's depth."""
+def make_job(corpus, *, devices=None, **overrides):
+    """A Job from config overrides given as {field: value} (flag names)."""
     fields = {"model": "gpt-tiny", "seq_len": 32, "batch_size": 16, "steps": 10,
               "mesh": "fsdp=8", "zero_stage": 3, **overrides}
     where = {f.name: f"{s}.{f.name}" for s, cls in config_lib._SECTION_TYPES.items()
@@ -23,8 +23,7 @@ def make_job(corpus, *, devices=None, n_layer=None, **overrides):
                  precision="precision.policy", layout="parallel.layout")
     flat = {where[key]: value for key, value in fields.items()}
     run = config_lib.build(None, flat)
-    depth = {} if n_layer is None else {"n_layer": n_layer}
-    return job_lib.prepare(run, models.builder(run.model.name, corpus.vocab_size, **depth), devices)
+    return job_lib.prepare(run, models.for_run(run.model, corpus.vocab_size)[0], devices)
 
 
 # A pipelined step loops over ticks, each running a whole stage: the tests
@@ -45,12 +44,14 @@ def initial_state(job):
 
     Initialisation depends on the model, optimizer, precision and seed, not on
     the layout (test_state.py checks that), so it is computed once per such
-    key and each layout receives a copy: a transfer instead of a compile.
+    key, in the form checkpoints hold, and each layout receives a copy: a
+    transfer instead of a compile.
     """
     key = (repr(job.model.config), job.run.optim, job.policy, job.scale_cfg, job.run.train.seed)
     if key not in _INITIAL:
-        _INITIAL[key] = host(job.init_state())
-    return jax.device_put(_INITIAL[key], job.layout.shardings)
+        _INITIAL[key] = host(saved_form(job.init_state()))
+    targets = job.layout.targets
+    return job.layout.from_saved(jax.device_put(_INITIAL[key], jax.tree.map(lambda t: t.sharding, targets)))
 
 
 def train(job, corpus, steps=None):

@@ -3,8 +3,9 @@
 import jax
 import pytest
 
+import models
 from tests.helpers import make_job
-from zero_jax import config as config_lib
+from zero_jax import config as config_lib, job as job_lib, run as run_lib
 from zero_jax.mesh import MeshError
 from zero_jax.rules import ShardingError
 
@@ -22,6 +23,13 @@ from zero_jax.rules import ShardingError
     ({"batch_size": 32, "microbatches": 8}, config_lib.ConfigError, "4 rows per microbatch, not divisible by the data-parallel size 8"),
     ({"zero_stage": 5}, ValueError, "choose 0"),
     ({"optimizer": "adam"}, config_lib.ConfigError, "choose from adamw, sgd, adafactor"),
+    ({"grad_reduce": "sometimes"}, config_lib.ConfigError, "choose from auto, step, microbatch"),
+    ({"grad_reduce": "microbatch", "zero_stage": 1}, config_lib.ConfigError,
+     "gradients are replicated at stages 0 and 1"),
+    ({"model": "", "n_layer": 2}, ValueError, "no model preset, so the shape needs n_head, d_model"),
+    ({"vocab_size": 100}, ValueError, r"vocabulary \(100, --vocab-size or the preset\) is smaller "
+                                      r"than the data's \(256\)"),
+    ({"n_layer": -2}, config_lib.ConfigError, "shape fields must be positive"),
 ])
 def test_bad_input_is_one_clear_error(corpus, overrides, error, message):
     compiles = []
@@ -37,6 +45,27 @@ def test_bad_input_is_one_clear_error(corpus, overrides, error, message):
     finally:
         jax.monitoring.unregister_event_duration_listener(listen)
     assert compiles == [], "the error must come before anything is compiled"
+
+
+def test_model_shape_from_the_run_config(corpus, tmp_path):
+    """Shape fields on top of a preset, or with none; recorded in checkpoints."""
+    path = tmp_path / "run.toml"
+    path.write_text('[model]\nname = "gpt-tiny"\nn_layer = 6\nd_model = 256\nn_head = 4\n')
+    run = config_lib.build(str(path))
+    build, line = models.for_run(run.model, corpus.vocab_size)
+    cfg = job_lib.prepare(run, build).model.config
+    assert (cfg.n_layer, cfg.d_model, cfg.n_head, cfg.d_mlp, cfg.max_seq_len, cfg.vocab_size) == \
+        (6, 256, 4, 1024, 256, 256)
+    assert line.startswith("gpt-tiny with n_layer, n_head, d_model set: 6 layers")
+    custom = make_job(corpus, model="", n_layer=2, n_head=4, d_model=64, max_seq_len=64)
+    assert custom.model.config.d_mlp == 256 and custom.model.layers == 2
+    assert run_lib.checkpoint_meta(custom, 0)["model"]["d_model"] == 64
+    bloom = models.gpt.config("bloom-176b", 256)  # the preset's own vocabulary
+    assert (bloom.n_layer, bloom.d_model, bloom.n_head, bloom.vocab_size, bloom.max_seq_len) == \
+        (70, 14336, 112, 250880, 2048)
+    assert 176.2e9 < bloom.param_count < 176.3e9
+    assert 174e9 < models.gpt.config("gpt3-175b", 256).param_count < 175e9
+    assert 529e9 < models.gpt.config("mt-nlg-530b", 256).param_count < 530e9
 
 
 def test_toml_file_then_flags(tmp_path):

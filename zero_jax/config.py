@@ -29,8 +29,19 @@ class ConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    name: str = "gpt-tiny"  # a preset in models/ (gpt-tiny ... gpt-xl, gpt-7b)
+    name: str = "gpt-tiny"  # a preset in models/ (gpt-tiny ... gpt-7b, gpt3-175b, ...); "": none
     vocab_multiple: int = 1  # pad the vocabulary to a multiple (e.g. 128) so tensor divides it
+    n_layer: int = 0  # transformer blocks (0: the preset's)
+    n_head: int = 0  # attention heads (0: the preset's)
+    d_model: int = 0  # residual width (0: the preset's)
+    d_mlp: int = 0  # MLP width (0: the preset's, or 4 d_model)
+    vocab_size: int = 0  # vocabulary (0: the preset's, else the data's)
+    max_seq_len: int = 0  # positions (0: the preset's, or 2048)
+
+    def shape(self) -> dict[str, int]:
+        """The shape fields given (non-zero), to override the preset's."""
+        fields = ("n_layer", "n_head", "d_model", "d_mlp", "vocab_size", "max_seq_len")
+        return {f: getattr(self, f) for f in fields if getattr(self, f)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,6 +210,9 @@ def validate(run: RunConfig, mesh: MeshShape) -> None:
             f"{t.batch_size // t.microbatches} rows per microbatch, not divisible by the "
             f"data-parallel size {dp}; each microbatch is split over every data-parallel "
             f"device, so use a batch size that is a multiple of {t.microbatches * dp}")
+    negative = {k: v for k, v in run.model.shape().items() if v < 0}
+    if negative:
+        raise ConfigError(f"[model] {negative}: shape fields must be positive (0: the preset's)")
     if run.parallel.min_shard_elements < 0:
         raise ConfigError("min_shard_elements must be >= 0")
     if run.model.vocab_multiple < 1:
