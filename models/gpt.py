@@ -263,7 +263,8 @@ class GPT(nn.Module):
         self.blocks = stack(c, self.hooks)
         self.ln_f = LayerNorm(c, self.hooks)
 
-    def embed(self, tokens_BxT):
+    def embed(self, tokens_BxT, wte=None):
+        """`wte`: the table from `hooks.gathered`, when the head shares it."""
         T = tokens_BxT.shape[1]
         if T > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {T} exceeds the position table "
@@ -273,7 +274,7 @@ class GPT(nn.Module):
         # `tensor`, each device reads its rows and the partial sums are reduced;
         # only then is the residual stream split along the sequence (under
         # sequence parallelism), rather than the table being gathered.
-        tokens = h.lookup(self.wte, tokens_BxT, ("vocab", "embed"))
+        tokens = h.lookup(self.wte if wte is None else wte, tokens_BxT, ("vocab", "embed"))
         # Positions are added in float32: their gradient is a sum over the
         # batch, and each device's part of it must reach the reduction across
         # devices in float32, not rounded to the compute dtype first.
@@ -286,10 +287,11 @@ class GPT(nn.Module):
         x_BxTxD, _ = self.blocks(x_BxTxD, None)
         return x_BxTxD
 
-    def head(self, x_BxTxD):
+    def head(self, x_BxTxD, wte=None):
         h = self.hooks
         y = h.act(self.ln_f(x_BxTxD), ("batch", "seq", "embed"))
-        logits_BxTxV = h.act(h.dense("btd,vd->btv", y, self.wte, ("vocab", "embed")),
+        wte = self.wte if wte is None else wte
+        logits_BxTxV = h.act(h.dense("btd,vd->btv", y, wte, ("vocab", "embed")),
                              ("batch", "seq", "vocab"))
         if self.cfg.padded_vocab != self.cfg.vocab_size:
             real_V = jnp.arange(self.cfg.padded_vocab) < self.cfg.vocab_size
@@ -297,7 +299,10 @@ class GPT(nn.Module):
         return logits_BxTxV
 
     def __call__(self, tokens_BxT):
-        return self.head(self.stack(self.embed(tokens_BxT)))
+        # The tied table is gathered once (ZeRO-3) for the lookup and the head,
+        # and its two gradients are summed before their one reduction.
+        wte = self.hooks.gathered(self.wte, ("vocab", "embed"))
+        return self.head(self.stack(self.embed(tokens_BxT, wte)), wte)
 
 
 def model_fns(cfg: GPTConfig) -> ModelFns:
@@ -330,4 +335,4 @@ def model_fns(cfg: GPTConfig) -> ModelFns:
     return ModelFns(init=init, apply=apply, vocab_size=cfg.vocab_size, max_seq_len=cfg.max_seq_len,
                     pipeline=pipeline, layers=cfg.n_layer,
                     flops_per_token=cfg.flops_per_token, decay_mask=decay_mask,
-                    activation_bytes=cfg.activation_bytes, config=cfg)
+                    activation_bytes=cfg.activation_bytes, config=cfg, gathered_once=("wte",))

@@ -13,6 +13,9 @@ rather than activations. A parameter is used through one of three calls:
     lookup(w, ids, names)    rows of w (an embedding table)
     weight(w, names, dtype)  w in elementwise work (LayerNorm, biases)
 
+and `gathered(w, names)` gathers w once for several of these (a tied
+embedding's lookup and head).
+
 Each casts w to the compute dtype (elementwise ones may ask for float32),
 pins the cast copy to w's stored layout and then to its compute layout: a
 ZeRO-3 parameter, stored sharded, is all-gathered there, one layer at a time
@@ -34,12 +37,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Sequence
+import math
+from typing import Any, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from zero_jax.remat import DOT, WEIGHT, Remat
 from zero_jax.rules import AxisRules
@@ -60,6 +64,9 @@ class _Use:
     grad_dtype: Any  # its gradient is computed and reduced in this dtype
     param_dtype: Any  # the gradient's dtype on the way out (the parameter's)
     reduce_to: NamedSharding | None  # the gradient's layout (None: this device's partial sum)
+    # w is already gathered (Hooks.gathered): the backward pass keeps the cast
+    # copy, and leaves the gradient unconstrained for the gather's own reduction
+    gathered: bool = False
 
     def gather(self, w):
         # Pinning the cast to the stored layout first makes the gather that the
@@ -68,6 +75,8 @@ class _Use:
         return _put(_put(w.astype(self.dtype), self.stored), self.compute)
 
     def reduce(self, g):
+        if self.gathered:
+            return g.astype(self.param_dtype)
         return _put(_put(g, self.compute), self.reduce_to).astype(self.param_dtype)
 
 
@@ -103,13 +112,13 @@ def _dense(use: _Use, eq: str, x, w):
 
 
 def _dense_fwd(use, eq, x, w):
-    return _dense(use, eq, x, w), (x, w)
+    return _dense(use, eq, x, w), (x, use.gather(w) if use.gathered else w)
 
 
 def _dense_bwd(use, eq, res, g):
     x, w = res
     xs, ws, ys = _operands(eq)
-    dx = jnp.einsum(f"{ys},{ws}->{xs}", g, use.gather(w))
+    dx = jnp.einsum(f"{ys},{ws}->{xs}", g, w if use.gathered else use.gather(w))
     dw = jnp.einsum(f"{xs},{ys}->{ws}", x, g, preferred_element_type=use.grad_dtype)
     return dx.astype(x.dtype), use.reduce(dw)
 
@@ -125,16 +134,62 @@ def _lookup(use: _Use, out_dtype, w, ids):
 
 
 def _lookup_fwd(use, out_dtype, w, ids):
-    return _lookup(use, out_dtype, w, ids), (w, ids)
+    # Only the table's shape is needed backward: keep a zero-size stand-in.
+    return _lookup(use, out_dtype, w, ids), (jnp.zeros((0,) + w.shape, w.dtype), ids)
 
 
 def _lookup_bwd(use, out_dtype, res, g):
-    w, ids = res
-    dw = jnp.zeros(w.shape, use.grad_dtype).at[ids].add(g.astype(use.grad_dtype))
+    shape, ids = res
+    dw = jnp.zeros(shape.shape[1:], use.grad_dtype).at[ids].add(g.astype(use.grad_dtype))
     return use.reduce(dw), None
 
 
 _lookup.defvjp(_lookup_fwd, _lookup_bwd)
+
+
+# --- gathered: one gather for several uses ------------------------------------
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _gather_once(use: _Use, split: NamedSharding | None, w):
+    # Returned in the gradient dtype, so that the uses' gradients are summed
+    # in it; each use casts back to the compute dtype, which XLA folds into
+    # the gather's output. With `split`, one copy per shard of the batch (a
+    # leading dimension over the batch axes, no extra bytes per device): each
+    # shard's gradient stays a partial sum until the one reduction.
+    w = use.gather(w).astype(use.grad_dtype)
+    if split is None:
+        return w
+    axes = split.spec[0] if isinstance(split.spec[0], tuple) else (split.spec[0],)
+    n = math.prod(split.mesh.shape[a] for a in axes)
+    return _put(jnp.broadcast_to(w, (n,) + w.shape), split)
+
+
+def _gather_once_fwd(use, split, w):
+    return _gather_once(use, split, w), None
+
+
+def _gather_once_bwd(use, split, _, g):
+    if split is not None:
+        g = _put(g, split).sum(0, dtype=use.grad_dtype)
+    return (use.reduce(g.astype(use.grad_dtype)),)
+
+
+_gather_once.defvjp(_gather_once_fwd, _gather_once_bwd)
+
+
+class Gathered(NamedTuple):
+    """A parameter gathered once (Hooks.gathered), for `lookup` and `dense`."""
+
+    table: jax.Array  # in the compute layout, in the gradient dtype; split: (shards, ...)
+    names: tuple  # its logical axes
+    axes: tuple | None  # the batch axes of the leading per-shard dimension, if split
+
+
+def _array(w):
+    """A parameter, or one copy of a gathered one."""
+    if isinstance(w, Gathered):
+        return w.table[0] if w.axes else w.table
+    return w
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,7 +247,10 @@ class Hooks:
 
     def dense(self, eq: str, x: jax.Array, w: jax.Array, names: Sequence[str | None]) -> jax.Array:
         """einsum(eq, x, w) with w in the compute dtype and layout."""
-        y = _dense(self._use(w, names), eq, x, w)
+        if isinstance(w, Gathered):
+            y = self._on_gathered(lambda use, x, t: _dense(use, eq, x, t), w, names, x)
+        else:
+            y = _dense(self._use(w, names), eq, x, w)
         return checkpoint_name(y, DOT)  # a matrix product, for dots_saveable
 
     def lookup(self, w: jax.Array, ids: jax.Array, names: Sequence[str | None],
@@ -201,7 +259,58 @@ class Hooks:
         in `out_dtype` (default: the compute dtype). Rows returned in float32
         get a float32 gradient: a sum over the batch that then reaches the
         reduction across devices unrounded."""
-        return _lookup(self._use(w, names), jnp.dtype(out_dtype or self.dtype), w, ids)
+        out_dtype = jnp.dtype(out_dtype or self.dtype)
+        if isinstance(w, Gathered):
+            return self._on_gathered(lambda use, i, t: _lookup(use, out_dtype, t, i), w, names, ids)
+        return _lookup(self._use(w, names), out_dtype, w, ids)
+
+    def gathered(self, w: jax.Array, names: Sequence[str | None]) -> "Gathered":
+        """w gathered once for several uses (a tied embedding's lookup and
+        head): `lookup` and `dense` take the result in place of w, with the
+        batch as the leading dimension of their other operand.
+
+        The copy is gathered in the compute dtype and kept until its last
+        use, as FSDP keeps its root module's parameters through the forward
+        pass. The uses' gradients are summed on the device, in the gradient
+        dtype, and reduced once instead of once per use: where the gradient
+        is reduced on the spot (ZeRO-3, per microbatch), each batch shard's
+        copy gets its own partial sum, a full-size gradient held through the
+        backward pass, as FSDP holds its root's unsharded gradient.
+        """
+        use = self._use(w, names)
+        axes = self._split_axes()
+        split = None
+        if axes:
+            compute = use.compute.spec if use.compute is not None else ()
+            split = NamedSharding(self.mesh, PartitionSpec(axes, *compute))
+        return Gathered(_gather_once(use, split, w), tuple(names), axes)
+
+    def _split_axes(self) -> tuple[str, ...] | None:
+        """The batch axes over which a gathered table's uses keep per-shard
+        gradients: where this device's gradients are reduced on the spot."""
+        if self.mesh is None or self.stored is None or self.partial_grads:
+            return None
+        axes = tuple(a for a in self.rules.mesh_axes("batch") if self.mesh.shape[a] > 1)
+        return axes or None
+
+    def _on_gathered(self, fn, g: "Gathered", names, x):
+        """fn(use, x, table) for a table from `gathered`; x's leading dimension is the batch."""
+        if tuple(names) != g.names:
+            raise ValueError(f"a table gathered as {g.names} is used as {tuple(names)}")
+        shape = g.table.shape[1:] if g.axes else g.table.shape
+        compute = self._sharding(shape, names, f"weight {tuple(names)}")
+        # Already in the compute layout: no gather here, and no reduction.
+        use = _Use(None, compute, self.dtype, jnp.dtype(self.grad_dtype), g.table.dtype,
+                   None, gathered=True)
+        if not g.axes:
+            return fn(use, x, g.table)
+        n = g.table.shape[0]
+        if x.shape[0] % n:
+            raise ValueError(f"batch of {x.shape[0]} rows does not split into {n} shards")
+        x_n = _put(x.reshape(n, x.shape[0] // n, *x.shape[1:]),
+                   NamedSharding(self.mesh, PartitionSpec(g.axes)))
+        y_n = jax.vmap(functools.partial(fn, use), spmd_axis_name=g.axes)(x_n, g.table)
+        return y_n.reshape(x.shape[0], *y_n.shape[2:])
 
 
 class _Recording(Hooks):
@@ -212,7 +321,7 @@ class _Recording(Hooks):
         object.__setattr__(self, "uses", uses)
 
     def _note(self, w, names, dtype):
-        key = (tuple(names), tuple(w.shape))
+        key = (tuple(names), tuple(_array(w).shape))
         widest = self.uses.get(key)
         dtype = jnp.dtype(dtype)
         if widest is None or dtype.itemsize > widest.itemsize:
@@ -229,6 +338,10 @@ class _Recording(Hooks):
     def lookup(self, w, ids, names, out_dtype=None):
         self._note(w, names, self.dtype)
         return super().lookup(w, ids, names, out_dtype)
+
+    def gathered(self, w, names):
+        self._note(w, names, self.dtype)
+        return super().gathered(w, names)
 
 
 def use_dtypes(apply, abstract_params, names, compute_dtype: str, tokens_shape=(1, 8),

@@ -100,7 +100,7 @@ class Job:
         """Collective payload bytes per device per step, measured and in theory."""
         measured = traffic.traffic(partitioned_text, self.layout.mesh)
         expected = traffic.theory(self.layout, self.run.train.microbatches, self.reduce_once,
-                                  self.policy.dtype("compute"))
+                                  self.policy.dtype("compute"), self.model.gathered_once)
         out = {"collectives": measured.by_op, "collective_bytes": measured.total,
                "collective_theory": None if expected is None
                else {**expected, "total": sum(expected.values())},

@@ -31,3 +31,6 @@ class ModelFns:
     config: Any = None  # the model's frozen shape dataclass, recorded in checkpoints
     pipeline: Any = None  # zero_jax.pipeline.PipelineFns, if the model can be pipelined
     layers: int = 0  # length of the stacked layer dimension (what a pipeline splits)
+    # top-level parameters `apply` gathers once per call and keeps until their
+    # last use (Hooks.gathered), rather than once forward and once backward
+    gathered_once: tuple[str, ...] = ()

@@ -204,7 +204,8 @@ def _permute_axes(pairs: list[list[int]], mesh) -> tuple[str, ...] | None:
     return tuple(mesh.axis_names[i] for i in sorted(differ)) if pairs else None
 
 
-def theory(layout, microbatches: int, reduce_once: bool, compute_dtype) -> dict[str, int] | None:
+def theory(layout, microbatches: int, reduce_once: bool, compute_dtype,
+           gathered_once: tuple[str, ...] = ()) -> dict[str, int] | None:
     """The ZeRO paper's volumes in payload bytes per device per step, for a
     layout without a pipeline (None with one): {"gradients", "parameters"}.
 
@@ -214,7 +215,9 @@ def theory(layout, microbatches: int, reduce_once: bool, compute_dtype) -> dict[
         stage 0        gradients Psi_d g (all-reduce)
         stages 1, 2    + parameters Psi_d c (the updated working copy, all-gathered)
         stage 3        + parameters 2 m Psi_d c (each microbatch's forward and
-                       backward gather)
+                       backward gather), m Psi_d c for the top-level parameters
+                       in `gathered_once`, which the model gathers once and
+                       keeps until their last use (a tied embedding)
 
     The gradients are reduced once per step, or m times where each
     microbatch's are (ZeRO-3 by default). Hybrid sharding adds the
@@ -226,7 +229,9 @@ def theory(layout, microbatches: int, reduce_once: bool, compute_dtype) -> dict[
         return None
     stage = zero_lib.stage(layout.zero_stage)
     is_spec = lambda x: isinstance(x, PartitionSpec)
-    leaves = jax.tree.leaves(layout.abstract.params)
+    with_paths = jax.tree_util.tree_flatten_with_path(layout.abstract.params)[0]
+    leaves = [p for _, p in with_paths]
+    once = [getattr(path[0], "key", None) in gathered_once for path, _ in with_paths]
     compute = jax.tree.leaves(layout.specs.compute, is_leaf=is_spec)
     sharded = jax.tree.leaves(layout.specs.sharded, is_leaf=is_spec)
     elements = [math.prod(NamedSharding(layout.mesh, s).shard_shape(p.shape))
@@ -245,6 +250,11 @@ def theory(layout, microbatches: int, reduce_once: bool, compute_dtype) -> dict[
     grads = sum(e * g for e in elements) * reductions
     if stage.grads and across > 1:
         grads += sum(e * g // n_zero for e, s in zip(elements, split) if s)
-    params = sum(e * c for e, c, s in zip(elements, gathered, split) if s)
-    uses = 0 if not stage.opt_state else (2 * m if stage.params else 1)
-    return {"gradients": grads, "parameters": params * uses}
+    if not stage.opt_state:
+        uses = [0] * len(leaves)
+    elif stage.params:
+        uses = [m if o else 2 * m for o in once]
+    else:
+        uses = [1] * len(leaves)
+    params = sum(e * c * u for e, c, s, u in zip(elements, gathered, split, uses) if s)
+    return {"gradients": grads, "parameters": params}
