@@ -71,6 +71,11 @@ class GPTConfig:
         n_matmul = L * (4 * D * D + 2 * D * F) + self.padded_vocab * D
         return 6 * n_matmul + 12 * L * self.n_head * self.head_dim * seq_len
 
+    def head_cost(self, seq_len: int) -> float:
+        """The head's forward FLOPs in units of one block's forward (a pipeline
+        schedule's cost): 2 V D against 8 D^2 + 4 D F + 4 T D per token."""
+        D, F, V = self.d_model, self.d_mlp, self.padded_vocab
+        return 2 * V * D / (8 * D * D + 4 * D * F + 4 * seq_len * D)
 
     def activation_bytes(self, rows: int, seq_len: int, dtype_bytes: int, remat: Remat,
                          tensor: int = 1, sequence_parallel: bool = False) -> float:
@@ -335,4 +340,5 @@ def model_fns(cfg: GPTConfig) -> ModelFns:
     return ModelFns(init=init, apply=apply, vocab_size=cfg.vocab_size, max_seq_len=cfg.max_seq_len,
                     pipeline=pipeline, layers=cfg.n_layer,
                     flops_per_token=cfg.flops_per_token, decay_mask=decay_mask,
-                    activation_bytes=cfg.activation_bytes, config=cfg, gathered_once=("wte",))
+                    activation_bytes=cfg.activation_bytes, config=cfg, gathered_once=("wte",),
+                    head_cost=cfg.head_cost)

@@ -10,7 +10,6 @@ import numpy as np
 
 import models
 from zero_jax import config as config_lib, data as data_lib, job as job_lib
-from zero_jax.state import saved_form
 
 
 def make_job(corpus, *, devices=None, **overrides):
@@ -49,7 +48,7 @@ def initial_state(job):
     """
     key = (repr(job.model.config), job.run.optim, job.policy, job.scale_cfg, job.run.train.seed)
     if key not in _INITIAL:
-        _INITIAL[key] = host(saved_form(job.init_state()))
+        _INITIAL[key] = host(job.layout.saved_form(job.init_state()))
     targets = job.layout.targets
     return job.layout.from_saved(jax.device_put(_INITIAL[key], jax.tree.map(lambda t: t.sharding, targets)))
 

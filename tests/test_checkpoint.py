@@ -71,15 +71,21 @@ def test_restore_onto_another_layout_is_exact_and_training_continues(corpus, sav
 
 
 def test_pipeline_checkpoint_restores_without_a_pipeline_exactly(corpus, tmp_path):
-    """The reverse of the above: saved by stages over `pipe`, restored whole."""
-    job = make_job(corpus, mesh="pipe=2,fsdp=4", zero_stage=3, microbatches=2)
+    """The reverse of the above, with a cut that pads (6 layers on 4 stages:
+    1, 2, 2, 1 in 2 slots each) and master weights (ZeRO-1, bf16): saved in
+    layer order, restored whole, and back onto the stages bit for bit."""
+    piped = dict(mesh="pipe=4,data=2", zero_stage=1, microbatches=4, n_layer=6, precision="bf16")
+    job = make_job(corpus, **piped)
     _, state = _steps(job, corpus, job.init_state(), 0, 2)
-    _save(job, state, tmp_path, 2)
-    target = make_job(corpus, mesh="fsdp=8", zero_stage=3)
-    restored, _ = ckpt_lib.Checkpointer(ckpt_lib.CheckpointConfig(dir=str(tmp_path))).restore(
-        2, target.layout.targets)
-    jax.tree.map(np.testing.assert_array_equal, host(restored), host(state))
-    assert restored.params["blocks"]["w_fc"].sharding == target.layout.shardings.params["blocks"]["w_fc"]
+    saved = host(job.layout.saved_form(state))
+    _save(job, job.layout.saved_form(state), tmp_path, 2)
+    target = make_job(corpus, mesh="fsdp=8", zero_stage=1, n_layer=6, precision="bf16")
+    checkpointer = ckpt_lib.Checkpointer(ckpt_lib.CheckpointConfig(dir=str(tmp_path)))
+    restored, _ = checkpointer.restore(2, target.layout.targets)
+    jax.tree.map(np.testing.assert_array_equal, host(restored), saved)
+    assert restored.params["blocks"]["w_fc"].shape[0] == 6
+    back, _ = checkpointer.restore(2, job.layout.targets)
+    jax.tree.map(np.testing.assert_array_equal, host(job.layout.from_saved(back)), host(state))
 
 
 def test_meta_records_config_data_position_and_prng(saved):

@@ -185,7 +185,10 @@ class Checkpointer:
         return self.cfg.every > 0 and step % self.cfg.every == 0
 
     def save(self, step: int, state: TrainState, meta: dict[str, Any]) -> None:
-        """Start saving `state` as `step`; returns once the arrays are off the devices."""
+        """Start saving `state` as `step`; returns once the arrays are off the devices.
+
+        `state` is in its saved form (`Layout.saved_form`: a pipeline's layer
+        stacks in layer order), or a state without a pipeline's cut."""
         self.check()
         items = items_of(state)
         record = {"format": FORMAT, "step": step, "manifest": manifest(items), **meta}

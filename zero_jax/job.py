@@ -19,6 +19,7 @@ from zero_jax import config as config_lib
 from zero_jax import hlo, loss_scale, master, memory, optim, precision, remat, rules, state, step, traffic
 from zero_jax import mesh as mesh_lib
 from zero_jax import schedule as sched_lib
+from zero_jax import stages as stages_lib
 from zero_jax import zero as zero_lib
 from zero_jax.hooks import Hooks
 from zero_jax.model import ModelFns
@@ -63,14 +64,24 @@ class Job:
 
     def jit_loss_and_grads(self):
         """The step's loss and gradients alone, `(params, batch) -> (loss, grads)`:
-        what tests compare between layouts and schedules."""
+        what tests compare between layouts and schedules. The gradients of a
+        pipeline's layer stacks come back in layer order (as checkpoints hold them)."""
         fn = step.make_loss_and_grads(self.layout, self.model, self.hooks,
                                       self.run.train.microbatches, self.schedule,
                                       self.run.parallel.pipeline_gather_once, self.reduce_once)
-        replicated = jax.sharding.NamedSharding(self.layout.mesh, jax.sharding.PartitionSpec())
-        return jax.jit(lambda params, batch: fn(params, batch, None),
-                       in_shardings=(self.layout.shardings.params, self.layout.batch_sharding),
-                       out_shardings=(replicated, self.layout.named(self.layout.specs.grads)))
+        layout = self.layout
+        replicated = jax.sharding.NamedSharding(layout.mesh, jax.sharding.PartitionSpec())
+        grads_out = layout.named(layout.specs.grads)
+        if layout.stages is not None and not layout.stages.identity:
+            grads_out = jax.tree.map(lambda t: t.sharding, layout.targets.params)
+
+        def loss_and_grads(params, batch):
+            loss, grads = fn(params, batch, None)
+            return loss, layout.unpad_params(grads)
+
+        return jax.jit(loss_and_grads,
+                       in_shardings=(layout.shardings.params, layout.batch_sharding),
+                       out_shardings=(replicated, grads_out))
 
     def compile_eval_step(self):
         fn = step.jit_eval_step(self.layout, self.model, self.hooks)
@@ -152,7 +163,7 @@ def prepare(run: config_lib.RunConfig, build_model: Callable[[int], ModelFns],
         raise config_lib.ConfigError(
             f"--seq-len {run.data.seq_len} exceeds the model's {model.max_seq_len} positions "
             f"({run.model.name}); use --seq-len {model.max_seq_len} or less")
-    schedule = pipeline_schedule(run, model, shape)
+    schedule, cut = pipeline_schedule(run, model, shape)
     chosen = rules.layout(run.parallel.layout, shape.sizes)
     zero_stage = chosen.zero_stage if run.parallel.zero_stage is None else run.parallel.zero_stage
     check_grad_reduce(run.parallel.grad_reduce, zero_stage)
@@ -174,7 +185,7 @@ def prepare(run: config_lib.RunConfig, build_model: Callable[[int], ModelFns],
         tx = master.wrap(tx)
     layout = state.make_layout(model, tx, mesh, shape, chosen.rules, zero_stage,
                                run.parallel.min_shard_elements, policy.dtype("params"),
-                               policy.dtype("grads"), policy.dtype("compute"))
+                               policy.dtype("grads"), policy.dtype("compute"), cut)
     stored = layout.placement if zero_lib.stage(zero_stage).params else None
     hooks = Hooks(mesh, chosen.rules, policy.compute, policy.grads, remat_policy, stored)
     return Job(run, model, layout, tx, lr, policy, hooks, scale_cfg, schedule)
@@ -204,18 +215,20 @@ def check_grad_reduce(choice: str, zero_stage: int) -> None:
             "--zero-stage 2 or 3 to keep the accumulator sharded")
 
 
-def pipeline_schedule(run: config_lib.RunConfig, model: ModelFns,
-                      shape: mesh_lib.MeshShape) -> sched_lib.Schedule | None:
-    """The schedule table for a mesh with a pipe axis; checks before compiling."""
+def pipeline_schedule(run: config_lib.RunConfig, model: ModelFns, shape: mesh_lib.MeshShape
+                      ) -> tuple[sched_lib.Schedule | None, stages_lib.Stages | None]:
+    """The schedule table and the stack's cut for a mesh with a pipe axis;
+    checks before compiling."""
     p = shape.sizes["pipe"]
     if p == 1:
-        return None
+        return None, None
     par = run.parallel
     if model.pipeline is None:
         raise config_lib.ConfigError(f"model {run.model.name} cannot be pipelined (pipe={p})")
     v = par.virtual_stages or (2 if par.pipeline_schedule == "interleaved" else 1)
     try:
-        sched_lib.check_shape(par.pipeline_schedule, p, run.train.microbatches, v, model.layers)
+        sched_lib.check_shape(par.pipeline_schedule, p, run.train.microbatches, v)
+        cut = stages_lib.balanced(model.layers, p, v)
     except ValueError as e:
         raise config_lib.ConfigError(f"pipe={p}: {e}") from None
-    return sched_lib.build(par.pipeline_schedule, p, run.train.microbatches, v)
+    return sched_lib.build(par.pipeline_schedule, p, run.train.microbatches, v), cut

@@ -38,13 +38,24 @@ def sharded_bytes(abstract: Any, specs: Any, mesh) -> int:
     return total
 
 
-def param_count(layout: Layout) -> int:
+def stored_count(layout: Layout) -> int:
+    """Parameters stored, a pipeline's padding slots (stages.py) included."""
     return sum(math.prod(p.shape) for p in jax.tree.leaves(layout.abstract.params))
 
 
+def param_count(layout: Layout) -> int:
+    """The model's parameters."""
+    stages = layout.stages
+    if stages is None:
+        return stored_count(layout)
+    return sum(math.prod(p.shape[1:]) * stages.layers if stacked else math.prod(p.shape)
+               for p, stacked in zip(jax.tree.leaves(layout.abstract.params),
+                                     jax.tree.leaves(layout.stacked[0])))
+
+
 def bytes_per_param(layout: Layout) -> dict[str, float]:
-    """Model-state bytes per parameter: dtype sizes, and the optimizer's per-parameter bytes."""
-    psi = param_count(layout)
+    """Model-state bytes per stored parameter: dtype sizes, and the optimizer's per-parameter bytes."""
+    psi = stored_count(layout)
     opt = sum(_nbytes(x) for x in jax.tree.leaves(layout.abstract.opt_state) if x.shape)
     params = sum(_nbytes(p) for p in jax.tree.leaves(layout.abstract.params))
     return {"params": params / psi, "grads": np.dtype(layout.grad_dtype).itemsize,
@@ -61,7 +72,7 @@ def theory(layout: Layout) -> dict[str, float]:
     sizes = layout.mesh_shape.sizes
     n_shard = math.prod(sizes[a] for a in layout.mesh_shape.shard_axes)
     t = sizes["tensor"]
-    psi = param_count(layout)
+    psi = stored_count(layout)
     per = bytes_per_param(layout)
     scalars = sum(_nbytes(x) for x in jax.tree.leaves(layout.abstract.opt_state) if not x.shape)
     div = lambda sharded: (n_shard if sharded else 1) * t

@@ -34,3 +34,4 @@ class ModelFns:
     # top-level parameters `apply` gathers once per call and keeps until their
     # last use (Hooks.gathered), rather than once forward and once backward
     gathered_once: tuple[str, ...] = ()
+    head_cost: Callable[[int], float] | None = None  # seq_len -> the head's forward, in layers' forwards

@@ -15,10 +15,11 @@ so what a device holds is the stash: m inputs under gpipe, at most p under
 assigned when the table is compiled (`Program`), so the loop indexes fixed
 arrays.
 
-The layer stack is stored in layer order, split over `pipe` into contiguous
-stages. The interleaved schedule needs device d to hold chunks d, d + p, ...,
-so for v > 1 the stack is regrouped (an all-to-all over `pipe`) on the way in
-and its gradients on the way out.
+The layer stack is stored in the slots of its cut (stages.py): device d's
+chunks d, d + p, ... in its own part of the slot dimension, so a device
+runs what it stores. A chunk shorter than its slots (layer counts that the
+stages do not divide) runs its slots one at a time and passes its input
+through the padding ones.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from zero_jax.accumulate import split_microbatches
 from zero_jax.loss import cross_entropy
 from zero_jax.schedule import Schedule
+from zero_jax.stages import Stages
 
 NOP, FWD, BWD = 0, 1, 2
 
@@ -134,21 +136,6 @@ class Program:
         return cls(**arr, slots=slots)
 
 
-def _interleave(tree: Any, p: int, v: int, inverse: bool = False) -> Any:
-    """Layer order <-> the order where device d's block holds chunks d, d + p, ..."""
-    if v == 1:
-        return tree
-
-    def move(x):
-        c = x.shape[0] // (p * v)
-        rest = x.shape[1:]
-        if inverse:  # (p, v, c) -> (v, p, c)
-            return x.reshape(p, v, c, *rest).swapaxes(0, 1).reshape(x.shape)
-        return x.reshape(v, p, c, *rest).swapaxes(0, 1).reshape(x.shape)
-
-    return jax.tree.map(move, tree)
-
-
 @dataclasses.dataclass(frozen=True)
 class StageLayout:
     """Where a pipeline's parameters and gradient accumulators live."""
@@ -160,6 +147,7 @@ class StageLayout:
     gather: tuple[Any, Any] | None = None  # (outer, stacked) compute specs: gather once per step
     shard_axes: tuple[str, ...] = ()  # data-parallel axes whose gradient sums stay per device
     shards: int = 1  # product of their sizes
+    stages: Stages | None = None  # the stack's cut into chunks and slots
 
 
 class Tick(NamedTuple):
@@ -186,10 +174,11 @@ def loss_and_grads(fns: PipelineFns, hooks, schedule: Schedule, mesh: Mesh, para
     p, m, v = schedule.p, schedule.m, schedule.v
     prog = Program.of(schedule)
     outer, stack = fns.split(params)
-    stack = _interleave(stack, p, v)
     stack = jax.lax.with_sharding_constraint(stack, _named(mesh, where.stack))
     micro = split_microbatches(batch, m)
     table = {k: jnp.asarray(getattr(prog, k)) for k in Program.tables()}
+    counts = jnp.asarray(where.stages.device_counts() if where.stages is not None
+                         else np.full((p, v), jax.tree.leaves(stack)[0].shape[0] // (p * v)))
     x_shape = jax.eval_shape(lambda o, t: fns.embed(o, t[:, :-1], hooks), outer, micro[0])
 
     def body(outer, stack, micro, scale):
@@ -207,6 +196,7 @@ def loss_and_grads(fns: PipelineFns, hooks, schedule: Schedule, mesh: Mesh, para
 
         def tick(t, c):
             row = {k: v[t, d] for k, v in table.items()}
+            row["layers"] = counts[d, row["chunk"]]
             out = jax.lax.switch(row["kind"], [steps.nothing, steps.forward, steps.backward], c, row)
             return steps.record(c, row, out, p)
 
@@ -221,8 +211,6 @@ def loss_and_grads(fns: PipelineFns, hooks, schedule: Schedule, mesh: Mesh, para
                         out_specs=(PartitionSpec(), replicated, per_shard_piped),
                         axis_names={"pipe"}, check_vma=False)
     loss, g_outer, g_stack = run(outer, stack, micro, scale)
-    g_stack = jax.tree.map(lambda g: jax.vmap(lambda x: _interleave(x, p, v, inverse=True))(g),
-                           g_stack)
     return loss, fns.merge(g_outer, g_stack)
 
 
@@ -279,6 +267,21 @@ class _Steps:
         return jax.vmap(f, in_axes=(None,) + (0,) * len(rows),
                         spmd_axis_name=self.where.shard_axes)(weights, *rows)
 
+    def run(self, chunk, x, hooks, layers):
+        """The chunk's first `layers` slots on x. Where the cut has padding,
+        slot by slot, each padding slot passing x through (its weights get
+        a zero gradient); otherwise the model's own stack in one call."""
+        stages = self.where.stages
+        if stages is None or len(set(stages.counts)) == 1:
+            return self.fns.stage(chunk, x, hooks)
+
+        def slot(x, w_i):
+            w, i = w_i
+            y = self.fns.stage(jax.tree.map(lambda a: a[None], w), x, hooks)
+            return jnp.where(i < layers, y, x), None
+
+        return jax.lax.scan(slot, x, (chunk, jnp.arange(stages.slots)))[0]
+
     def zero_grads(self, tree, drop: int = 0):
         return jax.tree.map(lambda a: jnp.zeros((self.n, *a.shape[drop:]), self.where.grad_dtype),
                             tree)
@@ -306,7 +309,7 @@ class _Steps:
         x = jax.lax.cond(row["first"], lambda: self.act(fns.embed(self.outer, tokens[:, :-1], h)),
                          lambda: self.act(c["fwd"][row["read"]]))
         chunk = jax.tree.map(lambda a: a[row["chunk"]], self.chunks)
-        y = self.act(fns.stage(chunk, x, h))
+        y = self.act(self.run(chunk, x, h, row["layers"]))
 
         def head_loss(outer, y, tokens):
             # Each shard's mean over its rows, over the shard count: the
@@ -333,7 +336,7 @@ class _Steps:
         x, dy = c["stash"][row["stash"]], c["bwd"][row["read"]]
 
         def chunk_vjp(chunk, x, dy):
-            return jax.vjp(lambda w, x: fns.stage(w, x, h), chunk, x)[1](dy)
+            return jax.vjp(lambda w, x: self.run(w, x, h, row["layers"]), chunk, x)[1](dy)
 
         g_chunk, dx = self.per_shard(chunk_vjp, chunk, self.split(x), self.split(dy))
 

@@ -6,7 +6,7 @@ import math
 import jax
 from jax.sharding import PartitionSpec
 
-from zero_jax import zero as zero_lib
+from zero_jax import schedule as sched_lib, zero as zero_lib
 from zero_jax.job import Job
 from zero_jax.mesh import AXES
 
@@ -171,18 +171,26 @@ def describe(job: Job, data_line: str, model_line: str, compiled_step=None,
 
 def pipeline_rows(job: Job) -> list[str]:
     """Stage placement, the schedule's cost and its tick chart."""
-    s, layers = job.schedule, job.model.layers
-    per_chunk = layers // s.chunks
-    where = lambda d: ", ".join(f"{(k * s.p + d) * per_chunk}-{(k * s.p + d + 1) * per_chunk - 1}"
-                                for k in range(s.v))
+    s, stages = job.schedule, job.layout.stages
+    head = job.model.head_cost(job.run.data.seq_len) if job.model.head_cost else 0.0
+    cost = sched_lib.cost(s, stages.counts, head=head)
+    first = stages.first_layer
+    span = lambda g: f"{first[g]}-{first[g] + stages.counts[g] - 1}"
     rows = [f"pipeline   {s.name}: p={s.p} stages, m={s.m} microbatches, v={s.v} chunks per stage; "
-            f"{s.ticks} ticks, bubble {s.bubble:.3f}, at most {s.max_in_flight()} microbatch "
-            f"inputs stashed per stage"
-            + ("; stage weights gathered once per step" if job.run.parallel.pipeline_gather_once else "")]
+            f"{s.ticks} ticks, at most {s.max_in_flight()} microbatch inputs stashed per stage"
+            + ("; stage weights gathered once per step" if job.run.parallel.pipeline_gather_once else ""),
+            f"  cost {cost.total:.1f} layer-forwards per step (a backward recomputes its forward: 3; "
+            f"head {head:.2f} forward, 3x with its backward, on the last stage); bubble "
+            f"{cost.bubble:.3f} of that (idle ticks alone: {s.bubble:.3f}); sends not counted"]
     for d in range(s.p):
         ends = (["embedding"] if d == 0 else []) + (["head and loss"] if d == s.p - 1 else [])
-        rows.append(f"  stage {d}: layers {where(d)} ({per_chunk * s.v} of {layers})"
+        chunks = [k * s.p + d for k in range(s.v)]
+        rows.append(f"  stage {d}: layers {', '.join(span(g) for g in chunks)} "
+                    f"({sum(stages.counts[g] for g in chunks)} of {stages.layers})"
                     + (f", runs the {' and the '.join(ends)}" if ends else ""))
+    if stages.padded != stages.layers:
+        rows.append(f"  {stages.slots} layer slots per chunk: {stages.padded} stored for "
+                    f"{stages.layers} layers (the embedding and head count one layer each)")
     # Why every stage stores them: the head is tied to the embedding, so the
     # first and last stage both need it; ZeRO still shards them within a stage.
     rows.append("  embedding and head weights are stored on every stage (sharded within it)")

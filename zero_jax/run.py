@@ -174,7 +174,7 @@ def train(job: Job, corpus: data_lib.TokenData, train_step, eval_step, *,
             stopped = "stop_at"
         if checkpointer is not None:
             if stopped or n == last or checkpointer.due(n):
-                checkpointer.save(n, state, checkpoint_meta(job, n))
+                checkpointer.save(n, job.layout.saved_form(state), checkpoint_meta(job, n))
             checkpointer.check()
         return bool(stopped)
 

@@ -9,6 +9,7 @@ restore can use it for models that would not fit on this machine, and
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, NamedTuple
 
 import flax.linen as nn
@@ -26,6 +27,7 @@ from zero_jax.hooks import use_dtypes
 from zero_jax.mesh import DATA_AXES, MeshShape
 from zero_jax.model import ModelFns
 from zero_jax.rules import AxisRules
+from zero_jax.stages import Stages
 
 
 class TrainState(NamedTuple):
@@ -70,6 +72,8 @@ class Layout:
     placement: zero_lib.Placement  # the ZeRO split (used again at each parameter's use)
     grad_dtype: Any  # gradients are held (and accumulated) in this dtype
     master: bool = False  # params are a working copy; float32 masters live in the optimizer state
+    stages: Stages | None = None  # a pipeline's cut: stacked leaves stored in its slots
+    stacked: Any = None  # (params, opt_state) trees of bools: the leaf is a layer stack
 
     @property
     def master_params(self) -> Any:
@@ -101,9 +105,37 @@ class Layout:
     @property
     def targets(self) -> TrainState:
         """The abstract saved form (`saved_form`) with its shardings: what a
-        restore fills in."""
-        with_sharding = lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
-        return saved_form(jax.tree.map(with_sharding, self.abstract, self.shardings))
+        restore fills in. A layer stack is restored in layer order; where its
+        length does not split over the mesh axes of its slot dimension, it
+        is read whole along that dimension and then cut into the slots."""
+        def target(a, s, stacked):
+            if not (stacked and self.stages):
+                return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+            shape = (self.stages.layers,) + a.shape[1:]
+            spec = tuple(s.spec) + (None,) * (len(shape) - len(s.spec))
+            axes = () if spec[0] is None else (spec[0],) if isinstance(spec[0], str) else spec[0]
+            if shape[0] % math.prod(self.mesh_shape.sizes[a] for a in axes):
+                spec = (None,) + spec[1:]
+            return jax.ShapeDtypeStruct(shape, a.dtype, sharding=NamedSharding(self.mesh,
+                                                                               PartitionSpec(*spec)))
+        return self.saved_form(jax.tree.map(target, self.abstract, self.shardings,
+                                            self._stacked_state()), abstract=True)
+
+    def _stacked_state(self) -> TrainState:
+        params, opt = self.stacked if self.stacked is not None else (None, None)
+        no = lambda tree: jax.tree.map(lambda _: False, tree)
+        return TrainState(False, params if params is not None else no(self.abstract.params),
+                          opt if opt is not None else no(self.abstract.opt_state),
+                          no(self.abstract.loss_scale))
+
+    def saved_form(self, state: TrainState, abstract: bool = False) -> TrainState:
+        """`saved_form(state)` with layer stacks in layer order, unpadded
+        (one leaf at a time: the copy is never bigger than one leaf)."""
+        if self.stages is not None and not self.stages.identity and not abstract:
+            unpad = jax.jit(self.stages.unpad)
+            state = jax.tree.map(lambda x, stacked: unpad(x) if stacked else x, state,
+                                 self._stacked_state())
+        return saved_form(state)
 
     @property
     def working_dtypes(self) -> Any:
@@ -117,11 +149,31 @@ class Layout:
 
     def from_saved(self, saved: TrainState) -> TrainState:
         """A train state in this layout from its saved form (`saved_form`)."""
+        if self.stages is not None and not self.stages.identity:
+            def pad(x, stacked, spec):
+                if not stacked:
+                    return x
+                return jax.jit(self.stages.pad, out_shardings=NamedSharding(self.mesh, spec))(x)
+            saved = jax.tree.map(pad, saved, saved_form(self._stacked_state()),
+                                 saved_form(self.state_specs))
         if not self.master:
             return saved
         params = jax.jit(self.to_working, out_shardings=self.shardings.params)(saved.params)
         return TrainState(saved.step, params, master_lib.MasterState(saved.params, saved.opt_state),
                           saved.loss_scale)
+
+    def pad_params(self, params: Any) -> Any:
+        """A parameter tree in layer order -> this layout's slots (traceable)."""
+        if self.stages is None or self.stages.identity:
+            return params
+        return jax.tree.map(lambda x, st: self.stages.pad(x) if st else x, params, self.stacked[0])
+
+    def unpad_params(self, params: Any) -> Any:
+        """A parameter-shaped tree (parameters, gradients) in layer order (traceable)."""
+        if self.stages is None or self.stages.identity:
+            return params
+        return jax.tree.map(lambda x, st: self.stages.unpad(x) if st else x, params,
+                            self.stacked[0])
 
     @property
     def data_axes(self) -> tuple[str, ...]:
@@ -155,23 +207,35 @@ def needs_master(zero_stage: int, param_dtype, compute_dtype) -> bool:
 def make_layout(model: ModelFns, tx: optax.GradientTransformation, mesh: Mesh,
                 mesh_shape: MeshShape, rules: AxisRules, zero_stage: int,
                 min_shard_elements: int, param_dtype=jnp.float32,
-                grad_dtype=jnp.float32, compute_dtype=None) -> Layout:
+                grad_dtype=jnp.float32, compute_dtype=None, stages: Stages | None = None) -> Layout:
     """Abstract state and the specs of every leaf; raises ShardingError early.
 
     With master weights (`needs_master` for `compute_dtype`), `tx` must be
     wrapped by `master.wrap`: it is initialised with the float32 parameters,
     and the stored parameters are the working copy in the dtypes the model
-    uses them in.
+    uses them in. With `stages`, layer stacks (leaves whose first logical
+    axis is `layers`) are stored in the pipeline's slots (stages.py).
     """
     boxed = jax.eval_shape(lambda: model.init(jax.random.key(0)))  # traces the key too: no compile
     names = logical_names(boxed)
     params = jax.eval_shape(lambda: init_params(model, jax.random.key(0), param_dtype))
-    opt_state = jax.eval_shape(tx.init, params)
+    stacked_params = jax.tree.map(lambda n: len(n) > 0 and n[0] == "layers", names,
+                                  is_leaf=lambda x: isinstance(x, PartitionSpec))
     master = compute_dtype is not None and needs_master(zero_stage, param_dtype, compute_dtype)
-    if master:
+    if master:  # traced in layer order, before any padding
         tokens = (1, min(8, model.max_seq_len or 8))
         dtypes = use_dtypes(model.apply, params, names, jnp.dtype(compute_dtype).name, tokens,
                             unused_dtype=param_dtype)
+    if stages is not None:
+        params = jax.tree.map(
+            lambda p, st: jax.ShapeDtypeStruct((stages.padded,) + p.shape[1:], p.dtype) if st else p,
+            params, stacked_params)
+    opt_state = jax.eval_shape(tx.init, params)
+    is_abstract = lambda x: isinstance(x, jax.ShapeDtypeStruct)
+    stacked_opt = optax.tree_map_params(
+        tx, lambda leaf, p, st: bool(st and leaf.ndim and leaf.shape[0] == p.shape[0]),
+        opt_state, params, stacked_params, transform_non_params=lambda _: False, is_leaf=is_abstract)
+    if master:
         params = jax.tree.map(lambda p, d: jax.ShapeDtypeStruct(p.shape, d), params, dtypes)
     scale = jax.eval_shape(lambda: loss_scale_lib.init(loss_scale_lib.LossScaleConfig()))
     abstract = TrainState(jax.ShapeDtypeStruct((), jnp.int32), params, opt_state, scale)
@@ -185,7 +249,7 @@ def make_layout(model: ModelFns, tx: optax.GradientTransformation, mesh: Mesh,
     specs = zero_lib.state_specs(params, compute, names, opt_state, tx,
                                  zero_lib.stage(zero_stage), placement)
     return Layout(mesh, mesh_shape, rules, zero_stage, abstract, names, specs, placement,
-                  jnp.dtype(grad_dtype), master)
+                  jnp.dtype(grad_dtype), master, stages, (stacked_params, stacked_opt))
 
 
 def init_state(layout: Layout, model: ModelFns, tx: optax.GradientTransformation,
@@ -201,13 +265,15 @@ def init_state(layout: Layout, model: ModelFns, tx: optax.GradientTransformation
 
 def state_from_params(layout: Layout, tx: optax.GradientTransformation, params: Any,
                       scale_cfg: loss_scale_lib.LossScaleConfig) -> TrainState:
-    """A fresh train state (step 0, new optimizer) around given master weights."""
+    """A fresh train state (step 0, new optimizer) around given master weights
+    (in layer order: the saved form's)."""
     return jax.jit(lambda p: _fresh(layout, tx, p, scale_cfg),
-                   in_shardings=(layout.named(layout.master_specs),),
+                   in_shardings=(jax.tree.map(lambda t: t.sharding, layout.targets.params),),
                    out_shardings=layout.shardings)(params)
 
 
 def _fresh(layout: Layout, tx, params, scale_cfg) -> TrainState:
+    params = layout.pad_params(params)
     opt_state = tx.init(params)
     if layout.master:
         params = layout.to_working(params)

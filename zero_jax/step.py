@@ -158,7 +158,7 @@ def pipelined(layout: Layout, model: ModelFns, hooks: Hooks, sched: Schedule,
         stack=stack_specs, stage_grads=within(stack_acc, (None,)), outer_grads=outer_acc,
         grad_dtype=layout.grad_dtype,
         gather=(outer_compute, within(stack_compute, ())) if gather_once else None,
-        shard_axes=axes, shards=math.prod(sizes[a] for a in axes))
+        shard_axes=axes, shards=math.prod(sizes[a] for a in axes), stages=layout.stages)
 
     def loss_and_grads(params, batch, scale):
         loss, grads = pipeline_lib.loss_and_grads(
@@ -221,6 +221,7 @@ def jit_train_step(layout: Layout, model: ModelFns, hooks: Hooks, tx: optax.Grad
 
 def jit_eval_step(layout: Layout, model: ModelFns, hooks: Hooks):
     """Mean validation loss of a batch, with the parameters where they are stored."""
-    loss_fn = functools.partial(lm_loss, model, hooks)
+    def loss_fn(params, batch):
+        return lm_loss(model, hooks, layout.unpad_params(params), batch)
     return jax.jit(loss_fn, in_shardings=(layout.shardings.params, layout.batch_sharding),
                    out_shardings=NamedSharding(layout.mesh, PartitionSpec()))
