@@ -93,11 +93,13 @@ def test_gather_once_matches_and_leaves_no_gather_in_the_loop(corpus, reference)
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_stages_talk_by_collective_permute_over_pipe_only(corpus, schedule):
     """Activations and their gradients move by collective-permute between
-    stages; no all-gather runs over `pipe`, so no stage's activations (or
-    weights) are ever gathered across stages."""
+    stages. No stage's activations or layers are gathered across stages:
+    the only all-gathers over `pipe` are of the embedding and head, stored
+    split over `pipe` and gathered once per step, outside the tick loop."""
     job = _job(corpus, schedule, "pipe4-data2", 4, 3)
     mesh = job.layout.mesh
-    found = hlo.collectives(compile_step(job).as_text())
+    text = compile_step(job).as_text()
+    found = hlo.collectives(text)
     coords = {int(i): c for c, i in np.ndenumerate(np.arange(mesh.devices.size).reshape(mesh.devices.shape))}
     pipe = list(mesh.axis_names).index("pipe")
     permutes = [c for c in found if c.op == "collective-permute"]
@@ -106,8 +108,14 @@ def test_stages_talk_by_collective_permute_over_pipe_only(corpus, schedule):
         for source, target in c.groups():
             differ = [i for i, (a, b) in enumerate(zip(coords[source], coords[target])) if a != b]
             assert differ in ([], [pipe]), c.line[:200]  # [] : a device keeps its part
-    over_pipe = [c for c in found if c.op == "all-gather" and "pipe" in (c.axes(mesh) or ("pipe",))]
-    assert not over_pipe, [c.line[:200] for c in over_pipe]
+    over_pipe = lambda cs: [c for c in cs if c.op == "all-gather" and "pipe" in (c.axes(mesh) or ("pipe",))]
+    in_loop = over_pipe(hlo.collectives(hlo.inside_loops(text)))
+    assert not in_loop, [c.line[:200] for c in in_loop]
+    # Together at most one copy of the parameters outside the stack.
+    outer = sum(np.prod(p.shape) for k, sub in job.layout.abstract.params.items() if k != "blocks"
+                for p in jax.tree.leaves(sub))
+    assert sum(np.prod(c.shape) for c in over_pipe(found)) <= outer, \
+        [c.line[:200] for c in over_pipe(found)]
 
 
 def test_one_f_one_b_memory_is_below_gpipe_and_flat_in_m(corpus, capsys):
@@ -169,3 +177,32 @@ def test_pipeline_shapes_are_checked_before_compiling(corpus, bad, message):
     from zero_jax.config import ConfigError
     with pytest.raises(ConfigError, match=message):
         make_job(corpus, **{**dict(seq_len=16, batch_size=24), **bad})
+
+
+def _outer_bytes(layout):
+    """Bytes per device of parameters, gradients and optimizer state outside the layer stack."""
+    from jax.sharding import NamedSharding, PartitionSpec
+    is_spec = lambda x: isinstance(x, PartitionSpec)
+    total = 0
+    for tree, specs in ((layout.abstract.params, layout.specs.params),
+                        (layout.abstract_grads, layout.specs.grads),
+                        (layout.abstract.opt_state, layout.specs.opt_state)):
+        leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+        for (path, leaf), spec in zip(leaves, jax.tree.leaves(specs, is_leaf=is_spec)):
+            if leaf.shape and "blocks" not in jax.tree_util.keystr(path):
+                shard = NamedSharding(layout.mesh, spec).shard_shape(leaf.shape)
+                total += int(np.prod(shard)) * np.dtype(leaf.dtype).itemsize
+    return total
+
+
+@pytest.mark.parametrize("zero", [0, 1, 3])
+def test_embedding_and_head_are_stored_split_over_pipe(corpus, zero):
+    """With pipe=4 each device stores a quarter of the embedding, head and
+    their gradients and optimizer state (the LayerNorm's few hundred bytes,
+    under min_shard_elements, stay whole)."""
+    piped = make_job(corpus, mesh="pipe=4,data=2", zero_stage=zero, precision="bf16", n_layer=4,
+                     batch_size=16)
+    whole = make_job(corpus, mesh="data=2", zero_stage=zero, precision="bf16", n_layer=4,
+                     batch_size=16, devices=jax.devices()[:2])
+    ln = 2 * 192 * (4 + 4 + 8)  # ln_f scale and bias: params, grads, Adam moments (fp32)
+    assert _outer_bytes(piped.layout) <= _outer_bytes(whole.layout) / 4 + ln

@@ -191,9 +191,8 @@ def pipeline_rows(job: Job) -> list[str]:
     if stages.padded != stages.layers:
         rows.append(f"  {stages.slots} layer slots per chunk: {stages.padded} stored for "
                     f"{stages.layers} layers (the embedding and head count one layer each)")
-    # Why every stage stores them: the head is tied to the embedding, so the
-    # first and last stage both need it; ZeRO still shards them within a stage.
-    rows.append("  embedding and head weights are stored on every stage (sharded within it)")
+    rows.append("  embedding and head stored split over pipe, gathered once per step for the "
+                "first and last stage")
     if s.ticks <= 80:
         rows += ["  " + line for line in s.chart().splitlines()]
     return rows

@@ -246,8 +246,11 @@ def make_layout(model: ModelFns, tx: optax.GradientTransformation, mesh: Mesh,
             what=f"parameter {jax.tree_util.keystr(path, simple=True, separator='.')}"),
         params, names)
     placement = zero_lib.Placement.on(mesh_shape, min_shard_elements)
+    pipe = zero_lib.Placement(("pipe",), sizes["pipe"], min_shard_elements) \
+        if stages is not None else None
+    outer = jax.tree.map(lambda st: not st, stacked_params)
     specs = zero_lib.state_specs(params, compute, names, opt_state, tx,
-                                 zero_lib.stage(zero_stage), placement)
+                                 zero_lib.stage(zero_stage), placement, outer, pipe, dict(sizes))
     return Layout(mesh, mesh_shape, rules, zero_stage, abstract, names, specs, placement,
                   jnp.dtype(grad_dtype), master, stages, (stacked_params, stacked_opt))
 

@@ -155,7 +155,8 @@ def pipelined(layout: Layout, model: ModelFns, hooks: Hooks, sched: Schedule,
     within = lambda specs, lead: jax.tree.map(  # a stage's view: `pipe` left out
         lambda s: PartitionSpec(*lead, None, *tuple(s)[1:]), specs, is_leaf=is_spec)
     where = pipeline_lib.StageLayout(
-        stack=stack_specs, stage_grads=within(stack_acc, (None,)), outer_grads=outer_acc,
+        stack=stack_specs, stage_grads=within(stack_acc, (None,)),
+        outer_grads=jax.tree.map(_without_pipe, outer_acc, is_leaf=is_spec),
         grad_dtype=layout.grad_dtype,
         gather=(outer_compute, within(stack_compute, ())) if gather_once else None,
         shard_axes=axes, shards=math.prod(sizes[a] for a in axes), stages=layout.stages)
@@ -172,6 +173,19 @@ def pipelined(layout: Layout, model: ModelFns, hooks: Hooks, sched: Schedule,
         return loss, constrain_grads(grads)
 
     return loss_and_grads
+
+
+def _without_pipe(spec: PartitionSpec) -> PartitionSpec:
+    """`spec` inside the pipeline's shard_map, where `pipe` is manual: the
+    embedding and head are stored split over `pipe` and used whole."""
+    def drop(entry):
+        if entry == "pipe":
+            return None
+        if isinstance(entry, tuple):
+            kept = tuple(a for a in entry if a != "pipe")
+            return kept[0] if len(kept) == 1 else (kept or None)
+        return entry
+    return PartitionSpec(*(drop(e) for e in spec))
 
 
 def _constrainer(layout: Layout, specs: Any, dtype) -> Callable[[Any], Any]:

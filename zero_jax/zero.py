@@ -128,26 +128,47 @@ class StateSpecs:
 
 def state_specs(abstract_params: Any, compute_specs: Any, names: Any, abstract_opt_state: Any,
                 tx: optax.GradientTransformation, zero: ZeroStage,
-                placement: Placement) -> StateSpecs:
+                placement: Placement, outer: Any = None,
+                pipe: Placement | None = None, axis_sizes: dict[str, int] | None = None) -> StateSpecs:
     """Storage specs of params, grads and optimizer state for one ZeRO stage.
 
     Optimizer-state leaves that mirror a parameter (Adam's moments, momentum)
     take that parameter's layout; the others (counts, factored second moments)
     are placed by the same `zero_dim` rule on their own shapes.
+
+    With a pipeline (`pipe`), the parameters outside the layer stack
+    (`outer`: a tree of bools; the embedding, head, final norm) are also
+    stored split over `pipe`, by the same rule, or along a dimension already
+    split where none is free (`axis_sizes`: the mesh's): only the first and
+    last stage use them, once per step, where the pipeline gathers them.
     """
     replicated: list[tuple[str, str]] = []
+    if outer is None or pipe is None:
+        outer = jax.tree.map(lambda _: False, abstract_params)
 
-    def sharded(path, leaf, spec, leaf_names):
+    def over_pipe(leaf, spec, leaf_names, is_outer):
+        if not is_outer:
+            return spec
+        dim, _ = pipe.dim(leaf.shape, spec, leaf_names)
+        if dim is not None:
+            return with_zero(spec, dim, len(leaf.shape), pipe.axes)
+        if math.prod(leaf.shape) < pipe.min_elements:
+            return spec
+        return _extend(leaf.shape, spec, "pipe", axis_sizes)
+
+    def sharded(path, leaf, spec, leaf_names, is_outer):
         dim, why = placement.dim(leaf.shape, spec, leaf_names)
         if dim is None and placement.n_shard > 1:
             replicated.append((jax.tree_util.keystr(path, simple=True, separator="."), why))
-        return with_zero(spec, dim, len(leaf.shape), placement.axes)
+        return over_pipe(leaf, with_zero(spec, dim, len(leaf.shape), placement.axes), leaf_names,
+                         is_outer)
 
-    full = jax.tree_util.tree_map_with_path(sharded, abstract_params, compute_specs, names)
+    full = jax.tree_util.tree_map_with_path(sharded, abstract_params, compute_specs, names, outer)
+    stored = jax.tree.map(over_pipe, abstract_params, compute_specs, names, outer)
 
-    def mirror(leaf, param, full_spec, compute_spec):
+    def mirror(leaf, param, full_spec, stored_spec):
         if leaf.shape == param.shape:
-            return full_spec if zero.opt_state else compute_spec
+            return full_spec if zero.opt_state else stored_spec
         return other(leaf)
 
     def other(leaf):
@@ -158,14 +179,29 @@ def state_specs(abstract_params: Any, compute_specs: Any, names: Any, abstract_o
 
     is_abstract = lambda x: isinstance(x, jax.ShapeDtypeStruct)
     opt = optax.tree_map_params(tx, mirror, abstract_opt_state, abstract_params, full,
-                                compute_specs, transform_non_params=other, is_leaf=is_abstract)
+                                stored, transform_non_params=other, is_leaf=is_abstract)
     return StateSpecs(
         compute=compute_specs,
         sharded=full,
-        params=full if zero.params else compute_specs,
-        grads=full if zero.grads else compute_specs,
+        params=full if zero.params else stored,
+        grads=full if zero.grads else stored,
         opt_state=opt,
         replicated=tuple(replicated))
+
+
+def _extend(shape, spec: PartitionSpec, axis: str, axis_sizes: dict[str, int]) -> PartitionSpec:
+    """`spec` with mesh `axis` added to a dimension that is already split,
+    where its size divides by the product: the largest such dimension.
+    Unchanged if none does."""
+    entries = list(tuple(spec) + (None,) * (len(shape) - len(spec)))
+    for d in sorted(range(len(shape)), key=lambda d: (-shape[d], d)):
+        if entries[d] is None:
+            continue
+        axes = (entries[d],) if isinstance(entries[d], str) else tuple(entries[d])
+        if shape[d] % (axis_sizes[axis] * math.prod(axis_sizes[a] for a in axes)) == 0:
+            entries[d] = axes + (axis,)
+            return PartitionSpec(*entries)
+    return spec
 
 
 def spec_axes(spec: PartitionSpec) -> set[str]:
