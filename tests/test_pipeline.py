@@ -206,3 +206,27 @@ def test_embedding_and_head_are_stored_split_over_pipe(corpus, zero):
                      batch_size=16, devices=jax.devices()[:2])
     ln = 2 * 192 * (4 + 4 + 8)  # ln_f scale and bias: params, grads, Adam moments (fp32)
     assert _outer_bytes(piped.layout) <= _outer_bytes(whole.layout) / 4 + ln
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
+def test_evaluation_runs_the_forwards_where_the_layers_are(corpus, schedule):
+    """Evaluation through the schedule's forwards matches the 1-device loss,
+    and gathers no layer over `pipe`: only activations move between stages
+    (the embedding and head, stored split over `pipe`, are gathered once)."""
+    shape = dict(seq_len=16, batch_size=32, n_layer=10)
+    job = make_job(corpus, **shape, mesh="pipe=4,fsdp=2", pipeline_schedule=schedule,
+                   virtual_stages=2 if schedule == "interleaved" else 0, microbatches=4, zero_stage=3)
+    ref = make_job(corpus, **shape, mesh="fsdp=1", devices=jax.devices()[:1])
+    batch = lambda j: data_lib.global_batch(corpus, "val", 16, 32, 0, step=0,
+                                            sharding=j.layout.batch_sharding)
+    compiled = job.compile_eval_step()
+    loss = float(compiled(initial_state(job).params, batch(job)))
+    expected = float(ref.compile_eval_step()(initial_state(ref).params, batch(ref)))
+    np.testing.assert_allclose(loss, expected, rtol=1e-5)
+    mesh, text = job.layout.mesh, compiled.as_text()
+    over_pipe = lambda cs: [c for c in cs if c.op == "all-gather" and "pipe" in (c.axes(mesh) or ("pipe",))]
+    assert not over_pipe(hlo.collectives(hlo.inside_loops(text)))
+    outer = sum(np.prod(p.shape) for k, sub in job.layout.abstract.params.items() if k != "blocks"
+                for p in jax.tree.leaves(sub))
+    assert sum(np.prod(c.shape) for c in over_pipe(hlo.collectives(text))) <= outer
+    assert any(c.op == "collective-permute" for c in hlo.collectives(text))

@@ -84,7 +84,7 @@ class Job:
                        out_shardings=(replicated, grads_out))
 
     def compile_eval_step(self):
-        fn = step.jit_eval_step(self.layout, self.model, self.hooks)
+        fn = step.jit_eval_step(self.layout, self.model, self.hooks, self.schedule)
         return fn.lower(self.layout.abstract.params, self.abstract_batch).compile()
 
     @property

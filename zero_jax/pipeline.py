@@ -214,6 +214,50 @@ def loss_and_grads(fns: PipelineFns, hooks, schedule: Schedule, mesh: Mesh, para
     return loss, fns.merge(g_outer, g_stack)
 
 
+def loss(fns: PipelineFns, hooks, schedule: Schedule, mesh: Mesh, params: Any, batch: jax.Array,
+         where: StageLayout) -> jax.Array:
+    """Mean loss over `batch` through a forward-only schedule
+    (`schedule.forward_only`): evaluation, with every stage's layers where
+    they are stored. Only activations move over `pipe`; nothing is kept for
+    a backward pass."""
+    p, m, v = schedule.p, schedule.m, schedule.v
+    prog = Program.of(schedule)
+    outer, stack = fns.split(params)
+    stack = jax.lax.with_sharding_constraint(stack, _named(mesh, where.stack))
+    micro = split_microbatches(batch, m)
+    table = {k: jnp.asarray(getattr(prog, k)) for k in ("kind", "mb", "chunk", "first", "last",
+                                                        "read", "fwd_arrival")}
+    counts = jnp.asarray(where.stages.device_counts() if where.stages is not None
+                         else np.full((p, v), jax.tree.leaves(stack)[0].shape[0] // (p * v)))
+    x_shape = jax.eval_shape(lambda o, t: fns.embed(o, t[:, :-1], hooks), outer, micro[0])
+
+    def body(outer, stack, micro):
+        d = jax.lax.axis_index("pipe")
+        hooks_in = dataclasses.replace(hooks, mesh=jax.sharding.get_abstract_mesh())
+        chunks = jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), stack)
+        steps = _Steps(fns, hooks_in, where, hooks_in.mesh, outer, chunks, micro, 1.0, x_shape)
+
+        def tick(t, c):
+            row = {k: a[t, d] for k, a in table.items()}
+            row["layers"] = counts[d, row["chunk"]]
+            out, part = jax.lax.cond(row["kind"] == FWD, lambda: steps.infer(c["fwd"], row),
+                                     lambda: (steps.x_zero, jnp.zeros((), jnp.float32)))
+            arrived = jax.lax.ppermute(out, "pipe", [(i, (i + 1) % p) for i in range(p)])
+            return {"fwd": steps.place(c["fwd"].at[row["fwd_arrival"]].set(arrived)),
+                    "loss": c["loss"] + part}
+
+        start = {"fwd": steps.place(jnp.zeros((prog.slots[1] + 1, *x_shape.shape), x_shape.dtype)),
+                 "loss": jnp.zeros((), jnp.float32)}
+        c = jax.lax.fori_loop(0, schedule.ticks, tick, start)
+        return jax.lax.psum(c["loss"], "pipe") / m
+
+    replicated = jax.tree.map(lambda _: PartitionSpec(), outer)
+    piped = jax.tree.map(lambda _: PartitionSpec("pipe"), stack)
+    run = jax.shard_map(body, mesh=mesh, in_specs=(replicated, piped, PartitionSpec()),
+                        out_specs=PartitionSpec(), axis_names={"pipe"}, check_vma=False)
+    return run(outer, stack, micro)
+
+
 def _named(mesh, specs):
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
                         is_leaf=lambda x: isinstance(x, PartitionSpec))
@@ -328,6 +372,20 @@ class _Steps:
         return Tick(stash=x, to_next=jnp.where(row["last"], self.x_zero, y), to_prev=self.x_zero,
                     loss_grad=dy, chunk_grads=self.zero_grads(self.chunks, drop=1),
                     outer_grads=g_o, loss=loss)
+
+    # -- evaluation: a forward and, on the last chunk, the loss -------------
+    def infer(self, inbox, row) -> tuple[jax.Array, jax.Array]:
+        """(output for the next stage, the microbatch's loss on the last chunk)."""
+        fns, h = self.fns, self.hooks
+        tokens = self.micro[row["mb"]]
+        x = jax.lax.cond(row["first"], lambda: self.act(fns.embed(self.outer, tokens[:, :-1], h)),
+                         lambda: self.act(inbox[row["read"]]))
+        chunk = jax.tree.map(lambda a: a[row["chunk"]], self.chunks)
+        y = self.act(self.run(chunk, x, h, row["layers"]))
+        part = jax.lax.cond(row["last"],
+                            lambda: cross_entropy(fns.head(self.outer, y, h), tokens[:, 1:]),
+                            lambda: jnp.zeros((), jnp.float32))
+        return jnp.where(row["last"], self.x_zero, y), part
 
     # -- backward: one chunk, then the embedding (first chunk) --------------
     def backward(self, c, row) -> Tick:

@@ -179,6 +179,15 @@ def build(name: str, p: int, m: int, v: int = 1) -> Schedule:
     return Schedule(name, p, m, v, simulate(orders, p, m, v))
 
 
+def forward_only(name: str, p: int, m: int, v: int = 1) -> Schedule:
+    """Schedule `name`'s forwards alone (evaluation): each device's forwards in
+    the order the schedule runs them, as early as their inputs allow."""
+    if name not in _ORDERS:
+        raise ValueError(f"pipeline schedule {name!r}: choose from {', '.join(SCHEDULES)}")
+    orders = [[a for a in _ORDERS[name](p, m, v, d) if a.kind == "F"] for d in range(p)]
+    return Schedule(f"{name} (forward)", p, m, v, simulate(orders, p, m, v))
+
+
 def simulate(orders: list[list[Action]], p: int, m: int, v: int) -> tuple[tuple[Action | None, ...], ...]:
     """Run each device's order as early as dependencies allow, one action per tick."""
     G = p * v

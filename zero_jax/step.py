@@ -27,6 +27,7 @@ from zero_jax.accumulate import accumulate, accumulate_partials, reduce_partials
 from zero_jax.hooks import Hooks
 from zero_jax.loss import cross_entropy
 from zero_jax.model import ModelFns
+from zero_jax import schedule as sched_lib
 from zero_jax.schedule import Schedule
 from zero_jax.state import Layout, TrainState
 
@@ -233,9 +234,21 @@ def jit_train_step(layout: Layout, model: ModelFns, hooks: Hooks, tx: optax.Grad
                    out_shardings=(layout.shardings, replicated), donate_argnums=0)
 
 
-def jit_eval_step(layout: Layout, model: ModelFns, hooks: Hooks):
-    """Mean validation loss of a batch, with the parameters where they are stored."""
-    def loss_fn(params, batch):
-        return lm_loss(model, hooks, layout.unpad_params(params), batch)
+def jit_eval_step(layout: Layout, model: ModelFns, hooks: Hooks, sched: Schedule | None = None):
+    """Mean validation loss of a batch, with the parameters where they are
+    stored: under a pipeline, through `sched`'s forwards (each stage runs
+    the layers it stores; only activations cross `pipe`)."""
+    if sched is not None:
+        fns = model.pipeline
+        _, stack_specs = fns.split(layout.specs.params)
+        where = pipeline_lib.StageLayout(stack=stack_specs, stage_grads=None, outer_grads=None,
+                                         grad_dtype=layout.grad_dtype, stages=layout.stages)
+        forwards = sched_lib.forward_only(sched.name, sched.p, sched.m, sched.v)
+
+        def loss_fn(params, batch):
+            return pipeline_lib.loss(fns, hooks, forwards, layout.mesh, params, batch, where)
+    else:
+        def loss_fn(params, batch):
+            return lm_loss(model, hooks, params, batch)
     return jax.jit(loss_fn, in_shardings=(layout.shardings.params, layout.batch_sharding),
                    out_shardings=NamedSharding(layout.mesh, PartitionSpec()))
