@@ -139,9 +139,10 @@ def test_one_f_one_b_memory_is_below_gpipe_and_flat_in_m(corpus, capsys):
 
 # Layer counts the stages do not divide (stages.py): 10 layers on 4 stages cut
 # 2, 3, 3, 2 and 6 cut 1, 2, 2, 1 (the embedding and the head count as a layer
-# each), padded to 3 and 2 slots per stage. CI runs one per schedule.
+# each), padded to 3 and 2 slots per stage. CI runs two (the evaluation test
+# runs 1f1b on 10 layers); ZERO_JAX_FULL_GRID=1 all six.
 UNEVEN = list(itertools.product(SCHEDULES, (10, 6)))
-UNEVEN_CI = UNEVEN if FULL else [("gpipe", 10), ("1f1b", 6), ("interleaved", 10)]
+UNEVEN_CI = UNEVEN if FULL else [("gpipe", 10), ("interleaved", 6)]
 
 
 @pytest.fixture(scope="module")

@@ -157,6 +157,13 @@ def prepare(run: config_lib.RunConfig, build_model: Callable[[int], ModelFns],
             devices: Sequence[jax.Device] | None = None) -> Job:
     """Everything for `run`; `build_model(vocab_multiple)` makes the model."""
     mesh, shape = mesh_lib.build_mesh(mesh_config(run), devices)
+    return prepare_on(run, build_model, mesh, shape)
+
+
+def prepare_on(run: config_lib.RunConfig, build_model: Callable[[int], ModelFns], mesh,
+               shape: mesh_lib.MeshShape) -> Job:
+    """`prepare` on a given mesh: a device Mesh, or a jax.sharding.AbstractMesh
+    of any size (shapes and shardings only: what a planner needs)."""
     config_lib.validate(run, shape)
     model = build_model(run.model.vocab_multiple)
     if model.max_seq_len is not None and run.data.seq_len > model.max_seq_len:
@@ -168,7 +175,9 @@ def prepare(run: config_lib.RunConfig, build_model: Callable[[int], ModelFns],
     zero_stage = chosen.zero_stage if run.parallel.zero_stage is None else run.parallel.zero_stage
     check_grad_reduce(run.parallel.grad_reduce, zero_stage)
     try:
-        policy = precision_policy(run, mesh.devices.flat[0].platform)
+        abstract = isinstance(mesh, jax.sharding.AbstractMesh)
+        platform = "gpu" if abstract else mesh.devices.flat[0].platform
+        policy = precision_policy(run, platform)
         remat_policy = remat.Remat(run.activations.remat,
                                    remat.parse_names(run.activations.save_names))
     except ValueError as e:

@@ -103,15 +103,16 @@ class Cost(NamedTuple):
 
 
 def cost(s: Schedule, layers: Sequence[float], head: float = 0.0, embed: float = 0.0,
-         send: float = 0.0) -> Cost:
+         send: float = 0.0, backward: float = 3.0) -> Cost:
     """The time of the lockstep loop that runs `s` (pipeline.py).
 
     `layers[g]`: layers in global chunk g. A forward costs its layers (1
     each), plus the embedding on chunk 0 (`embed`) and, on the last chunk,
     the head's forward and backward (3 `head`: it runs in the same tick).
     A backward recomputes the chunk's forward from its stashed input, then
-    runs the backward proper (twice the forward's FLOPs): 3 per layer, plus
-    the embedding's backward on chunk 0. Every tick ends in the two
+    runs the backward proper (twice the forward's FLOPs): `backward` = 3 per
+    layer (4 where each block is rematerialised again inside it), plus the
+    embedding's backward on chunk 0. Every tick ends in the two
     `ppermute`s of the loop (`send` each tick, not overlapped), and lasts as
     long as its slowest device, since all devices wait at those sends.
     """
@@ -123,7 +124,7 @@ def cost(s: Schedule, layers: Sequence[float], head: float = 0.0, embed: float =
         g = s.global_chunk(d, a)
         if a.kind == "F":
             return layers[g] + (embed if g == 0 else 0) + (3 * head if g == G - 1 else 0)
-        return 3 * layers[g] + (embed if g == 0 else 0)
+        return backward * layers[g] + (embed if g == 0 else 0)
 
     work = [[of(d, a) for d, a in enumerate(row)] for row in s.table]
     ticks = tuple(max(row) + send for row in work)

@@ -1,0 +1,78 @@
+"""The planner: layouts enumerated, model-state bytes exact against real
+arrays, the analytic step estimate against compiled programs, the CLI."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+
+import models
+from zero_jax import config as config_lib, hardware, job as job_lib, memory, planner
+
+ROOT = Path(__file__).resolve().parent.parent
+A100 = planner.Cluster(hardware.load("a100-80gb"), 48, 8)
+BASE = {"model.name": "gpt-tiny", "model.vocab_size": 256, "precision.policy": "fp32",
+        "data.seq_len": 32, "train.batch_size": 16}
+
+
+def test_every_device_kind_loads_with_its_numbers():
+    for kind in ("a100-40gb", "a100-80gb", "h100-80gb", "h200-141gb", "tpu-v5p"):
+        d = hardware.load(kind)
+        assert d.hbm_bytes > 30e9 and d.peak_flops > 1e14 and 0 < d.efficiency < 1
+        assert d.intra_node_bw > d.inter_node_bw
+    with pytest.raises(ValueError, match="choose from"):
+        hardware.load("a99")
+
+
+def test_bloom_layout_is_enumerated_with_tensor_inside_a_node():
+    cfg = models.for_run(config_lib.ModelConfig(name="bloom-176b"), 0)[0](1).config
+    found = planner.choices(cfg, A100, 2048)
+    bloom = planner.Choice(12, 4, 8, 1, "full", 2, 128, "1f1b")
+    assert bloom in found
+    assert all(c.tensor <= 8 and c.pipe * c.tensor * c.data == 384 for c in found)
+    assert bloom.mesh(A100) == {"ici": {"tensor": 4, "data": 2, "pipe": 1},
+                                "dcn": {"tensor": 1, "data": 4, "pipe": 12}}
+
+
+def _held(tree) -> int:
+    first = jax.devices()[0]
+    return sum(s.data.nbytes for leaf in jax.tree.leaves(tree) for s in leaf.addressable_shards
+               if s.device == first)
+
+
+@pytest.mark.parametrize("choice", [
+    planner.Choice(1, 2, 4, 3, "none", 4, 1),
+    planner.Choice(4, 1, 2, 1, "full", 2, 4, "1f1b"),  # 6 layers on 4 stages: padded slots
+], ids=lambda c: c.label.replace(" ", "_"))
+def test_model_state_bytes_are_exact_and_the_estimate_is_near_the_compiled(choice):
+    flat = choice.flat({**BASE, "model.n_layer": 6})
+    run = config_lib.build(None, flat)
+    build = models.for_run(run.model, 256)[0]
+    est = planner.estimate(planner.abstract_job(flat, build, 8), choice, A100, platform="cpu")
+    job = job_lib.prepare(run, build)
+    state = job.init_state()
+    assert est.state["params"] + est.state["opt_state"] == _held(state.params) + _held(state.opt_state)
+    m = memory.compiled(job.compile_train_step())
+    # scripts/plan_check.py measures this on gpt-small: within 15% in 15 of 24
+    # layouts, worst -48% (a pipeline at sequence 1024). Here: the same order.
+    assert est.analytic_bytes == pytest.approx(m["argument_bytes"] + m["temp_bytes"], rel=0.35)
+
+
+def test_plan_ranks_layouts_and_writes_a_config_train_accepts(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "scripts/plan.py", "--model", "gpt-tiny", "--vocab-size", "256",
+         "--cluster", "a100-80gb", "--nodes", "1", "--gpus-per-node", "8", "--global-batch",
+         "16", "--seq-len", "32", "--stages", "1,3", "--remat", "full", "--micro", "2",
+         "--compile", "0", "--top", "5", "--json", "--write-config", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    plan = json.loads(out.stdout)
+    top = plan["top"]
+    assert len(top) == 5 and all(r["fits"] for r in top)
+    assert [r["step_s"] for r in top] == sorted(r["step_s"] for r in top)
+    run = config_lib.build(str(tmp_path / "run.toml"), {})
+    assert run.parallel.mesh.endswith("mesh.toml") and run.model.name == "gpt-tiny"
+    job_lib.mesh_config(run).resolve(8)  # the written mesh covers the cluster

@@ -1,0 +1,49 @@
+"""Accelerator kinds as data: one TOML per kind in meshes/devices/, each
+number with its source beside it (memory, peak FLOP/s, link bandwidths, and
+the efficiency a planner applies to the peak)."""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from pathlib import Path
+
+DIRECTORY = Path(__file__).resolve().parent.parent / "meshes" / "devices"
+
+
+@dataclasses.dataclass(frozen=True)
+class Device:
+    """One accelerator and the links around it, per device."""
+
+    name: str
+    hbm_bytes: int  # memory per device
+    peak_flops: float  # dense bf16 FLOP/s
+    devices_per_node: int  # devices sharing the fast links (a DGX node, a TPU host)
+    intra_node_bw: float  # bytes/s per device, one direction, inside a node (NVLink)
+    inter_node_bw: float  # bytes/s per device, one direction, across nodes (InfiniBand, DCN)
+    efficiency: float  # fraction of peak a large dense model reaches (published)
+    ici_domain: int = 0  # devices the fast links join, if more than a node (a TPU slice)
+
+    @property
+    def fast_domain(self) -> int:
+        """Devices joined by the intra-node links."""
+        return max(self.ici_domain, self.devices_per_node)
+
+
+def kinds() -> list[str]:
+    return sorted(p.stem for p in DIRECTORY.glob("*.toml"))
+
+
+def load(kind: str) -> Device:
+    """A device kind by file stem (`a100-80gb`) or path."""
+    path = Path(kind) if kind.endswith(".toml") else DIRECTORY / f"{kind}.toml"
+    if not path.exists():
+        raise ValueError(f"no device kind {kind!r}: choose from {', '.join(kinds())}, "
+                         f"or give a TOML path")
+    with open(path, "rb") as f:
+        raw = tomllib.load(f)
+    fields = {f.name for f in dataclasses.fields(Device)}
+    unknown = set(raw) - fields
+    if unknown:
+        raise ValueError(f"{path}: unknown keys {sorted(unknown)}; known: {sorted(fields)}")
+    return Device(**raw)

@@ -1,0 +1,352 @@
+"""Search the layouts of a training run on a cluster, without the cluster.
+
+A `Choice` is one layout: pipe, tensor and data-parallel sizes, ZeRO stage,
+activation policy, microbatch size and count, pipeline schedule. For each,
+`estimate` works from abstract shapes only (an AbstractMesh of the cluster's
+size, nothing allocated, nothing compiled):
+
+  memory   the model states per device, exact from the shardings, plus an
+           analytic estimate of what a step adds: gradient buffers, the
+           activations the remat policy keeps (a pipeline: its stashed stage
+           inputs and one chunk's), gathered ZeRO-3 weights;
+  time     compute at the device's peak times its published efficiency, plus
+           each mesh axis's collectives over that axis's link (inside a node
+           or across nodes), with nothing overlapped: a pipeline's compute is
+           the cost of its lockstep schedule (schedule.cost), bubble included.
+
+The search (scripts/plan.py) prunes with these, then compiles the best on
+simulated CPU devices (`measure`) for the compiled memory and the collective
+bytes of the real program, which replace the analytic traffic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import AbstractMesh, AxisType
+
+from zero_jax import config as config_lib, job as job_lib, memory, mesh as mesh_lib
+from zero_jax import remat as remat_lib, schedule as sched_lib, zero as zero_lib
+from zero_jax.hardware import Device
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    device: Device
+    nodes: int
+    per_node: int  # devices per node
+
+    @property
+    def size(self) -> int:
+        return self.nodes * self.per_node
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Choice:
+    """One layout of the run."""
+
+    pipe: int
+    tensor: int
+    data: int
+    zero: int
+    remat: str  # activation policy (remat.py)
+    micro: int  # rows per microbatch per data-parallel replica
+    microbatches: int
+    schedule: str = ""  # with pipe > 1
+    virtual: int = 1
+
+    @property
+    def label(self) -> str:
+        s = f"{self.schedule}{f' v={self.virtual}' if self.virtual > 1 else ''}" if self.pipe > 1 else "-"
+        return (f"PP={self.pipe} TP={self.tensor} DP={self.data} ZeRO-{self.zero} {self.remat} "
+                f"mb={self.micro}x{self.microbatches} {s}")
+
+    def mesh(self, cluster: Cluster) -> dict[str, dict[str, int]]:
+        """[ici] and [dcn] sizes: tensor inside a node first, then data, then pipe."""
+        room = cluster.device.fast_domain if cluster.device.ici_domain else cluster.per_node
+        ici, dcn = {}, {}
+        for axis, size in (("tensor", self.tensor), ("data", self.data), ("pipe", self.pipe)):
+            inside = math.gcd(size, room)
+            room //= inside
+            ici[axis], dcn[axis] = inside, size // inside
+        return {"ici": ici, "dcn": dcn}
+
+    def crosses_nodes(self, cluster: Cluster, axis: str) -> bool:
+        return self.mesh(cluster)["dcn"][axis] > 1
+
+    def flat(self, base: dict[str, Any]) -> dict[str, Any]:
+        """Run-config fields (section.field) of this layout on top of `base`."""
+        out = {**base, "parallel.mesh": f"pipe={self.pipe},data={self.data},tensor={self.tensor}",
+               "parallel.zero_stage": self.zero, "activations.remat": self.remat,
+               "train.microbatches": self.microbatches,
+               # The vocabulary padded so that tensor and pipe split the embedding.
+               "model.vocab_multiple": self.tensor * self.pipe * 8}
+        if self.pipe > 1:
+            out["parallel.pipeline_schedule"] = self.schedule
+            out["parallel.virtual_stages"] = self.virtual
+        return out
+
+
+def choices(model_cfg, cluster: Cluster, global_batch: int, *, stages=(0, 1, 2, 3),
+            remats=("full", "none"), micros=(1, 2, 4, 8), schedules=("1f1b", "interleaved")
+            ) -> list[Choice]:
+    """Every layout that divides the model and the cluster: tensor inside a
+    node and dividing the heads, pipe up to the layer count, the global batch
+    split evenly, and a pipeline with at least as many microbatches as stages.
+    gpipe is left out: 1f1b has its cost and holds fewer inputs."""
+    n = cluster.size
+    out = []
+    for tensor in _divisors(min(cluster.per_node, n)):
+        if model_cfg.n_head % tensor or model_cfg.d_mlp % tensor or n % tensor:
+            continue
+        for pipe in _divisors(n // tensor):
+            if pipe > model_cfg.n_layer:
+                continue
+            data = n // (tensor * pipe)
+            if global_batch % data:
+                continue
+            rows = global_batch // data
+            for micro in micros:
+                if rows % micro:
+                    continue
+                m = rows // micro
+                if pipe > 1 and m < pipe:
+                    continue
+                plans = [("", 1)] if pipe == 1 else [
+                    (s, v) for s in schedules for v in ((2,) if s == "interleaved" else (1,))
+                    if not (s == "interleaved" and (m % pipe or model_cfg.n_layer < pipe * v))]
+                for zero in stages:
+                    for remat in remats:
+                        for schedule, v in plans:
+                            out.append(Choice(pipe, tensor, data, zero, remat, micro, m, schedule, v))
+    return out
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def abstract_job(flat: dict[str, Any], build_model, devices: int) -> job_lib.Job:
+    """The job of a run config on an abstract mesh of `devices` (no devices needed)."""
+    run = config_lib.build(None, flat)
+    shape = job_lib.mesh_config(run).resolve(devices)
+    mesh = AbstractMesh(tuple(shape.sizes.values()), mesh_lib.AXES,
+                        axis_types=(AxisType.Auto,) * len(mesh_lib.AXES))
+    return job_lib.prepare_on(run, build_model, mesh, shape)
+
+
+@dataclasses.dataclass
+class Estimate:
+    """One layout's bytes per device and step time; figures in bytes and seconds."""
+
+    choice: Choice
+    state: dict[str, int]  # params, grads, opt_state as stored (memory.sharded)
+    step_bytes: dict[str, float]  # temporaries at each phase of a step; the largest counts
+    hbm: int
+    compute_s: float  # the layers and head at peak x efficiency (a pipeline: its schedule's cost)
+    comm_s: dict[str, float]  # per mesh axis, not overlapped
+    bubble: float  # a pipeline's idle fraction of its schedule's cost
+    tokens: int  # per step
+    model_flops: float  # per step, 6 N + attention per token
+    compiled: dict[str, Any] | None = None  # measure(): memory and collectives of the real program
+
+    @property
+    def analytic_bytes(self) -> float:
+        return self.state["params"] + self.state["opt_state"] + max(self.step_bytes.values())
+
+    @property
+    def peak_bytes(self) -> float:
+        """The figure that decides fitting: the analytic estimate. The CPU
+        compile widens bf16 temporaries, so its figure is an upper bound."""
+        return self.analytic_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_bytes <= self.hbm
+
+    @property
+    def headroom(self) -> float:
+        return 1 - self.peak_bytes / self.hbm
+
+    @property
+    def step_s(self) -> float:
+        return self.compute_s + sum(self.comm_s.values())
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.step_s
+
+    def tflops_per_device(self, devices: int) -> float:
+        return self.model_flops / self.step_s / devices / 1e12
+
+    def mfu(self, devices: int, peak: float) -> float:
+        return self.model_flops / self.step_s / devices / peak
+
+
+def estimate(job: job_lib.Job, choice: Choice, cluster: Cluster, platform: str = "gpu") -> Estimate:
+    """Analytic bytes and time of `choice`, with `job` the abstract job of
+    its mesh, ZeRO stage and stage cut (the rest is read from `choice`).
+    `platform` "cpu" models XLA:CPU's reduce-scatter (an all-reduce and a
+    slice), to compare with programs compiled here."""
+    layout, model, run = job.layout, job.model, job.run
+    dev = cluster.device
+    T = run.data.seq_len
+    c = np.dtype(job.policy.dtype("compute")).itemsize
+    g = np.dtype(layout.grad_dtype).itemsize
+    state = memory.sharded(layout)
+    stage = zero_lib.stage(choice.zero)
+    compute_grads = memory.sharded_bytes(layout.abstract_grads, layout.specs.compute, layout.mesh)
+    per_layer = compute_grads / max(model.layers, 1)
+    seq_parallel = job.sequence_parallel
+    rows = choice.micro
+    policy = remat_lib.Remat(choice.remat)
+    if choice.pipe > 1:
+        stages = layout.stages
+        s = _schedule(choice.schedule, choice.pipe, choice.microbatches, choice.virtual)
+        stash = s.max_in_flight() * rows * T * model.config.d_model * c
+        acts = stash + model.activation_bytes(rows, T, c, policy, choice.tensor,
+                                              seq_parallel) * stages.slots / stages.layers
+    else:
+        acts = model.activation_bytes(rows, T, c, policy, choice.tensor, seq_parallel)
+    # A step's temporaries peak in one of three phases, whose buffers XLA
+    # reuses for one another (activations are dead when the optimizer runs):
+    # the backward pass, the gradients' reduction, the update.
+    per_microbatch = stage.params and not job.reduce_once
+    layer_gathers = 2 * per_layer / g * c if stage.params else 0.0  # this layer's and the next
+    if choice.pipe > 1:
+        # Accumulators in the gradient layout (reduced each microbatch) or
+        # the compute layout (partial sums); a tick's outputs: one chunk's
+        # gradients, and the embedding's and head's twice (as computed, and
+        # as added into their accumulator).
+        specs = layout.specs.grads if per_microbatch else layout.specs.compute
+        outer, stack = _split_bytes(layout, layout.abstract_grads, specs)
+        backward = outer + stack + stack / choice.virtual + 2 * outer + acts + layer_gathers
+    elif per_microbatch:  # ZeRO-3, reduced on the spot: the shard, one layer's full gradient
+        tied = _gathered_once(layout, model)  # gathered once, its gradient kept per batch shard
+        backward = state["grads"] + 2 * per_layer + tied * g + acts + layer_gathers + tied * c
+    else:  # full-size partial sums in the compute layout
+        backward = compute_grads + acts + layer_gathers
+    # Reducing partial sums into a sharded layout: a reduce-scatter, which
+    # XLA:CPU lowers to an all-reduce (a full-size result) and a slice.
+    sharded_result = compute_grads if platform == "cpu" else state["grads"]
+    reduction = compute_grads + sharded_result if (stage.grads and not per_microbatch) else 0.0
+    # The update: the gradients, two float32 working copies of the parameters
+    # in the optimizer's layout (new moments before they replace the donated
+    # ones), and, with a replicated working copy, the gathered new parameters.
+    opt_specs = layout.specs.sharded if stage.opt_state else layout.specs.params
+    f32 = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, np.float32), layout.abstract.params)
+    working = state["params"] if stage.opt_state and not stage.params else 0.0
+    update = state["grads"] + 2 * memory.sharded_bytes(f32, opt_specs, layout.mesh) + working
+    step_bytes = {"backward": backward, "reduction": reduction, "update": update}
+
+    tokens = choice.data * choice.micro * choice.microbatches * T
+    flops_token = model.flops_per_token(T)
+    model_flops = flops_token * tokens
+    rate = dev.peak_flops * dev.efficiency
+    cfg = model.config
+    layer_fwd = (8 * cfg.d_model ** 2 + 4 * cfg.d_model * cfg.d_mlp + 4 * T * cfg.d_model) * rows * T
+    recompute = choice.remat == "full"
+    comm = {}
+    if choice.pipe > 1:
+        backward = 4 if recompute else 3  # the chunk's recompute, plus each block's under full remat
+        cost = sched_lib.cost(s, stages.counts, head=model.head_cost(T), backward=backward)
+        compute = cost.total * layer_fwd / choice.tensor / rate
+        bubble = cost.bubble
+        act_bytes = rows * T * cfg.d_model * c / (choice.tensor if seq_parallel else 1)
+        comm["pipe"] = s.ticks * act_bytes / _bw(choice, cluster, "pipe")
+    else:
+        hardware = model_flops * ((4 / 3) if recompute else 1.0)
+        compute = hardware / cluster.size / rate
+        bubble = 0.0
+    # Tensor parallelism: per layer and microbatch, two all-reduces of the
+    # activations forward and two backward (two more to recompute).
+    if choice.tensor > 1:
+        t = choice.tensor
+        per = (6 if (recompute or choice.pipe > 1) else 4) * rows * T * cfg.d_model * c
+        layers_here = cfg.n_layer / choice.pipe
+        comm["tensor"] = (choice.microbatches * layers_here * per * 2 * (t - 1) / t
+                          / _bw(choice, cluster, "tensor"))
+    if choice.data > 1:
+        n = choice.data
+        psi = compute_grads / g  # parameters this device computes with
+        reductions = choice.microbatches if (stage.params and not job.reduce_once) else 1
+        grad_bytes = psi * g * reductions * (2 if not stage.grads else 1) * (n - 1) / n
+        gathers = (2 * choice.microbatches if stage.params else 1 if stage.opt_state else 0)
+        param_bytes = psi * c * gathers * (n - 1) / n
+        comm["data"] = (grad_bytes + param_bytes) / _bw(choice, cluster, "data")
+    return Estimate(choice, state, step_bytes, dev.hbm_bytes, compute, comm, bubble, tokens,
+                    model_flops)
+
+
+@functools.lru_cache(maxsize=256)
+def _schedule(name: str, p: int, m: int, v: int) -> sched_lib.Schedule:
+    return sched_lib.build(name, p, m, v)
+
+
+def _split_bytes(layout, abstract, specs) -> tuple[float, float]:
+    """Bytes per device of `abstract` laid out by `specs`: (outside the layer stack, the stack)."""
+    is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)
+    out = [0.0, 0.0]
+    for leaf, spec, stacked in zip(jax.tree.leaves(abstract), jax.tree.leaves(specs, is_leaf=is_spec),
+                                   jax.tree.leaves(layout.stacked[0])):
+        shard = jax.sharding.NamedSharding(layout.mesh, spec).shard_shape(leaf.shape)
+        out[bool(stacked)] += math.prod(shard) * np.dtype(leaf.dtype).itemsize
+    return out[0], out[1]
+
+
+def _gathered_once(layout, model) -> float:
+    """Elements a device holds of the parameters the model gathers once (ZeRO-3)."""
+    total = 0.0
+    for key in model.gathered_once:
+        leaves = jax.tree.leaves(layout.abstract.params.get(key, {}))
+        specs = jax.tree.leaves(layout.specs.compute.get(key, {}),
+                                is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+        for leaf, spec in zip(leaves, specs):
+            shard = jax.sharding.NamedSharding(layout.mesh, spec).shard_shape(leaf.shape)
+            total += math.prod(shard)
+    return total
+
+
+def _bw(choice: Choice, cluster: Cluster, axis: str) -> float:
+    """A ring over `axis` runs at the slowest link it crosses."""
+    dev = cluster.device
+    return dev.inter_node_bw if choice.crosses_nodes(cluster, axis) else dev.intra_node_bw
+
+
+RING = {"all-reduce": lambda n: 2 * (n - 1) / n, "all-gather": lambda n: (n - 1) / n,
+        "reduce-scatter": lambda n: (n - 1) / n, "all-to-all": lambda n: (n - 1) / n,
+        "collective-permute": lambda n: 1.0}
+
+
+def with_measured(est: Estimate, measured: dict[str, Any], cluster: Cluster) -> Estimate:
+    """`est` with the compiled program's figures: its memory beside the
+    estimate, and its collective bytes per axis in place of the analytic
+    traffic (payload x ring factor over the axis's link)."""
+    sizes = {"pipe": est.choice.pipe, "data": est.choice.data, "tensor": est.choice.tensor, "fsdp": 1}
+    comm: dict[str, float] = {}
+    for key, payload in measured["collectives"].items():
+        op, _, axes = key.partition("@")
+        names = [a for a in axes.split(",") if a in sizes] or ["data"]
+        n = math.prod(sizes[a] for a in names)
+        link = min(_bw(est.choice, cluster, a) for a in names)
+        where = "+".join(names)
+        comm[where] = comm.get(where, 0.0) + payload * RING.get(op, RING["all-gather"])(max(n, 2)) / link
+    if est.choice.pipe > 1:  # the schedule's sends stay as the cost model counts them
+        comm["pipe"] = est.comm_s.get("pipe", 0.0)
+    return dataclasses.replace(est, comm_s=comm, compiled=measured)
+
+
+def measure(flat: dict[str, Any], build_model) -> dict[str, Any]:
+    """Compile the run on this process's devices: memory and collective bytes."""
+    run = config_lib.build(None, flat)
+    job = job_lib.prepare(run, build_model)
+    compiled, text = job.compile_with_text()
+    m = memory.compiled(compiled)
+    traffic = job.collectives(text)
+    return {"argument_bytes": m["argument_bytes"], "temp_bytes": m["temp_bytes"],
+            "collectives": traffic["collectives"], "collective_bytes": traffic["collective_bytes"]}
