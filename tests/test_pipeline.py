@@ -231,3 +231,12 @@ def test_evaluation_runs_the_forwards_where_the_layers_are(corpus, schedule):
                 for p in jax.tree.leaves(sub))
     assert sum(np.prod(c.shape) for c in over_pipe(hlo.collectives(text))) <= outer
     assert any(c.op == "collective-permute" for c in hlo.collectives(text))
+
+
+def test_bfloat16_gradients_pipeline_compiles_and_trains(corpus):
+    """bf16 gradients of the embedding and head are summed over `pipe`
+    (in float32 on CPU, whose all-reduce promotion aborts on bf16 there)."""
+    job = make_job(corpus, seq_len=16, batch_size=16, mesh="pipe=2,fsdp=4", microbatches=2,
+                   zero_stage=1, precision="bf16", grad_dtype="bfloat16", steps=2)
+    losses, _ = train(job, corpus)
+    assert np.isfinite(losses).all()

@@ -173,6 +173,7 @@ def loss_and_grads(fns: PipelineFns, hooks, schedule: Schedule, mesh: Mesh, para
     """
     p, m, v = schedule.p, schedule.m, schedule.v
     prog = Program.of(schedule)
+    cpu = mesh.devices.flat[0].platform == "cpu"
     outer, stack = fns.split(params)
     stack = jax.lax.with_sharding_constraint(stack, _named(mesh, where.stack))
     micro = split_microbatches(batch, m)
@@ -202,7 +203,7 @@ def loss_and_grads(fns: PipelineFns, hooks, schedule: Schedule, mesh: Mesh, para
 
         c = jax.lax.fori_loop(0, schedule.ticks, tick, steps.start(prog.slots))
         g_stack = jax.tree.map(lambda a: a.reshape(a.shape[0], -1, *a.shape[3:]), c["g_stack"])
-        return jax.lax.psum(c["loss"].sum(), "pipe"), jax.lax.psum(c["g_outer"], "pipe"), g_stack
+        return jax.lax.psum(c["loss"].sum(), "pipe"), _psum_pipe(c["g_outer"], cpu), g_stack
 
     replicated = jax.tree.map(lambda _: PartitionSpec(), outer)
     piped = jax.tree.map(lambda _: PartitionSpec("pipe"), stack)
@@ -256,6 +257,17 @@ def loss(fns: PipelineFns, hooks, schedule: Schedule, mesh: Mesh, params: Any, b
     run = jax.shard_map(body, mesh=mesh, in_specs=(replicated, piped, PartitionSpec()),
                         out_specs=PartitionSpec(), axis_names={"pipe"}, check_vma=False)
     return run(outer, stack, micro)
+
+
+def _psum_pipe(tree, widen: bool):
+    """Sum over `pipe`. XLA:CPU's all-reduce promotion aborts on a bf16
+    all-reduce inside shard_map ("Invalid binary instruction opcode copy"),
+    so on CPU bf16 gradients are summed in float32 and cast back."""
+    def one(g):
+        if widen and g.dtype == jnp.bfloat16:
+            return jax.lax.psum(g.astype(jnp.float32), "pipe").astype(g.dtype)
+        return jax.lax.psum(g, "pipe")
+    return jax.tree.map(one, tree)
 
 
 def _named(mesh, specs):
