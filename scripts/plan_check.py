@@ -19,7 +19,6 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
 
 import models  # noqa: E402
 from zero_jax import hardware, memory, planner  # noqa: E402
