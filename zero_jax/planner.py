@@ -209,8 +209,10 @@ def estimate(job: job_lib.Job, choice: Choice, cluster: Cluster, platform: str =
         stages = layout.stages
         s = _schedule(choice.schedule, choice.pipe, choice.microbatches, choice.virtual)
         stash = s.max_in_flight() * rows * T * model.config.d_model * c
-        acts = stash + model.activation_bytes(rows, T, c, policy, choice.tensor,
-                                              seq_parallel) * stages.slots / stages.layers
+        # One chunk's layers (its slots) and the head, whose logits the
+        # last stage holds whole.
+        chunk = dataclasses.replace(model.config, n_layer=stages.slots)
+        acts = stash + chunk.activation_bytes(rows, T, c, policy, choice.tensor, seq_parallel)
     else:
         acts = model.activation_bytes(rows, T, c, policy, choice.tensor, seq_parallel)
     # A step's temporaries peak in one of three phases, whose buffers XLA
