@@ -225,7 +225,14 @@ class Checkpointer:
                           f"intact: {complete_steps(self.directory)}")
 
     def remove_incomplete(self) -> list[str]:
-        """Delete the directories of saves that did not commit; returns their names."""
+        """Delete the directories of saves that did not commit; returns their names.
+
+        Waits first for a save still writing in the background (a later step
+        than the one that failed), so that nothing recreates what is removed."""
+        try:
+            self.manager.wait_until_finished()
+        except Exception:  # noqa: BLE001 - the failure is being reported already
+            pass
         gone = self.incomplete()
         if jax.process_index() == 0:
             for name in gone:
