@@ -53,6 +53,14 @@ def initial_state(job):
     return job.layout.from_saved(jax.device_put(_INITIAL[key], jax.tree.map(lambda t: t.sharding, targets)))
 
 
+def first_step(job, corpus):
+    """Loss and gradients of the job's first batch from its initial state."""
+    t = job.run.train
+    batch = data_lib.global_batch(corpus, "train", job.run.data.seq_len, t.batch_size, t.seed,
+                                  step=0, sharding=job.layout.batch_sharding)
+    return job.jit_loss_and_grads()(initial_state(job).params, batch)
+
+
 def train(job, corpus, steps=None):
     """Train `steps` steps (default: the config's), waiting on each; returns losses, state."""
     step_fn = compile_step(job)

@@ -29,7 +29,7 @@ import jax
 import numpy as np
 import pytest
 
-from tests.helpers import assert_close, host, initial_state, make_job, train
+from tests.helpers import assert_close, first_step, host, initial_state, make_job, train
 from zero_jax import accumulate, data as data_lib, step as step_lib
 
 MESHES = {
@@ -63,17 +63,10 @@ def reference(corpus):
     out = {}
     for precision in PRECISIONS:
         job = _job(corpus, precision, 0, "fsdp=1", devices=jax.devices()[:1])
-        grads = host(_loss_and_grads(job, corpus))
+        grads = host(first_step(job, corpus))
         losses, state = train(job, corpus)
         out[precision] = losses, host(state.params), grads
     return out
-
-
-def _loss_and_grads(job, corpus):
-    t = job.run.train
-    batch = data_lib.global_batch(corpus, "train", job.run.data.seq_len, t.batch_size, t.seed,
-                                  step=0, sharding=job.layout.batch_sharding)
-    return job.jit_loss_and_grads()(initial_state(job).params, batch)
 
 
 @pytest.mark.parametrize("precision,stage,mesh", SAMPLED, ids=["-".join(map(str, c)) for c in SAMPLED])
@@ -96,7 +89,7 @@ def test_bf16_step_matches_one_device(corpus, reference, stage, mesh):
     """One bf16 step: the loss, and the float32 gradients (module docstring)."""
     _, _, (ref_loss, ref_grads) = reference["bf16"]
     job = _job(corpus, "bf16", stage, mesh)
-    loss, grads = _loss_and_grads(job, corpus)
+    loss, grads = first_step(job, corpus)
     per_shard = step_lib.unreduced_axes(job.layout, job.run.train.microbatches, job.reduce_once)
     rtol = BF16_TENSOR_PARALLEL if "tensor" in mesh else BF16_PER_SHARD if per_shard else RTOL
     np.testing.assert_allclose(float(loss), ref_loss,

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-from tests.helpers import assert_close, compile_step, host, initial_state, make_job, train
+from tests.helpers import assert_close, compile_step, first_step, host, initial_state, make_job, train
 from zero_jax import data as data_lib, hlo
 
 COMMON = dict(seq_len=16, batch_size=32, n_layer=8)
@@ -43,22 +43,15 @@ def _job(corpus, schedule, mesh, m, zero, **extra):
 def reference(corpus):
     """The non-pipelined run on one device: loss and gradients of step 0, ten steps."""
     job = make_job(corpus, **COMMON, mesh="fsdp=1", devices=jax.devices()[:1])
-    loss, grads = host(_loss_and_grads(job, corpus))
+    loss, grads = host(first_step(job, corpus))
     losses, state = train(job, corpus)
     return loss, grads, losses, host(state.params)
-
-
-def _loss_and_grads(job, corpus):
-    t = job.run.train
-    batch = data_lib.global_batch(corpus, "train", job.run.data.seq_len, t.batch_size, t.seed,
-                                  step=0, sharding=job.layout.batch_sharding)
-    return job.jit_loss_and_grads()(initial_state(job).params, batch)
 
 
 @pytest.mark.parametrize("schedule,mesh,m,zero", ONE, ids=["-".join(map(str, c)) for c in ONE])
 def test_one_step_loss_and_gradients_match_one_device(corpus, reference, schedule, mesh, m, zero):
     job = _job(corpus, schedule, mesh, m, zero)
-    loss, grads = _loss_and_grads(job, corpus)
+    loss, grads = first_step(job, corpus)
     np.testing.assert_allclose(float(loss), reference[0], rtol=1e-5)
     assert_close(host(grads), reference[1])
 
@@ -78,7 +71,7 @@ def test_gather_once_matches_and_leaves_no_gather_in_the_loop(corpus, reference)
     gathers = {}
     for once in (False, True):
         job = _job(corpus, "1f1b", "pipe2-fsdp4", 4, 3, pipeline_gather_once=once)
-        loss, grads = _loss_and_grads(job, corpus)
+        loss, grads = first_step(job, corpus)
         np.testing.assert_allclose(float(loss), reference[0], rtol=1e-5)
         assert_close(host(grads), reference[1])
         text = compile_step(job).as_text()
@@ -88,6 +81,20 @@ def test_gather_once_matches_and_leaves_no_gather_in_the_loop(corpus, reference)
                          if c.op == "all-gather" and c.shape in weights]
     assert gathers[False], "ZeRO-3 gathers each stage's weights inside the loop"
     assert not gathers[True], [c.line[:160] for c in gathers[True]]
+
+
+def _assert_only_the_embedding_crosses_pipe(job, text):
+    """No all-gather over `pipe` inside the tick loop; outside it, together at
+    most one copy of the parameters outside the layer stack (the embedding
+    and head, stored split over `pipe`)."""
+    mesh = job.layout.mesh
+    over_pipe = lambda cs: [c for c in cs if c.op == "all-gather" and "pipe" in (c.axes(mesh) or ("pipe",))]
+    in_loop = over_pipe(hlo.collectives(hlo.inside_loops(text)))
+    assert not in_loop, [c.line[:200] for c in in_loop]
+    outer = sum(np.prod(p.shape) for k, sub in job.layout.abstract.params.items() if k != "blocks"
+                for p in jax.tree.leaves(sub))
+    gathered = over_pipe(hlo.collectives(text))
+    assert sum(np.prod(c.shape) for c in gathered) <= outer, [c.line[:200] for c in gathered]
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
@@ -108,14 +115,7 @@ def test_stages_talk_by_collective_permute_over_pipe_only(corpus, schedule):
         for source, target in c.groups():
             differ = [i for i, (a, b) in enumerate(zip(coords[source], coords[target])) if a != b]
             assert differ in ([], [pipe]), c.line[:200]  # [] : a device keeps its part
-    over_pipe = lambda cs: [c for c in cs if c.op == "all-gather" and "pipe" in (c.axes(mesh) or ("pipe",))]
-    in_loop = over_pipe(hlo.collectives(hlo.inside_loops(text)))
-    assert not in_loop, [c.line[:200] for c in in_loop]
-    # Together at most one copy of the parameters outside the stack.
-    outer = sum(np.prod(p.shape) for k, sub in job.layout.abstract.params.items() if k != "blocks"
-                for p in jax.tree.leaves(sub))
-    assert sum(np.prod(c.shape) for c in over_pipe(found)) <= outer, \
-        [c.line[:200] for c in over_pipe(found)]
+    _assert_only_the_embedding_crosses_pipe(job, text)
 
 
 def test_one_f_one_b_memory_is_below_gpipe_and_flat_in_m(corpus, capsys):
@@ -224,12 +224,8 @@ def test_evaluation_runs_the_forwards_where_the_layers_are(corpus, schedule):
     loss = float(compiled(initial_state(job).params, batch(job)))
     expected = float(ref.compile_eval_step()(initial_state(ref).params, batch(ref)))
     np.testing.assert_allclose(loss, expected, rtol=1e-5)
-    mesh, text = job.layout.mesh, compiled.as_text()
-    over_pipe = lambda cs: [c for c in cs if c.op == "all-gather" and "pipe" in (c.axes(mesh) or ("pipe",))]
-    assert not over_pipe(hlo.collectives(hlo.inside_loops(text)))
-    outer = sum(np.prod(p.shape) for k, sub in job.layout.abstract.params.items() if k != "blocks"
-                for p in jax.tree.leaves(sub))
-    assert sum(np.prod(c.shape) for c in over_pipe(hlo.collectives(text))) <= outer
+    text = compiled.as_text()
+    _assert_only_the_embedding_crosses_pipe(job, text)
     assert any(c.op == "collective-permute" for c in hlo.collectives(text))
 
 
