@@ -215,23 +215,26 @@ def print_table(rows, device, fitting: int, total: int) -> None:
     print(f"{fitting} of {total} layouts fit in {device.hbm_bytes / 1e9:.1f} GB "
           f"(estimate; 'CPU GB': compiled here, bf16 temporaries widened, an upper bound)")
     print(f"{'#':>4}  {'layout':<54}{'fits':>5}{'GB':>7}{'CPU GB':>8}{'head':>7}{'step s':>9}"
-          f"{'tok/s':>10}{'TFLOP/s':>9}{'MFU':>6}")
+          f"{'tok/s':>13}{'TFLOP/s':>9}{'MFU':>6}")
     for r in rows:
         c = r.get("compiled") or {}
         cpu = f"{(c['argument_bytes'] + c['temp_bytes']) / 1e9:.1f}" if "temp_bytes" in c else \
             ("err" if c else "-")
         print(f"{r['rank']:>4}  {r['layout']:<54}{'yes' if r['fits'] else 'no':>5}"
               f"{r['bytes']['total_estimate'] / 1e9:>7.1f}{cpu:>8}{r['headroom']:>7.0%}"
-              f"{r['step_s']:>9.2f}{r['tokens_per_s']:>10,.0f}{r['tflops_per_device']:>9.1f}"
+              f"{r['step_s']:>9.2f}{r['tokens_per_s']:>13,.0f}{r['tflops_per_device']:>9.1f}"
               f"{r['mfu']:>6.0%}")
     if rows:
         r = rows[0]
         b = r["bytes"]
         print(f"top: {r['layout']}: params {b['params'] / 1e9:.2f} GB + optimizer state "
-              f"{b['opt_state'] / 1e9:.2f} GB stored; step temporaries (the largest counts): "
+              f"{b['opt_state'] / 1e9:.2f} GB stored (exact, from the shardings); step "
+              f"temporaries, estimated (the largest counts): "
               + ", ".join(f"{k[5:]} {v / 1e9:.2f} GB" for k, v in b.items() if k.startswith("step_"))
               + f"; time: compute {r['compute_s']:.2f} s"
               + "".join(f", {a} {s:.2f} s" for a, s in r["comm_s"].items())
+              + (" (collectives measured in the compiled program)" if "temp_bytes" in
+                 (r.get("compiled") or {}) else " (all estimated)")
               + (f", bubble {r['bubble']:.1%} of the schedule" if r["bubble"] else ""))
 
 
