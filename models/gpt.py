@@ -261,9 +261,12 @@ class GPT(nn.Module):
 
     def setup(self):
         c = self.cfg
-        self.wte = _param(self, "wte", (c.padded_vocab, c.d_model), ("vocab", "embed"),
+        # Under a pipeline's evaluation each stage holds a block of each
+        # table's rows (Hooks.rows); the lookups and the logits use the block.
+        table = self.hooks.table_shape
+        self.wte = _param(self, "wte", table((c.padded_vocab, c.d_model)), ("vocab", "embed"),
                           nn.initializers.normal(0.02))
-        self.wpe = _param(self, "wpe", (c.max_seq_len, c.d_model), ("pos", "embed"),
+        self.wpe = _param(self, "wpe", table((c.max_seq_len, c.d_model)), ("pos", "embed"),
                           nn.initializers.normal(0.01))
         self.blocks = stack(c, self.hooks)
         self.ln_f = LayerNorm(c, self.hooks)
@@ -299,7 +302,7 @@ class GPT(nn.Module):
         logits_BxTxV = h.act(h.dense("btd,vd->btv", y, wte, ("vocab", "embed")),
                              ("batch", "seq", "vocab"))
         if self.cfg.padded_vocab != self.cfg.vocab_size:
-            real_V = jnp.arange(self.cfg.padded_vocab) < self.cfg.vocab_size
+            real_V = h.vocab_ids(logits_BxTxV.shape[-1]) < self.cfg.vocab_size
             logits_BxTxV = jnp.where(real_V, logits_BxTxV, jnp.finfo(logits_BxTxV.dtype).min)
         return logits_BxTxV
 
@@ -336,6 +339,7 @@ def model_fns(cfg: GPTConfig) -> ModelFns:
         embed=lambda outer, tokens, hooks: GPT(cfg, hooks).apply({"params": outer}, tokens, method=GPT.embed),
         stage=stage,
         head=lambda outer, x, hooks: GPT(cfg, hooks).apply({"params": outer}, x, method=GPT.head),
+        vocab_parallel=True,
     )
     return ModelFns(init=init, apply=apply, vocab_size=cfg.vocab_size, max_seq_len=cfg.max_seq_len,
                     pipeline=pipeline, layers=cfg.n_layer,

@@ -211,9 +211,10 @@ def test_embedding_and_head_are_stored_split_over_pipe(corpus, zero):
 
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
 def test_evaluation_runs_the_forwards_where_the_layers_are(corpus, schedule):
-    """Evaluation through the schedule's forwards matches the 1-device loss,
-    and gathers no layer over `pipe`: only activations move between stages
-    (the embedding and head, stored split over `pipe`, are gathered once)."""
+    """Evaluation through the schedule's forwards matches the 1-device loss
+    (a vocabulary padded past its 65 entries included), and gathers nothing
+    over `pipe`: the embedding's rows are looked up and the logits computed
+    where they are stored, and only activations move between stages."""
     shape = dict(seq_len=16, batch_size=32, n_layer=10)
     job = make_job(corpus, **shape, mesh="pipe=4,fsdp=2", pipeline_schedule=schedule,
                    virtual_stages=2 if schedule == "interleaved" else 0, microbatches=4, zero_stage=3)
@@ -224,9 +225,11 @@ def test_evaluation_runs_the_forwards_where_the_layers_are(corpus, schedule):
     loss = float(compiled(initial_state(job).params, batch(job)))
     expected = float(ref.compile_eval_step()(initial_state(ref).params, batch(ref)))
     np.testing.assert_allclose(loss, expected, rtol=1e-5)
-    text = compiled.as_text()
-    _assert_only_the_embedding_crosses_pipe(job, text)
-    assert any(c.op == "collective-permute" for c in hlo.collectives(text))
+    found = hlo.collectives(compiled.as_text())
+    mesh = job.layout.mesh
+    gathers = [c for c in found if c.op == "all-gather" and "pipe" in (c.axes(mesh) or ("pipe",))]
+    assert not gathers, [c.line[:200] for c in gathers]
+    assert any(c.op == "collective-permute" for c in found)
 
 
 def test_bfloat16_gradients_pipeline_compiles_and_trains(corpus):

@@ -177,6 +177,30 @@ def _gather_once_bwd(use, split, _, g):
 _gather_once.defvjp(_gather_once_fwd, _gather_once_bwd)
 
 
+@dataclasses.dataclass(frozen=True)
+class RowSplit:
+    """Tables whose rows are split in contiguous blocks over a manual mesh
+    axis (a pipeline's evaluation, inside `shard_map`): each device holds
+    block `axis_index(axis)` of every table and of the logits over it."""
+
+    axis: str
+    size: int  # the axis's size: the number of blocks
+    widen: bool = False  # sum bf16 in float32 (XLA:CPU aborts on a bf16 all-reduce in shard_map)
+
+    def block(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape of one device's block of a table of `shape`."""
+        return (shape[0] // self.size, *shape[1:])
+
+    def offset(self, rows: int) -> jax.Array:
+        """The global index of this device's first row, of `rows` per device."""
+        return jax.lax.axis_index(self.axis) * rows
+
+    def sum(self, x: jax.Array) -> jax.Array:
+        if self.widen and x.dtype == jnp.bfloat16:
+            return jax.lax.psum(x.astype(jnp.float32), self.axis).astype(x.dtype)
+        return jax.lax.psum(x, self.axis)
+
+
 class Gathered(NamedTuple):
     """A parameter gathered once (Hooks.gathered), for `lookup` and `dense`."""
 
@@ -203,6 +227,7 @@ class Hooks:
     remat: Remat = Remat()  # which block activations the backward pass keeps
     stored: Placement | None = None  # ZeRO split of stored parameters (stage 3), else None
     partial_grads: bool = False  # leave gradients unreduced in the compute layout (per_shard)
+    rows: RowSplit | None = None  # tables are row blocks over a manual axis (lookup, vocab_ids)
 
     def per_shard(self, axes: Sequence[str]) -> "Hooks":
         """These hooks for one shard of the batch over the data-parallel mesh
@@ -262,7 +287,27 @@ class Hooks:
         out_dtype = jnp.dtype(out_dtype or self.dtype)
         if isinstance(w, Gathered):
             return self._on_gathered(lambda use, i, t: _lookup(use, out_dtype, t, i), w, names, ids)
+        if self.rows is not None:
+            # This device's block of rows: each id is read where it is
+            # stored, zeros elsewhere, and the blocks' results summed (one
+            # nonzero term each, so the sum is exact in any dtype).
+            n = w.shape[0]
+            local = ids - self.rows.offset(n)
+            inside = (local >= 0) & (local < n)
+            y = _lookup(self._use(w, names), out_dtype, w, jnp.clip(local, 0, n - 1))
+            return self.rows.sum(jnp.where(inside[..., None], y, jnp.zeros((), y.dtype)))
         return _lookup(self._use(w, names), out_dtype, w, ids)
+
+    def table_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape a table parameter of `shape` has here: this device's
+        block of rows under `rows`, else the whole."""
+        return shape if self.rows is None else self.rows.block(shape)
+
+    def vocab_ids(self, n: int) -> jax.Array:
+        """Global indices of the last dimension's n entries of logits over a
+        table's rows: 0..n-1, or this device's block under `rows`."""
+        ids = jnp.arange(n)
+        return ids if self.rows is None else ids + self.rows.offset(n)
 
     def gathered(self, w: jax.Array, names: Sequence[str | None]) -> "Gathered":
         """w gathered once for several uses (a tied embedding's lookup and

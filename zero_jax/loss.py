@@ -2,7 +2,8 @@
 
 The target logit is picked with a comparison against an iota instead of a
 gather, so with the vocabulary split over `tensor` each device reduces its
-own slice and only (B, T) partial sums cross devices.
+own slice and only (B, T) partial sums cross devices; the same holds with
+the vocabulary split over a manual axis (`vocab_axis`).
 """
 
 from __future__ import annotations
@@ -11,10 +12,26 @@ import jax
 import jax.numpy as jnp
 
 
-def cross_entropy(logits_BxTxV: jax.Array, targets_BxT: jax.Array) -> jax.Array:
-    """Mean negative log-likelihood in nats, computed in float32."""
+def cross_entropy(logits_BxTxV: jax.Array, targets_BxT: jax.Array,
+                  vocab_axis: str | None = None) -> jax.Array:
+    """Mean negative log-likelihood in nats, computed in float32.
+
+    `vocab_axis`: inside `shard_map`, the manual mesh axis over which the
+    vocabulary is split in contiguous blocks (hooks.RowSplit): the logits
+    are this device's block, and the maximum, the normaliser and the target
+    logit are combined over the axis as (B, T) values.
+    """
     logits = logits_BxTxV.astype(jnp.float32)
-    logz_BxT = jax.nn.logsumexp(logits, axis=-1)
-    vocab_V = jnp.arange(logits.shape[-1], dtype=targets_BxT.dtype)
+    V = logits.shape[-1]
+    vocab_V = jnp.arange(V, dtype=targets_BxT.dtype)
+    if vocab_axis is None:
+        logz_BxT = jax.nn.logsumexp(logits, axis=-1)
+    else:
+        vocab_V = vocab_V + jax.lax.axis_index(vocab_axis).astype(targets_BxT.dtype) * V
+        peak_BxT = jax.lax.stop_gradient(jax.lax.pmax(jnp.max(logits, axis=-1), vocab_axis))
+        total_BxT = jax.lax.psum(jnp.sum(jnp.exp(logits - peak_BxT[..., None]), axis=-1), vocab_axis)
+        logz_BxT = jnp.log(total_BxT) + peak_BxT
     picked_BxT = jnp.sum(jnp.where(vocab_V == targets_BxT[..., None], logits, 0.0), axis=-1)
+    if vocab_axis is not None:
+        picked_BxT = jax.lax.psum(picked_BxT, vocab_axis)
     return jnp.mean(logz_BxT - picked_BxT)

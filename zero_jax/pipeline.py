@@ -33,6 +33,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from zero_jax.accumulate import split_microbatches
+from zero_jax.hooks import RowSplit
 from zero_jax.loss import cross_entropy
 from zero_jax.schedule import Schedule
 from zero_jax.stages import Stages
@@ -49,6 +50,9 @@ class PipelineFns:
     embed: Callable[[Any, jax.Array, Any], jax.Array]  # (outer, tokens B x T, hooks) -> x
     stage: Callable[[Any, jax.Array, Any], jax.Array]  # (stacked slice, x, hooks) -> x
     head: Callable[[Any, jax.Array, Any], jax.Array]  # (outer, x, hooks) -> logits
+    # embed only reads table rows through hooks.lookup, and head's logits run
+    # over the rows of a table: both can run on row blocks (hooks.RowSplit)
+    vocab_parallel: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,6 +138,15 @@ class Program:
         arr["bwd_arrival"][arr["bwd_arrival"] < 0] = slots[2]
         return cls(**arr, slots=slots)
 
+    def ends(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per tick, the microbatch whose forward starts (on the first chunk)
+        and the one whose forward finishes (on the last chunk), or -1."""
+        out = []
+        for at in (self.first, self.last):
+            hit = (self.kind == FWD) & (at == 1)
+            out.append(np.where(hit.any(1), (self.mb * hit).sum(1), -1).astype(np.int32))
+        return out[0], out[1]
+
 
 @dataclasses.dataclass(frozen=True)
 class StageLayout:
@@ -147,6 +160,7 @@ class StageLayout:
     shard_axes: tuple[str, ...] = ()  # data-parallel axes whose gradient sums stay per device
     shards: int = 1  # product of their sizes
     stages: Stages | None = None  # the stack's cut into chunks and slots
+    outer: Any = None  # storage specs of the parameters outside the stack (their `pipe` split)
 
 
 class Tick(NamedTuple):
@@ -219,7 +233,18 @@ def loss(fns: PipelineFns, hooks, schedule: Schedule, mesh: Mesh, params: Any, b
     """Mean loss over `batch` through a forward-only schedule
     (`schedule.forward_only`): evaluation, with every stage's layers where
     they are stored. Only activations move over `pipe`; nothing is kept for
-    a backward pass."""
+    a backward pass.
+
+    Where the model allows it (`fns.vocab_parallel`) and its tables are
+    stored in row blocks over `pipe` (zero.state_specs), nothing is gathered
+    over `pipe` either. At a tick where the first stage starts a microbatch,
+    every stage looks up the rows it holds and the results are summed over
+    `pipe`; where the last stage finishes one, its output is summed (sent)
+    to every stage, each computes the logits of its block of the vocabulary,
+    and the loss combines them (loss.cross_entropy). Both are collectives
+    of activations, under conditions that hold on every device alike.
+    Otherwise those parameters are gathered once, at entry.
+    """
     p, m, v = schedule.p, schedule.m, schedule.v
     prog = Program.of(schedule)
     outer, stack = fns.split(params)
@@ -230,18 +255,26 @@ def loss(fns: PipelineFns, hooks, schedule: Schedule, mesh: Mesh, params: Any, b
     counts = jnp.asarray(where.stages.device_counts() if where.stages is not None
                          else np.full((p, v), jax.tree.leaves(stack)[0].shape[0] // (p * v)))
     x_shape = jax.eval_shape(lambda o, t: fns.embed(o, t[:, :-1], hooks), outer, micro[0])
+    outer_specs, rows = _outer_in_specs(fns, outer, where.outer, dict(mesh.shape),
+                                        mesh.devices.flat[0].platform == "cpu")
+    enters, leaves = (jnp.asarray(a) for a in prog.ends())
 
     def body(outer, stack, micro):
         d = jax.lax.axis_index("pipe")
         hooks_in = dataclasses.replace(hooks, mesh=jax.sharding.get_abstract_mesh())
         chunks = jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), stack)
         steps = _Steps(fns, hooks_in, where, hooks_in.mesh, outer, chunks, micro, 1.0, x_shape)
+        ends = dataclasses.replace(hooks_in, rows=rows)  # the embedding's and head's hooks
 
         def tick(t, c):
             row = {k: a[t, d] for k, a in table.items()}
             row["layers"] = counts[d, row["chunk"]]
-            out, part = jax.lax.cond(row["kind"] == FWD, lambda: steps.infer(c["fwd"], row),
-                                     lambda: (steps.x_zero, jnp.zeros((), jnp.float32)))
+            if rows is None:
+                out, part = jax.lax.cond(row["kind"] == FWD, lambda: steps.infer(c["fwd"], row),
+                                         lambda: (steps.x_zero, jnp.zeros((), jnp.float32)))
+            else:
+                out, part = steps.infer_split(c["fwd"], row, enters[t], leaves[t], ends)
+                part = jnp.where(d == p - 1, part, 0.0)  # every stage has it: count it once
             arrived = jax.lax.ppermute(out, "pipe", [(i, (i + 1) % p) for i in range(p)])
             return {"fwd": steps.place(c["fwd"].at[row["fwd_arrival"]].set(arrived)),
                     "loss": c["loss"] + part}
@@ -251,11 +284,38 @@ def loss(fns: PipelineFns, hooks, schedule: Schedule, mesh: Mesh, params: Any, b
         c = jax.lax.fori_loop(0, schedule.ticks, tick, start)
         return jax.lax.psum(c["loss"], "pipe") / m
 
-    replicated = jax.tree.map(lambda _: PartitionSpec(), outer)
     piped = jax.tree.map(lambda _: PartitionSpec("pipe"), stack)
-    run = jax.shard_map(body, mesh=mesh, in_specs=(replicated, piped, PartitionSpec()),
+    run = jax.shard_map(body, mesh=mesh, in_specs=(outer_specs, piped, PartitionSpec()),
                         out_specs=PartitionSpec(), axis_names={"pipe"}, check_vma=False)
     return run(outer, stack, micro)
+
+
+def tables_not_in_rows(outer: Any, stored: Any) -> list[tuple[str, tuple[int, ...]]]:
+    """(path, shape) of the tables (two or more dimensions) among the
+    parameters outside the stack that are not stored in row blocks over
+    `pipe` (rows that `pipe` times the axes already there does not divide)."""
+    out = []
+    paths = jax.tree_util.tree_flatten_with_path(outer)[0]
+    specs = jax.tree.leaves(stored, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    for (path, leaf), spec in zip(paths, specs):
+        first = tuple(spec)[0] if len(spec) else None
+        major = first if first is None or isinstance(first, str) else first[0]
+        if leaf.ndim >= 2 and major != "pipe":
+            out.append((jax.tree_util.keystr(path, simple=True, separator="."), tuple(leaf.shape)))
+    return out
+
+
+def _outer_in_specs(fns: PipelineFns, outer: Any, stored: Any, sizes: dict, widen: bool):
+    """How evaluation takes the parameters outside the stack into its
+    shard_map, and the RowSplit its hooks use: every table as the row blocks
+    over `pipe` it is stored in, and the rest whole, if the model allows
+    (`fns.vocab_parallel`) and every table is stored so; else everything
+    whole (gathered at entry), and no RowSplit."""
+    whole = jax.tree.map(lambda _: PartitionSpec(), outer)
+    if not fns.vocab_parallel or stored is None or tables_not_in_rows(outer, stored):
+        return whole, None
+    specs = jax.tree.map(lambda a: PartitionSpec("pipe") if a.ndim >= 2 else PartitionSpec(), outer)
+    return specs, RowSplit("pipe", sizes["pipe"], widen)
 
 
 def _psum_pipe(tree, widen: bool):
@@ -396,6 +456,31 @@ class _Steps:
         part = jax.lax.cond(row["last"],
                             lambda: cross_entropy(fns.head(self.outer, y, h), tokens[:, 1:]),
                             lambda: jnp.zeros((), jnp.float32))
+        return jnp.where(row["last"], self.x_zero, y), part
+
+    def infer_split(self, inbox, row, enters, leaves, ends) -> tuple[jax.Array, jax.Array]:
+        """`infer` with the tables in row blocks over `pipe` (`ends`: the
+        embedding's and head's hooks, with `rows`):
+        microbatch `enters` (if not -1) is looked up by every stage for the
+        first, and the output of microbatch `leaves` (if not -1) sent from
+        the last to every stage for the loss. Those two conditions are the
+        tick's, the same on every device, as collectives over `pipe` need."""
+        fns, h = self.fns, self.hooks
+        x0 = jax.lax.cond(enters >= 0,
+                          lambda: self.act(fns.embed(self.outer, self.micro[enters][:, :-1], ends)),
+                          lambda: self.x_zero)
+        x = jnp.where(row["first"], x0, inbox[row["read"]])
+        chunk = jax.tree.map(lambda a: a[row["chunk"]], self.chunks)
+        y = jax.lax.cond(row["kind"] == FWD,
+                         lambda: self.act(self.run(chunk, x, h, row["layers"])),
+                         lambda: self.x_zero)
+
+        def head_loss():
+            out = self.act(ends.rows.sum(jnp.where(row["last"], y, self.x_zero)))
+            return cross_entropy(fns.head(self.outer, out, ends), self.micro[leaves][:, 1:],
+                                 ends.rows.axis)
+
+        part = jax.lax.cond(leaves >= 0, head_loss, lambda: jnp.zeros((), jnp.float32))
         return jnp.where(row["last"], self.x_zero, y), part
 
     # -- backward: one chunk, then the embedding (first chunk) --------------

@@ -6,7 +6,7 @@ import math
 import jax
 from jax.sharding import PartitionSpec
 
-from zero_jax import schedule as sched_lib, zero as zero_lib
+from zero_jax import pipeline as pipeline_lib, schedule as sched_lib, zero as zero_lib
 from zero_jax.job import Job
 from zero_jax.mesh import AXES
 
@@ -191,8 +191,34 @@ def pipeline_rows(job: Job) -> list[str]:
     if stages.padded != stages.layers:
         rows.append(f"  {stages.slots} layer slots per chunk: {stages.padded} stored for "
                     f"{stages.layers} layers (the embedding and head count one layer each)")
-    rows.append("  embedding and head stored split over pipe, gathered once per step for the "
-                "first and last stage")
+    rows.append("  embedding and head stored split over pipe, gathered once per training step "
+                "for the first and last stage")
+    rows += _table_rows(job)
     if s.ticks <= 80:
         rows += ["  " + line for line in s.chart().splitlines()]
     return rows
+
+
+def _table_rows(job: Job) -> list[str]:
+    """Whether evaluation can use the tables where they are stored."""
+    fns = job.model.pipeline
+    outer, _ = fns.split(job.layout.abstract.params)
+    stored, _ = fns.split(job.layout.specs.params)
+    misfits = pipeline_lib.tables_not_in_rows(outer, stored)
+    if not fns.vocab_parallel:
+        return ["  evaluation gathers them over pipe (the model's embedding and head do not run "
+                "on row blocks)"]
+    if not misfits:
+        return ["  evaluation looks rows up and computes logits where they are stored "
+                "(row blocks over pipe): nothing gathered over pipe"]
+    t = job.layout.mesh_shape.sizes["tensor"]
+    tables = ", ".join(f"{path} ({shape[0]} rows)" for path, shape in misfits)
+    line = (f"  evaluation gathers them over pipe: {tables} not divisible into "
+            f"pipe={job.schedule.p}{f' x tensor={t}' if t > 1 else ''} row blocks")
+    names, _ = fns.split(job.layout.names)
+    named = {jax.tree_util.keystr(path, simple=True, separator="."): n for path, n in
+             jax.tree_util.tree_flatten_with_path(names, is_leaf=lambda x: isinstance(x, tuple))[0]}
+    if any(named[path][0] == "vocab" for path, _ in misfits):
+        line += (f"; --vocab-multiple {math.lcm(128, job.schedule.p * t)} pads the vocabulary "
+                 "into such blocks")
+    return [line]

@@ -240,9 +240,10 @@ def jit_eval_step(layout: Layout, model: ModelFns, hooks: Hooks, sched: Schedule
     the layers it stores; only activations cross `pipe`)."""
     if sched is not None:
         fns = model.pipeline
-        _, stack_specs = fns.split(layout.specs.params)
+        outer_specs, stack_specs = fns.split(layout.specs.params)
         where = pipeline_lib.StageLayout(stack=stack_specs, stage_grads=None, outer_grads=None,
-                                         grad_dtype=layout.grad_dtype, stages=layout.stages)
+                                         grad_dtype=layout.grad_dtype, stages=layout.stages,
+                                         outer=outer_specs)
         forwards = sched_lib.forward_only(sched.name, sched.p, sched.m, sched.v)
 
         def loss_fn(params, batch):

@@ -138,9 +138,13 @@ def state_specs(abstract_params: Any, compute_specs: Any, names: Any, abstract_o
 
     With a pipeline (`pipe`), the parameters outside the layer stack
     (`outer`: a tree of bools; the embedding, head, final norm) are also
-    stored split over `pipe`, by the same rule, or along a dimension already
-    split where none is free (`axis_sizes`: the mesh's): only the first and
-    last stage use them, once per step, where the pipeline gathers them.
+    stored split over `pipe`: a table (two or more dimensions) by its rows,
+    `pipe` first, where `pipe` times the axes already there divides them, so
+    that each stage holds a contiguous block of the vocabulary and
+    evaluation can look rows up and compute logits where they are stored
+    (pipeline.loss); otherwise by the same rule as ZeRO, or along a
+    dimension already split where none is free (`axis_sizes`: the mesh's).
+    Training gathers them once per step for the first and last stage.
     """
     replicated: list[tuple[str, str]] = []
     if outer is None or pipe is None:
@@ -149,6 +153,9 @@ def state_specs(abstract_params: Any, compute_specs: Any, names: Any, abstract_o
     def over_pipe(leaf, spec, leaf_names, is_outer):
         if not is_outer:
             return spec
+        if math.prod(leaf.shape) >= pipe.min_elements and (rows := _rows_first(
+                leaf.shape, spec, "pipe", axis_sizes)) is not None:
+            return rows
         dim, _ = pipe.dim(leaf.shape, spec, leaf_names)
         if dim is not None:
             return with_zero(spec, dim, len(leaf.shape), pipe.axes)
@@ -187,6 +194,22 @@ def state_specs(abstract_params: Any, compute_specs: Any, names: Any, abstract_o
         grads=full if zero.grads else stored,
         opt_state=opt,
         replicated=tuple(replicated))
+
+
+def _rows_first(shape, spec: PartitionSpec, axis: str,
+                axis_sizes: dict[str, int] | None) -> PartitionSpec | None:
+    """`spec` with mesh `axis` first on dimension 0 of a table (two or more
+    dimensions), if its size times the axes already there divides the rows;
+    else None."""
+    if len(shape) < 2 or axis_sizes is None:
+        return None
+    entries = list(tuple(spec) + (None,) * (len(shape) - len(spec)))
+    there = () if entries[0] is None else \
+        (entries[0],) if isinstance(entries[0], str) else tuple(entries[0])
+    if shape[0] % (axis_sizes[axis] * math.prod(axis_sizes[a] for a in there)):
+        return None
+    entries[0] = (axis,) + there if there else axis
+    return PartitionSpec(*entries)
 
 
 def _extend(shape, spec: PartitionSpec, axis: str, axis_sizes: dict[str, int]) -> PartitionSpec:
