@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import NamedTuple
 
 import flax.linen as nn
 import jax
@@ -21,6 +22,14 @@ from zero_jax.hooks import Hooks
 from zero_jax.model import ModelFns
 from zero_jax.pipeline import PipelineFns
 from zero_jax.remat import Remat
+
+
+class ActivationParts(NamedTuple):
+    """Activation bytes of one microbatch, by when they are live."""
+
+    kept: float  # what the layers keep for the backward pass, through all of it
+    rebuilt: float  # one layer rebuilt in the backward pass (0 when nothing is rebuilt)
+    head: float  # the head's logits-sized buffers, during its own backward only
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +88,16 @@ class GPTConfig:
 
     def activation_bytes(self, rows: int, seq_len: int, dtype_bytes: int, remat: Remat,
                          tensor: int = 1, sequence_parallel: bool = False) -> float:
-        """Activation bytes one device keeps for the backward pass, one microbatch.
+        """Activation bytes one device holds at the peak of the backward pass,
+        one microbatch (`activation_parts`): what the layers keep, and the
+        larger of one rebuilt layer and the head."""
+        kept, rebuilt, head = self.activation_parts(rows, seq_len, dtype_bytes, remat, tensor,
+                                                    sequence_parallel)
+        return kept + max(rebuilt, head)
+
+    def activation_parts(self, rows: int, seq_len: int, dtype_bytes: int, remat: Remat,
+                         tensor: int = 1, sequence_parallel: bool = False) -> "ActivationParts":
+        """Activation bytes per device for one microbatch, in three parts.
 
         Per layer the block names what its backward pass needs (elements per
         device; t = tensor, residual-stream tensors also split by t under
@@ -87,8 +105,13 @@ class GPTConfig:
         residual after attention (4 s b h), q, k, v and the attention context
         (4 s b h / t), the attention probabilities (a s^2 b / t) and the MLP
         hidden before and after GELU (2 s b f / t). `none` keeps all of it;
-        the other policies keep less per layer and rebuild one layer at a time
-        in the backward pass. The head keeps the float32 logits and softmax.
+        the other policies keep less per layer and rebuild one layer at a
+        time in the backward pass.
+
+        The head's backward runs before any layer's, so its buffers and a
+        rebuilt layer are never live together. The head holds three float32
+        tensors of the logits' size (the logits, their exponentials, their
+        gradient), as the compiled programs do.
         """
         s, b, h, f, a, L = seq_len, rows, self.d_model, self.d_mlp, self.n_head, self.n_layer
         t = tensor
@@ -102,13 +125,14 @@ class GPTConfig:
         layer = res + sum(named.values())  # = 4 res + 4 split + probs + 2 mlp
         kept = {
             "none": L * layer,
-            "full": L * res + layer,
-            "dots_saveable": L * (res + 3 * split + probs + split + full + mlp + full) + layer,
-            "save_names": L * (res + sum(named.get(n, 0) for n in remat.names)) + layer,
-            "offload": L * res + layer,  # the named ones live in host memory
+            "full": L * res,
+            "dots_saveable": L * (res + 3 * split + probs + split + full + mlp + full),
+            "save_names": L * (res + sum(named.get(n, 0) for n in remat.names)),
+            "offload": L * res,  # the named ones live in host memory
         }[remat.policy]
-        head = 2 * s * b * self.padded_vocab / t * 4 / dtype_bytes + 2 * res
-        return (kept + head) * dtype_bytes
+        rebuilt = 0 if remat.policy == "none" else layer
+        head = 3 * s * b * self.padded_vocab / t * 4 / dtype_bytes + 2 * res
+        return ActivationParts(kept * dtype_bytes, rebuilt * dtype_bytes, head * dtype_bytes)
 
 
 # name -> (n_layer, n_head, d_model, max_seq_len, vocab_size); d_mlp = 4 d_model. A

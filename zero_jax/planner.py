@@ -201,42 +201,66 @@ def estimate(job: job_lib.Job, choice: Choice, cluster: Cluster, platform: str =
     state = memory.sharded(layout)
     stage = zero_lib.stage(choice.zero)
     compute_grads = memory.sharded_bytes(layout.abstract_grads, layout.specs.compute, layout.mesh)
-    per_layer = compute_grads / max(model.layers, 1)
+    outer_grads, stack_grads = _split_bytes(layout, layout.abstract_grads, layout.specs.compute)
+    layers_here = layout.stages.padded // choice.pipe if choice.pipe > 1 else max(model.layers, 1)
+    per_layer = stack_grads / layers_here  # one layer's gradient, compute layout
     seq_parallel = job.sequence_parallel
     rows = choice.micro
     policy = remat_lib.Remat(choice.remat)
+    cfg = model.config
     if choice.pipe > 1:
         stages = layout.stages
         s = _schedule(choice.schedule, choice.pipe, choice.microbatches, choice.virtual)
-        stash = s.max_in_flight() * rows * T * model.config.d_model * c
-        # One chunk's layers (its slots) and the head, whose logits the
-        # last stage holds whole.
-        chunk = dataclasses.replace(model.config, n_layer=stages.slots)
-        acts = stash + chunk.activation_bytes(rows, T, c, policy, choice.tensor, seq_parallel)
+        stash = s.max_in_flight() * rows * T * cfg.d_model * c
+        # A backward tick rebuilds one chunk's layers (its slots); the last
+        # stage's forward tick runs the head, whose logits it holds whole.
+        acts = dataclasses.replace(cfg, n_layer=stages.slots).activation_parts(
+            rows, T, c, policy, choice.tensor, seq_parallel)
     else:
-        acts = model.activation_bytes(rows, T, c, policy, choice.tensor, seq_parallel)
+        acts = cfg.activation_parts(rows, T, c, policy, choice.tensor, seq_parallel)
     # A step's temporaries peak in one of three phases, whose buffers XLA
     # reuses for one another (activations are dead when the optimizer runs):
-    # the backward pass, the gradients' reduction, the update.
+    # the backward pass, the gradients' reduction, the update. Within the
+    # backward pass the head's and a layer's working sets are never live
+    # together: the larger counts. XLA:CPU copies the donated optimizer state
+    # at the start of the program (the update selects between old and new
+    # values, for skipped steps) and holds the copy throughout; a GPU's
+    # memory-aware scheduler makes it at the update.
+    held = state["opt_state"] if platform == "cpu" else 0.0
     per_microbatch = stage.params and not job.reduce_once
     layer_gathers = 2 * per_layer / g * c if stage.params else 0.0  # this layer's and the next
     if choice.pipe > 1:
-        # Accumulators in the gradient layout (reduced each microbatch) or
-        # the compute layout (partial sums); a tick's outputs: one chunk's
-        # gradients, and the embedding's and head's twice (as computed, and
-        # as added into their accumulator).
+        # Throughout: accumulators in the gradient layout (reduced each
+        # microbatch) or the compute layout (partial sums), `pipe` left out
+        # for the embedding and head, which are gathered whole for the step;
+        # the stash. A forward tick of the last stage adds the head and the
+        # embedding's and head's full gradient; a backward tick the rebuilt
+        # chunk, its gradients and its layers' gathers. They are branches of
+        # one switch: never live together.
         specs = layout.specs.grads if per_microbatch else layout.specs.compute
-        outer, stack = _split_bytes(layout, layout.abstract_grads, specs)
-        backward = outer + stack + stack / choice.virtual + 2 * outer + acts + layer_gathers
+        outer_acc, _ = _split_bytes(layout, layout.abstract_grads, jax.tree.map(
+            lambda sp: zero_lib.without(sp, "pipe"), specs,
+            is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)))
+        _, stack_acc = _split_bytes(layout, layout.abstract_grads, specs)
+        base = outer_acc + stack_acc + outer_grads / g * c + stash
+        forward = acts.head + outer_grads
+        backward_tick = acts.kept + acts.rebuilt + stack_acc / choice.virtual + layer_gathers
+        backward = base + max(forward, backward_tick)
     elif per_microbatch:  # ZeRO-3, reduced on the spot: the shard, one layer's full gradient
         tied = _gathered_once(layout, model)  # gathered once, its gradient kept per batch shard
-        backward = state["grads"] + 2 * per_layer + tied * g + acts + layer_gathers + tied * c
-    else:  # full-size partial sums in the compute layout
-        backward = compute_grads + acts + layer_gathers
+        base = state["grads"] + acts.kept + tied * c
+        layer = acts.rebuilt + tied * g + 2 * per_layer + layer_gathers
+        backward = base + max(acts.head, layer)
+    else:  # full-size partial sums in the compute layout, and the microbatch's own gradients
+        base = compute_grads * (2 if choice.microbatches > 1 else 1) + acts.kept
+        backward = base + max(acts.head, acts.rebuilt + layer_gathers)
+    backward += held
     # Reducing partial sums into a sharded layout: a reduce-scatter, which
-    # XLA:CPU lowers to an all-reduce (a full-size result) and a slice.
-    sharded_result = compute_grads if platform == "cpu" else state["grads"]
-    reduction = compute_grads + sharded_result if (stage.grads and not per_microbatch) else 0.0
+    # XLA:CPU lowers to an all-reduce (a full-size result) and a slice, one
+    # array at a time: the partial sums and the largest array's result.
+    sharded_result = _largest(layout, layout.abstract_grads, layout.specs.compute) \
+        if platform == "cpu" else state["grads"]
+    reduction = compute_grads + sharded_result + held if (stage.grads and not per_microbatch) else 0.0
     # The update: the gradients, two float32 working copies of the parameters
     # in the optimizer's layout (new moments before they replace the donated
     # ones), and, with a replicated working copy, the gathered new parameters.
@@ -250,7 +274,6 @@ def estimate(job: job_lib.Job, choice: Choice, cluster: Cluster, platform: str =
     flops_token = model.flops_per_token(T)
     model_flops = flops_token * tokens
     rate = dev.peak_flops * dev.efficiency
-    cfg = model.config
     layer_fwd = (8 * cfg.d_model ** 2 + 4 * cfg.d_model * cfg.d_mlp + 4 * T * cfg.d_model) * rows * T
     recompute = choice.remat == "full"
     comm = {}
@@ -299,6 +322,14 @@ def _split_bytes(layout, abstract, specs) -> tuple[float, float]:
         shard = jax.sharding.NamedSharding(layout.mesh, spec).shard_shape(leaf.shape)
         out[bool(stacked)] += math.prod(shard) * np.dtype(leaf.dtype).itemsize
     return out[0], out[1]
+
+
+def _largest(layout, abstract, specs) -> float:
+    """Bytes per device of the largest array of `abstract` laid out by `specs`."""
+    is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)
+    return max(math.prod(jax.sharding.NamedSharding(layout.mesh, spec).shard_shape(leaf.shape))
+               * np.dtype(leaf.dtype).itemsize
+               for leaf, spec in zip(jax.tree.leaves(abstract), jax.tree.leaves(specs, is_leaf=is_spec)))
 
 
 def _gathered_once(layout, model) -> float:

@@ -179,14 +179,7 @@ def pipelined(layout: Layout, model: ModelFns, hooks: Hooks, sched: Schedule,
 def _without_pipe(spec: PartitionSpec) -> PartitionSpec:
     """`spec` inside the pipeline's shard_map, where `pipe` is manual: the
     embedding and head are stored split over `pipe` and used whole."""
-    def drop(entry):
-        if entry == "pipe":
-            return None
-        if isinstance(entry, tuple):
-            kept = tuple(a for a in entry if a != "pipe")
-            return kept[0] if len(kept) == 1 else (kept or None)
-        return entry
-    return PartitionSpec(*(drop(e) for e in spec))
+    return zero_lib.without(spec, "pipe")
 
 
 def _constrainer(layout: Layout, specs: Any, dtype) -> Callable[[Any], Any]:

@@ -227,6 +227,18 @@ def _extend(shape, spec: PartitionSpec, axis: str, axis_sizes: dict[str, int]) -
     return spec
 
 
+def without(spec: PartitionSpec, axis: str) -> PartitionSpec:
+    """`spec` with mesh `axis` removed wherever it appears."""
+    def drop(entry):
+        if entry == axis:
+            return None
+        if isinstance(entry, tuple):
+            kept = tuple(a for a in entry if a != axis)
+            return kept[0] if len(kept) == 1 else (kept or None)
+        return entry
+    return PartitionSpec(*(drop(e) for e in spec))
+
+
 def spec_axes(spec: PartitionSpec) -> set[str]:
     """Mesh axes a spec uses."""
     out = set()
