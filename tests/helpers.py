@@ -19,7 +19,8 @@ def make_job(corpus, *, devices=None, **overrides):
     where = {f.name: f"{s}.{f.name}" for s, cls in config_lib._SECTION_TYPES.items()
              for f in dataclasses.fields(cls)}
     where.update(model="model.name", optimizer="optim.name", data="data.source",
-                 precision="precision.policy", layout="parallel.layout")
+                 precision="precision.policy", layout="parallel.layout",
+                 offload_optimizer="offload.optimizer")
     flat = {where[key]: value for key, value in fields.items()}
     run = config_lib.build(None, flat)
     return job_lib.prepare(run, models.for_run(run.model, corpus.vocab_size)[0], devices)

@@ -52,12 +52,15 @@ def test_memory_report_json():
     report = json.loads(p.stdout)
     assert set(report) == {"param_count", "bytes_per_param", "formula", "theory_bytes",
                            "sharded_bytes", "compiled", "activations", "collectives",
-                           "collective_bytes", "collective_theory", "collective_notes"}
+                           "collective_bytes", "collective_theory", "collective_notes",
+                           "device_bytes", "host_bytes"}
     assert report["collective_bytes"] == sum(report["collectives"].values()) > 0
     assert set(report["collective_theory"]) == {"gradients", "parameters", "total"}
     assert set(report["activations"]) == {"analytic_bytes", "compiled_temp_bytes"}
-    for key in ("theory_bytes", "sharded_bytes"):
+    for key in ("theory_bytes", "sharded_bytes", "device_bytes", "host_bytes"):
         assert set(report[key]) == {"params", "grads", "opt_state"}
+    assert report["device_bytes"] == report["sharded_bytes"]  # nothing offloaded
+    assert sum(report["host_bytes"].values()) == 0
     assert {"argument_bytes", "output_bytes", "temp_bytes"} <= set(report["compiled"])
 
 

@@ -1,7 +1,7 @@
 """The run config: frozen, typed dataclasses, one per concern.
 
 A run is described by a TOML file with one table per section (`[model]`,
-`[parallel]`, `[optim]`, `[data]`, `[train]`) and/or command-line flags; a flag
+`[parallel]`, `[optim]`, `[data]`, `[train]`, `[offload]`, ...) and/or command-line flags; a flag
 overrides the file. Every field has a flag named after it (`zero_stage` ->
 `--zero-stage`), except the few in `_FLAG_NAMES`. The defaults are the main
 job: gpt-tiny on the standard library's source, ZeRO-3 on 8 CPU devices.
@@ -96,6 +96,11 @@ class TrainConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class OffloadConfig:
+    optimizer: bool = False  # optimizer state and master weights in host memory, updated there
+
+
+@dataclasses.dataclass(frozen=True)
 class RunConfig:
     model: ModelConfig = ModelConfig()
     parallel: ParallelConfig = ParallelConfig()
@@ -104,6 +109,7 @@ class RunConfig:
     optim: OptimConfig = OptimConfig()
     data: DataConfig = DataConfig()
     train: TrainConfig = TrainConfig()
+    offload: OffloadConfig = OffloadConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     distributed: DistributedConfig = DistributedConfig()
 
@@ -114,11 +120,12 @@ class RunConfig:
 _SECTION_TYPES = {"model": ModelConfig, "parallel": ParallelConfig,
                   "precision": PrecisionConfig, "activations": ActivationConfig,
                   "optim": OptimConfig, "data": DataConfig, "train": TrainConfig,
-                  "checkpoint": CheckpointConfig, "distributed": DistributedConfig}
+                  "offload": OffloadConfig, "checkpoint": CheckpointConfig, "distributed": DistributedConfig}
 # Fields whose flag is not their own name.
 _FLAG_NAMES = {("model", "name"): "model", ("optim", "name"): "optimizer",
                ("data", "source"): "data", ("precision", "policy"): "precision",
-               ("checkpoint", "dir"): "checkpoint_dir", ("checkpoint", "every"): "checkpoint_every"}
+               ("checkpoint", "dir"): "checkpoint_dir", ("checkpoint", "every"): "checkpoint_every",
+               ("offload", "optimizer"): "offload_optimizer"}
 
 
 def _flag(section: str, field: str) -> str:

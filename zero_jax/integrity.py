@@ -49,12 +49,24 @@ def _checksum(x: jax.Array) -> jax.Array:
 _checksums = jax.jit(lambda tree: jax.tree.map(_checksum, tree))
 
 
+_one = jax.jit(_checksum)
+
+
 def checksums(tree: Any) -> dict[str, list[int]]:
     """{leaf path: [sum1, sum2]} for every array leaf of `tree`.
 
-    The sums come back replicated; every process reads its own copy.
+    The sums come back replicated; every process reads its own copy. Leaves
+    in host memory (offload.py) are brought to the device one at a time and
+    summed there, so the device never holds more than one of them.
     """
-    return {path: [int(v) for v in s] for path, s in flatten(local(_checksums(tree))).items()}
+    flat = flatten(tree)
+    on_host = {p for p, x in flat.items()
+               if getattr(getattr(x, "sharding", None), "memory_kind", None) == "pinned_host"}
+    sums = flatten(local(_checksums({p: x for p, x in flat.items() if p not in on_host})))
+    for p in on_host:
+        x = flat[p]
+        sums[p] = local(_one(jax.device_put(x, x.sharding.with_memory_kind("device"))))
+    return {path: [int(v) for v in sums[path]] for path in flat}
 
 
 def flatten(tree: Any) -> dict[str, Any]:

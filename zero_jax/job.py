@@ -174,6 +174,11 @@ def prepare_on(run: config_lib.RunConfig, build_model: Callable[[int], ModelFns]
     chosen = rules.layout(run.parallel.layout, shape.sizes)
     zero_stage = chosen.zero_stage if run.parallel.zero_stage is None else run.parallel.zero_stage
     check_grad_reduce(run.parallel.grad_reduce, zero_stage)
+    if run.offload.optimizer and zero_stage < 1:
+        raise config_lib.ConfigError(
+            f"[offload] optimizer = true with --zero-stage {zero_stage}: the optimizer state is "
+            "replicated at stage 0, so every device would keep a whole copy in host memory and "
+            "update it there; use --zero-stage 1 or more to offload each device's shard")
     try:
         abstract = isinstance(mesh, jax.sharding.AbstractMesh)
         platform = "gpu" if abstract else mesh.devices.flat[0].platform
@@ -194,7 +199,8 @@ def prepare_on(run: config_lib.RunConfig, build_model: Callable[[int], ModelFns]
         tx = master.wrap(tx)
     layout = state.make_layout(model, tx, mesh, shape, chosen.rules, zero_stage,
                                run.parallel.min_shard_elements, policy.dtype("params"),
-                               policy.dtype("grads"), policy.dtype("compute"), cut)
+                               policy.dtype("grads"), policy.dtype("compute"), cut,
+                               host_opt=run.offload.optimizer)
     stored = layout.placement if zero_lib.stage(zero_stage).params else None
     hooks = Hooks(mesh, chosen.rules, policy.compute, policy.grads, remat_policy, stored)
     return Job(run, model, layout, tx, lr, policy, hooks, scale_cfg, schedule)

@@ -111,6 +111,24 @@ def sharded(layout: Layout) -> dict[str, int]:
     }
 
 
+def by_memory_kind(layout: Layout) -> dict[str, dict[str, int]]:
+    """`sharded` split by where each state lives, read from the state's
+    shardings' memory kinds: {"device": {...}, "host": {...}}. Gradients
+    live on the device (offload.py moves them to the host only for the
+    update)."""
+    total = sharded(layout)
+    kinds = layout.shardings
+    out = {kind: {k: 0 for k in total} for kind in ("device", "host")}
+    for name, tree in (("params", kinds.params), ("opt_state", kinds.opt_state)):
+        abstract = getattr(layout.abstract, name)
+        for leaf, s in zip(jax.tree.leaves(abstract), jax.tree.leaves(
+                tree, is_leaf=lambda x: isinstance(x, NamedSharding))):
+            where = "host" if s.memory_kind == "pinned_host" else "device"
+            out[where][name] += math.prod(s.shard_shape(leaf.shape)) * np.dtype(leaf.dtype).itemsize
+    out["device"]["grads"] = total["grads"]
+    return out
+
+
 def compiled(compiled_step) -> dict[str, int]:
     m = compiled_step.memory_analysis()
     return {
@@ -126,6 +144,8 @@ def report(layout: Layout, compiled_step=None, activations: dict[str, float] | N
     out = {"param_count": param_count(layout), "bytes_per_param": bytes_per_param(layout),
            "formula": formula(layout), "theory_bytes": theory(layout),
            "sharded_bytes": sharded(layout)}
+    split = by_memory_kind(layout)
+    out["device_bytes"], out["host_bytes"] = split["device"], split["host"]
     if compiled_step is not None:
         out["compiled"] = compiled(compiled_step)
     if collectives is not None:

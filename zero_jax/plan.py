@@ -115,6 +115,9 @@ def memory_rows(report: dict) -> list[str]:
     rows = [(label, *(_mib(report[name][k]) for k in keys), _mib(sum(report[name].values())))
             for label, name in (("ZeRO formula", "theory_bytes"),
                                 ("actual shardings", "sharded_bytes"))]
+    if "host_bytes" in report and sum(report["host_bytes"].values()):
+        rows += [(f"  in {kind} memory", *(_mib(report[f"{kind}_bytes"][k]) for k in keys),
+                  _mib(sum(report[f"{kind}_bytes"].values()))) for kind in ("device", "host")]
     lines = ["memory per device (MiB)"] + _table(("", "params", "grads", "opt_state", "total"), rows)
     if "compiled" in report:
         c = report["compiled"]

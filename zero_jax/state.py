@@ -21,6 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from zero_jax import loss_scale as loss_scale_lib
 from zero_jax import master as master_lib
+from zero_jax import offload as offload_lib
 from zero_jax import precision as precision_lib
 from zero_jax import zero as zero_lib
 from zero_jax.hooks import use_dtypes
@@ -74,6 +75,7 @@ class Layout:
     master: bool = False  # params are a working copy; float32 masters live in the optimizer state
     stages: Stages | None = None  # a pipeline's cut: stacked leaves stored in its slots
     stacked: Any = None  # (params, opt_state) trees of bools: the leaf is a layer stack
+    host_opt: bool = False  # the optimizer state (and masters) live in host memory (offload.py)
 
     @property
     def master_params(self) -> Any:
@@ -100,7 +102,10 @@ class Layout:
 
     @property
     def shardings(self) -> TrainState:
-        return self.named(self.state_specs)
+        """Where each leaf of the state is stored: under optimizer offload the
+        optimizer state in host memory (offload.py), the rest on the device."""
+        out = self.named(self.state_specs)
+        return out._replace(opt_state=offload_lib.on_host(out.opt_state)) if self.host_opt else out
 
     @property
     def targets(self) -> TrainState:
@@ -158,7 +163,9 @@ class Layout:
                                  saved_form(self.state_specs))
         if not self.master:
             return saved
-        params = jax.jit(self.to_working, out_shardings=self.shardings.params)(saved.params)
+        # The masters may be in host memory (offload): cast on the device.
+        masters = jax.device_put(saved.params, self.named(self.master_specs))
+        params = jax.jit(self.to_working, out_shardings=self.shardings.params)(masters)
         return TrainState(saved.step, params, master_lib.MasterState(saved.params, saved.opt_state),
                           saved.loss_scale)
 
@@ -207,7 +214,8 @@ def needs_master(zero_stage: int, param_dtype, compute_dtype) -> bool:
 def make_layout(model: ModelFns, tx: optax.GradientTransformation, mesh: Mesh,
                 mesh_shape: MeshShape, rules: AxisRules, zero_stage: int,
                 min_shard_elements: int, param_dtype=jnp.float32,
-                grad_dtype=jnp.float32, compute_dtype=None, stages: Stages | None = None) -> Layout:
+                grad_dtype=jnp.float32, compute_dtype=None, stages: Stages | None = None,
+                host_opt: bool = False) -> Layout:
     """Abstract state and the specs of every leaf; raises ShardingError early.
 
     With master weights (`needs_master` for `compute_dtype`), `tx` must be
@@ -252,7 +260,7 @@ def make_layout(model: ModelFns, tx: optax.GradientTransformation, mesh: Mesh,
     specs = zero_lib.state_specs(params, compute, names, opt_state, tx,
                                  zero_lib.stage(zero_stage), placement, outer, pipe, dict(sizes))
     return Layout(mesh, mesh_shape, rules, zero_stage, abstract, names, specs, placement,
-                  jnp.dtype(grad_dtype), master, stages, (stacked_params, stacked_opt))
+                  jnp.dtype(grad_dtype), master, stages, (stacked_params, stacked_opt), host_opt)
 
 
 def init_state(layout: Layout, model: ModelFns, tx: optax.GradientTransformation,

@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from zero_jax import loss_scale as loss_scale_lib
 from zero_jax import master as master_lib
+from zero_jax import offload as offload_lib
 from zero_jax import pipeline as pipeline_lib
 from zero_jax import zero as zero_lib
 from zero_jax.accumulate import accumulate, accumulate_partials, reduce_partials
@@ -40,11 +41,13 @@ def lm_loss(model: ModelFns, hooks: Hooks, params: Any, tokens_BxT1: jax.Array) 
 
 def train_step(state: TrainState, batch: jax.Array, *, loss_and_grads: Callable,
                tx: optax.GradientTransformation, lr: optax.Schedule,
-               scale_cfg: loss_scale_lib.LossScaleConfig,
-               to_working: Callable) -> tuple[TrainState, dict[str, jax.Array]]:
+               scale_cfg: loss_scale_lib.LossScaleConfig, to_working: Callable,
+               host: offload_lib.HostUpdate | None = None) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer step. `loss_and_grads(params, batch, scale)` returns the
     mean loss and its gradients, both times `scale` (accumulated or pipelined);
-    `to_working` casts new master weights to the working copy (master.py)."""
+    `to_working` casts new master weights to the working copy (master.py);
+    with `host` the update runs in host memory, where the optimizer state is
+    (offload.py)."""
     scale = state.loss_scale.scale
     loss, grads = loss_and_grads(state.params, batch, scale if scale_cfg.enabled else None)
     if scale_cfg.enabled:
@@ -52,10 +55,16 @@ def train_step(state: TrainState, batch: jax.Array, *, loss_and_grads: Callable,
         grads = jax.tree.map(lambda g: (g.astype(jnp.float32) / scale).astype(g.dtype), grads)
     grad_norm = optax.tree.norm(grads)  # before clipping
     finite = jnp.isfinite(grad_norm)
-    params, opt_state = master_lib.apply(tx, grads, state.opt_state, state.params, to_working)
-    # A step with non-finite gradients leaves parameters and optimizer state
-    # bitwise as they were; only the step count and the loss scale move.
-    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+
+    def update(grads, opt_state, params, finite):
+        new_params, new_opt = master_lib.apply(tx, grads, opt_state, params, to_working)
+        # A step with non-finite gradients leaves parameters and optimizer state
+        # bitwise as they were; only the step count and the loss scale move.
+        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+        return keep(new_params, params), keep(new_opt, opt_state)
+
+    run = update if host is None else functools.partial(host.run, update)
+    params, opt_state = run(grads, state.opt_state, state.params, finite)
     new_scale = loss_scale_lib.update(scale_cfg, state.loss_scale, finite)
     metrics = {
         "loss": loss,
@@ -67,8 +76,7 @@ def train_step(state: TrainState, batch: jax.Array, *, loss_and_grads: Callable,
         "skipped": ~finite,
         "consecutive_skips": new_scale.consecutive,
     }
-    new_state = TrainState(state.step + 1, keep(params, state.params),
-                           keep(opt_state, state.opt_state), new_scale)
+    new_state = TrainState(state.step + 1, params, opt_state, new_scale)
     return new_state, metrics
 
 
@@ -220,8 +228,9 @@ def jit_train_step(layout: Layout, model: ModelFns, hooks: Hooks, tx: optax.Grad
     """`train_step` bound to a layout, jitted with its shardings, state donated."""
     loss_and_grads = make_loss_and_grads(layout, model, hooks, microbatches, sched, gather_once,
                                          reduce_once)
+    host = offload_lib.HostUpdate(layout.named(layout.specs.params)) if layout.host_opt else None
     step = functools.partial(train_step, loss_and_grads=loss_and_grads, tx=tx, lr=lr,
-                             scale_cfg=scale_cfg, to_working=layout.to_working)
+                             scale_cfg=scale_cfg, to_working=layout.to_working, host=host)
     replicated = NamedSharding(layout.mesh, PartitionSpec())
     return jax.jit(step, in_shardings=(layout.shardings, layout.batch_sharding),
                    out_shardings=(layout.shardings, replicated), donate_argnums=0)

@@ -1,0 +1,97 @@
+"""Step time with the optimizer state offloaded to host memory, against the
+same step without offload.
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 \\
+        python scripts/bench_offload.py --model gpt-small --zero-stage 2
+
+Runs both in one process on the same devices, their steps interleaved round
+by round so that load on a shared machine hits them alike, and prints the
+median step time of each, their ratio, and the bytes per device in device
+and host memory (from the shardings). On CPU, host and device memory are the
+same memory: the ratio measures the transfers and the update run as host
+code. On a GPU the same command measures the PCIe or C2C traffic and the
+host's update, and `--json` reports the device's peak memory where the
+runtime gives it. A benchmark, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import time
+
+import jax
+
+import models
+from zero_jax import config as config_lib, data as data_lib, job as job_lib, memory
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="gpt-tiny")
+    parser.add_argument("--mesh", default="fsdp=8")
+    parser.add_argument("--zero-stage", type=int, default=2)
+    parser.add_argument("--precision", default="bf16")
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per variant")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+
+    corpus = data_lib.load("stdlib")
+    runs = {}
+    for name, offload in (("on device", False), ("offloaded", True)):
+        cfg = config_lib.build(None, {
+            "model.name": args.model, "parallel.mesh": args.mesh,
+            "parallel.zero_stage": args.zero_stage, "precision.policy": args.precision,
+            "data.seq_len": args.seq_len, "train.batch_size": args.batch_size,
+            "offload.optimizer": offload})
+        job = job_lib.prepare(cfg, models.builder(args.model, corpus.vocab_size))
+        batch = functools.partial(data_lib.global_batch, corpus, "train", args.seq_len,
+                                  args.batch_size, 0, sharding=job.layout.batch_sharding)
+        runs[name] = {"step": job.compile_train_step(), "state": job.init_state(), "batch": batch,
+                      "times": [], "bytes": memory.by_memory_kind(job.layout),
+                      "tokens": args.batch_size * args.seq_len}
+
+    def one(r, i):
+        start = time.perf_counter()
+        r["state"], metrics = r["step"](r["state"], r["batch"](step=i))
+        jax.block_until_ready(metrics)
+        return time.perf_counter() - start
+
+    for i in range(args.steps + 1):  # round 0 warms up
+        for r in runs.values():
+            t = one(r, i)
+            if i:
+                r["times"].append(t)
+    base = statistics.median(runs["on device"]["times"])
+    rows = []
+    for name, r in runs.items():
+        step = statistics.median(r["times"])
+        row = {"variant": name, "median_step_s": step, "ratio": step / base,
+               "tokens_per_s": r["tokens"] / step,
+               "device_bytes": sum(r["bytes"]["device"].values()),
+               "host_bytes": sum(r["bytes"]["host"].values())}
+        stats = jax.devices()[0].memory_stats() or {}
+        if "peak_bytes_in_use" in stats:
+            row["device_peak_bytes"] = stats["peak_bytes_in_use"]
+        rows.append(row)
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    else:
+        print(f"{args.model}, {args.mesh}, ZeRO-{args.zero_stage}, {args.precision}, seq "
+              f"{args.seq_len}, batch {args.batch_size}, {args.steps} steps each "
+              f"({jax.devices()[0].platform})")
+        print(f"{'variant':<12}{'step (s)':>10}{'ratio':>8}{'tokens/s':>11}"
+              f"{'device MiB':>12}{'host MiB':>10}")
+        for row in rows:
+            print(f"{row['variant']:<12}{row['median_step_s']:>10.3f}{row['ratio']:>8.2f}"
+                  f"{row['tokens_per_s']:>11,.0f}{row['device_bytes'] / 2**20:>12.1f}"
+                  f"{row['host_bytes'] / 2**20:>10.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
