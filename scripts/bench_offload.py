@@ -19,13 +19,12 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import statistics
-import time
 
 import jax
 
 import models
 from zero_jax import config as config_lib, data as data_lib, job as job_lib, memory
+from timing import interleaved_medians
 
 
 def main(argv=None) -> int:
@@ -52,24 +51,14 @@ def main(argv=None) -> int:
         batch = functools.partial(data_lib.global_batch, corpus, "train", args.seq_len,
                                   args.batch_size, 0, sharding=job.layout.batch_sharding)
         runs[name] = {"step": job.compile_train_step(), "state": job.init_state(), "batch": batch,
-                      "times": [], "bytes": memory.by_memory_kind(job.layout),
+                      "bytes": memory.by_memory_kind(job.layout),
                       "tokens": args.batch_size * args.seq_len}
 
-    def one(r, i):
-        start = time.perf_counter()
-        r["state"], metrics = r["step"](r["state"], r["batch"](step=i))
-        jax.block_until_ready(metrics)
-        return time.perf_counter() - start
-
-    for i in range(args.steps + 1):  # round 0 warms up
-        for r in runs.values():
-            t = one(r, i)
-            if i:
-                r["times"].append(t)
-    base = statistics.median(runs["on device"]["times"])
+    medians = interleaved_medians(runs, args.steps)
+    base = medians["on device"]
     rows = []
     for name, r in runs.items():
-        step = statistics.median(r["times"])
+        step = medians[name]
         row = {"variant": name, "median_step_s": step, "ratio": step / base,
                "tokens_per_s": r["tokens"] / step,
                "device_bytes": sum(r["bytes"]["device"].values()),

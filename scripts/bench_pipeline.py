@@ -16,15 +16,12 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import statistics
-import time
-
-import jax
 
 import models
 from zero_jax import config as config_lib, data as data_lib, job as job_lib
 from zero_jax import mesh as mesh_lib
 from zero_jax.schedule import SCHEDULES
+from timing import interleaved_medians
 
 
 def _without_pipe(mesh: str) -> str:
@@ -64,22 +61,12 @@ def main(argv=None) -> int:
         batch = functools.partial(data_lib.global_batch, corpus, "train", args.seq_len,
                                   args.batch_size, 0, sharding=job.layout.batch_sharding)
         runs[name] = {"mesh": mesh, "step": job.compile_train_step(), "state": job.init_state(),
-                      "batch": batch, "times": []}
+                      "batch": batch}
 
-    def one(r, i):
-        start = time.perf_counter()
-        r["state"], metrics = r["step"](r["state"], r["batch"](step=i))
-        jax.block_until_ready(metrics)
-        return time.perf_counter() - start
-
-    for i in range(args.steps + 1):  # round 0 warms up
-        for r in runs.values():
-            t = one(r, i)
-            if i:
-                r["times"].append(t)
-    base = statistics.median(runs["no pipeline"]["times"])
-    rows = [{"variant": name, "mesh": r["mesh"], "median_step_s": statistics.median(r["times"]),
-             "ratio": statistics.median(r["times"]) / base} for name, r in runs.items()]
+    medians = interleaved_medians(runs, args.steps)
+    base = medians["no pipeline"]
+    rows = [{"variant": name, "mesh": r["mesh"], "median_step_s": medians[name],
+             "ratio": medians[name] / base} for name, r in runs.items()]
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
