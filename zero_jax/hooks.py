@@ -177,6 +177,15 @@ def _gather_once_bwd(use, split, _, g):
 _gather_once.defvjp(_gather_once_fwd, _gather_once_bwd)
 
 
+def psum(x: jax.Array, axis: str, widen: bool) -> jax.Array:
+    """Sum over the manual mesh `axis`. XLA:CPU's all-reduce promotion aborts
+    on a bf16 all-reduce inside shard_map ("Invalid binary instruction opcode
+    copy"), so with `widen` (on CPU) bf16 is summed in float32 and cast back."""
+    if widen and x.dtype == jnp.bfloat16:
+        return jax.lax.psum(x.astype(jnp.float32), axis).astype(x.dtype)
+    return jax.lax.psum(x, axis)
+
+
 @dataclasses.dataclass(frozen=True)
 class RowSplit:
     """Tables whose rows are split in contiguous blocks over a manual mesh
@@ -185,7 +194,7 @@ class RowSplit:
 
     axis: str
     size: int  # the axis's size: the number of blocks
-    widen: bool = False  # sum bf16 in float32 (XLA:CPU aborts on a bf16 all-reduce in shard_map)
+    widen: bool = False  # sum bf16 in float32 (`psum`)
 
     def block(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         """The shape of one device's block of a table of `shape`."""
@@ -196,9 +205,7 @@ class RowSplit:
         return jax.lax.axis_index(self.axis) * rows
 
     def sum(self, x: jax.Array) -> jax.Array:
-        if self.widen and x.dtype == jnp.bfloat16:
-            return jax.lax.psum(x.astype(jnp.float32), self.axis).astype(x.dtype)
-        return jax.lax.psum(x, self.axis)
+        return psum(x, self.axis, self.widen)
 
 
 class Gathered(NamedTuple):

@@ -33,7 +33,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from zero_jax.accumulate import split_microbatches
-from zero_jax.hooks import RowSplit
+from zero_jax.hooks import RowSplit, psum
 from zero_jax.loss import cross_entropy
 from zero_jax.schedule import Schedule
 from zero_jax.stages import Stages
@@ -216,7 +216,8 @@ def loss_and_grads(fns: PipelineFns, hooks, schedule: Schedule, mesh: Mesh, para
 
         c = jax.lax.fori_loop(0, schedule.ticks, tick, steps.start(prog.slots))
         g_stack = jax.tree.map(lambda a: a.reshape(a.shape[0], -1, *a.shape[3:]), c["g_stack"])
-        return jax.lax.psum(c["loss"].sum(), "pipe"), _psum_pipe(c["g_outer"], cpu), g_stack
+        g_outer = jax.tree.map(lambda g: psum(g, "pipe", cpu), c["g_outer"])
+        return jax.lax.psum(c["loss"].sum(), "pipe"), g_outer, g_stack
 
     replicated = jax.tree.map(lambda _: PartitionSpec(), outer)
     piped = jax.tree.map(lambda _: PartitionSpec("pipe"), stack)
@@ -316,17 +317,6 @@ def _outer_in_specs(fns: PipelineFns, outer: Any, stored: Any, sizes: dict, wide
         return whole, None
     specs = jax.tree.map(lambda a: PartitionSpec("pipe") if a.ndim >= 2 else PartitionSpec(), outer)
     return specs, RowSplit("pipe", sizes["pipe"], widen)
-
-
-def _psum_pipe(tree, widen: bool):
-    """Sum over `pipe`. XLA:CPU's all-reduce promotion aborts on a bf16
-    all-reduce inside shard_map ("Invalid binary instruction opcode copy"),
-    so on CPU bf16 gradients are summed in float32 and cast back."""
-    def one(g):
-        if widen and g.dtype == jnp.bfloat16:
-            return jax.lax.psum(g.astype(jnp.float32), "pipe").astype(g.dtype)
-        return jax.lax.psum(g, "pipe")
-    return jax.tree.map(one, tree)
 
 
 def _named(mesh, specs):
