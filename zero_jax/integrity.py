@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from zero_jax.distributed import local
+from zero_jax.offload import HOST
 
 _UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 
@@ -61,7 +62,7 @@ def checksums(tree: Any) -> dict[str, list[int]]:
     """
     flat = flatten(tree)
     on_host = {p for p, x in flat.items()
-               if getattr(getattr(x, "sharding", None), "memory_kind", None) == "pinned_host"}
+               if getattr(getattr(x, "sharding", None), "memory_kind", None) == HOST}
     sums = flatten(local(_checksums({p: x for p, x in flat.items() if p not in on_host})))
     for p in on_host:
         x = flat[p]

@@ -20,6 +20,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from zero_jax import offload as offload_lib
 from zero_jax import zero as zero_lib
 from zero_jax.state import Layout
 
@@ -123,7 +124,7 @@ def by_memory_kind(layout: Layout) -> dict[str, dict[str, int]]:
         abstract = getattr(layout.abstract, name)
         for leaf, s in zip(jax.tree.leaves(abstract), jax.tree.leaves(
                 tree, is_leaf=lambda x: isinstance(x, NamedSharding))):
-            where = "host" if s.memory_kind == "pinned_host" else "device"
+            where = "host" if s.memory_kind == offload_lib.HOST else "device"
             out[where][name] += math.prod(s.shard_shape(leaf.shape)) * np.dtype(leaf.dtype).itemsize
     out["device"]["grads"] = total["grads"]
     return out
