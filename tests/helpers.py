@@ -20,7 +20,8 @@ def make_job(corpus, *, devices=None, **overrides):
              for f in dataclasses.fields(cls)}
     where.update(model="model.name", optimizer="optim.name", data="data.source",
                  precision="precision.policy", layout="parallel.layout",
-                 offload_optimizer="offload.optimizer")
+                 offload_optimizer="offload.optimizer",
+                 offload_params="offload.params")
     flat = {where[key]: value for key, value in fields.items()}
     run = config_lib.build(None, flat)
     return job_lib.prepare(run, models.for_run(run.model, corpus.vocab_size)[0], devices)

@@ -1,14 +1,16 @@
-"""Optimizer offload (offload.py): the optimizer state, with the master
-weights, lives in host memory and is updated there, and the run computes
-what it computes without offload.
+"""Host offload (offload.py): the optimizer state, with the master weights,
+lives in host memory and is updated there; at ZeRO-3 the stored parameters
+may live there too, fetched layer by layer; and the run computes what it
+computes without offload.
 
-CI runs each of stages 1-3 once, on the two meshes in turn;
-ZERO_JAX_FULL_GRID=1 runs all six.
+CI runs each of stages 1-3 once, on the two meshes in turn, and one of the
+four parameter-offload cases; ZERO_JAX_FULL_GRID=1 runs all of them.
 """
 
 import functools
 import itertools
 import os
+import re
 
 import jax
 import numpy as np
@@ -21,6 +23,9 @@ GRID = list(itertools.product(("fsdp=8", "data=2,fsdp=4"), (1, 2, 3)))
 # The other tests below reuse these programs (compiled once per session).
 CASES = GRID if os.environ.get("ZERO_JAX_FULL_GRID") else [
     ("data=2,fsdp=4", 1), ("fsdp=8", 2), ("fsdp=8", 3)]
+# Parameter offload at ZeRO-3, with and without the optimizer offloaded too.
+PARAM_GRID = list(itertools.product(("fsdp=8", "data=2,fsdp=4"), (False, True)))
+PARAM_CASES = PARAM_GRID if os.environ.get("ZERO_JAX_FULL_GRID") else [("data=2,fsdp=4", True)]
 
 
 def _steps(job, corpus, state, first, last):
@@ -31,13 +36,15 @@ def _steps(job, corpus, state, first, last):
     batch = functools.partial(data_lib.global_batch, corpus, "train", job.run.data.seq_len,
                               t.batch_size, t.seed, sharding=job.layout.batch_sharding)
     opt_kind = "pinned_host" if job.run.offload.optimizer else "device"
+    params_kind = "pinned_host" if job.run.offload.params else "device"
     losses = []
     for i in range(first, last):
         state, metrics = step_fn(state, batch(step=i))
         losses.append(float(metrics["loss"]))
         kinds = {leaf.sharding.memory_kind for leaf in jax.tree.leaves(state.opt_state)}
         assert kinds == {opt_kind}, (i, kinds)
-        assert {leaf.sharding.memory_kind for leaf in jax.tree.leaves(state.params)} == {"device"}
+        kinds = {leaf.sharding.memory_kind for leaf in jax.tree.leaves(state.params)}
+        assert kinds == {params_kind}, (i, kinds)
     return np.array(losses), state
 
 
@@ -52,6 +59,47 @@ def test_ten_steps_match_the_run_without_offload(corpus, mesh, stage):
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
     assert_close(host(state.params), host(ref.params), 1e-6)
     assert_close(host(state.opt_state), host(ref.opt_state), 1e-6)
+
+
+@pytest.mark.parametrize("mesh,with_optimizer", PARAM_CASES,
+                         ids=[f"{m}-{'opt' if o else 'params'}" for m, o in PARAM_CASES])
+def test_parameter_offload_matches_the_run_without_offload(corpus, mesh, with_optimizer):
+    """ZeRO-3, bf16: the stored (float32) parameter shards stay in host
+    memory across ten steps, alone or with the optimizer state."""
+    shape = dict(mesh=mesh, zero_stage=3, precision="bf16")
+    job = make_job(corpus, **shape, offload_params=True, offload_optimizer=with_optimizer)
+    losses, state = _steps(job, corpus, initial_state(job), 0, job.run.train.steps)
+    ref_losses, ref = train(make_job(corpus, **shape), corpus)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
+    assert_close(host(state.params), host(ref.params), 1e-6)
+    assert_close(host(state.opt_state), host(ref.opt_state), 1e-6)
+
+
+def test_parameters_are_fetched_one_layer_at_a_time(corpus):
+    """Lowered for a GPU (XLA:CPU drops placement inside a program), the
+    step moves each stacked parameter to the device one layer's slice at a
+    time, inside the layer loop, and never the whole stack. (With the
+    optimizer offloaded too: an update on the device fetches the whole
+    parameter shard, beside the optimizer state it updates it with.)"""
+    job = make_job(corpus, zero_stage=3, offload_params=True, offload_optimizer=True)
+    text = job.jit_train_step().trace(job.layout.abstract, job.abstract_batch).lower(
+        lowering_platforms=("cuda",)).as_text()
+    fetched = re.findall(r"annotate_device_placement\(%[\w#]+\).*_xla_buffer_placement = "
+                         r'"device".*\((tensor<[^>]*>)\)', text)
+    stacked = [leaf.shape for leaf, st in zip(jax.tree.leaves(job.layout.abstract.params),
+                                               jax.tree.leaves(job.layout.stacked[0])) if st]
+    as_tensor = lambda shape: "tensor<" + "x".join(map(str, shape)) + "xf32>"
+    assert stacked and fetched
+    for shape in stacked:
+        assert as_tensor(shape) not in fetched  # never the whole stack
+        assert as_tensor(shape[1:]) in fetched  # one layer's slice
+
+
+def test_parameter_offload_needs_zero_3_and_no_pipeline(corpus):
+    with pytest.raises(config_lib.ConfigError, match="use --zero-stage 3"):
+        make_job(corpus, zero_stage=2, offload_params=True)
+    with pytest.raises(config_lib.ConfigError, match="not supported with pipelining"):
+        make_job(corpus, mesh="pipe=2,fsdp=4", zero_stage=3, offload_params=True)
 
 
 def test_the_compiled_step_updates_on_the_host(corpus):
@@ -73,7 +121,8 @@ def test_offload_at_stage_0_is_refused_before_compiling(corpus):
 def test_checkpoints_move_between_host_and_device_layouts_exactly(corpus, tmp_path):
     """Saved with offload (fsdp=8, ZeRO-2, bf16: the masters are in the
     offloaded optimizer state), restored without it on data=2,fsdp=4 ZeRO-1,
-    and back into host memory: bit for bit both ways (a restore also checks
+    and back into host memory, and onto ZeRO-3 with the parameters in host
+    memory too: bit for bit every way (a restore also checks
     every array against its saved checksum); five more steps from the
     restored state give the uninterrupted run's losses to 1e-6."""
     off = make_job(corpus, mesh="fsdp=8", zero_stage=2, precision="bf16", offload_optimizer=True)
@@ -94,6 +143,14 @@ def test_checkpoints_move_between_host_and_device_layouts_exactly(corpus, tmp_pa
     back, _ = reader.restore(5, off.layout.targets)
     jax.tree.map(np.testing.assert_array_equal, host(back), saved)
     assert {x.sharding.memory_kind for x in jax.tree.leaves(back.opt_state)} == {"pinned_host"}
+
+    # Onto ZeRO-3 with the parameters in host memory too.
+    both = make_job(corpus, mesh="data=2,fsdp=4", zero_stage=3, precision="bf16",
+                    offload_optimizer=True, offload_params=True)
+    all_host, _ = reader.restore(5, both.layout.targets)
+    jax.tree.map(np.testing.assert_array_equal, host(all_host), saved)
+    assert {x.sharding.memory_kind for x in jax.tree.leaves((all_host.params, all_host.opt_state))
+            } == {"pinned_host"}
     losses, _ = _steps(off, corpus, off.layout.from_saved(back), 5, 10)
     np.testing.assert_allclose(losses, uninterrupted, rtol=1e-6)
 

@@ -98,6 +98,7 @@ class TrainConfig:
 @dataclasses.dataclass(frozen=True)
 class OffloadConfig:
     optimizer: bool = False  # optimizer state and master weights in host memory, updated there
+    params: bool = False  # ZeRO-3's stored parameter shards in host memory, fetched layer by layer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,7 +126,8 @@ _SECTION_TYPES = {"model": ModelConfig, "parallel": ParallelConfig,
 _FLAG_NAMES = {("model", "name"): "model", ("optim", "name"): "optimizer",
                ("data", "source"): "data", ("precision", "policy"): "precision",
                ("checkpoint", "dir"): "checkpoint_dir", ("checkpoint", "every"): "checkpoint_every",
-               ("offload", "optimizer"): "offload_optimizer"}
+               ("offload", "optimizer"): "offload_optimizer",
+               ("offload", "params"): "offload_params"}
 
 
 def _flag(section: str, field: str) -> str:

@@ -24,7 +24,8 @@ and `lookup` compute the parameter's gradient in the gradient dtype
 (bf16 x bf16 products accumulated in float32), so the reduction over the
 batch that XLA inserts runs in that dtype, and reduce-scatter it into the
 stored layout. They keep x and the stored shard for the backward pass, never
-the gathered copy: it is gathered again, as FSDP does.
+the gathered copy: it is gathered again, as FSDP does. Stored in host memory
+(`host_params`, offload.py), the shard is brought to the device first.
 
 `per_shard(axes)` gives the hooks for the rows of one shard of the batch
 over some data-parallel axes, run under `vmap` over those shards
@@ -67,8 +68,13 @@ class _Use:
     # w is already gathered (Hooks.gathered): the backward pass keeps the cast
     # copy, and leaves the gradient unconstrained for the gather's own reduction
     gathered: bool = False
+    # w is stored in host memory (offload.py): this device's shard is brought
+    # to the device, in this layout, before it is cast and gathered
+    fetch: NamedSharding | None = None
 
     def gather(self, w):
+        if self.fetch is not None:
+            w = jax.device_put(w, self.fetch)
         # Pinning the cast to the stored layout first makes the gather that the
         # compute layout needs move `dtype` bytes: without it XLA may gather the
         # float32 master copy and cast afterwards.
@@ -235,6 +241,7 @@ class Hooks:
     stored: Placement | None = None  # ZeRO split of stored parameters (stage 3), else None
     partial_grads: bool = False  # leave gradients unreduced in the compute layout (per_shard)
     rows: RowSplit | None = None  # tables are row blocks over a manual axis (lookup, vocab_ids)
+    host_params: bool = False  # stored parameters are in host memory, fetched at each use
 
     def per_shard(self, axes: Sequence[str]) -> "Hooks":
         """These hooks for one shard of the batch over the data-parallel mesh
@@ -265,7 +272,8 @@ class Hooks:
         if compute is not None and self.stored is not None:
             stored = NamedSharding(self.mesh, self.stored.spec(w.shape, compute.spec, names))
         return _Use(stored, compute, jnp.dtype(dtype or self.dtype), jnp.dtype(self.grad_dtype),
-                    w.dtype, None if self.partial_grads else stored)
+                    w.dtype, None if self.partial_grads else stored,
+                    fetch=stored if self.host_params else None)
 
     def act(self, x: jax.Array, names: Sequence[str | None], name: str | None = None) -> jax.Array:
         """An activation, laid out by the rules; `name` tags it for remat policies."""

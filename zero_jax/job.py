@@ -179,6 +179,16 @@ def prepare_on(run: config_lib.RunConfig, build_model: Callable[[int], ModelFns]
             f"[offload] optimizer = true with --zero-stage {zero_stage}: the optimizer state is "
             "replicated at stage 0, so every device would keep a whole copy in host memory and "
             "update it there; use --zero-stage 1 or more to offload each device's shard")
+    if run.offload.params and zero_stage != 3:
+        raise config_lib.ConfigError(
+            f"[offload] params = true with --zero-stage {zero_stage}: only ZeRO-3 gathers each "
+            "layer's parameters where they are used, so only there can they be fetched from host "
+            "memory layer by layer; use --zero-stage 3, or --offload-optimizer alone")
+    if run.offload.params and schedule is not None:
+        raise config_lib.ConfigError(
+            f"[offload] params = true with pipe={shape.sizes['pipe']}: a pipeline stage holds only "
+            "its own layers, so parameter offload is not supported with pipelining; use pipe=1 "
+            "(fsdp over the same devices), or --offload-optimizer alone")
     try:
         abstract = isinstance(mesh, jax.sharding.AbstractMesh)
         platform = "gpu" if abstract else mesh.devices.flat[0].platform
@@ -200,9 +210,10 @@ def prepare_on(run: config_lib.RunConfig, build_model: Callable[[int], ModelFns]
     layout = state.make_layout(model, tx, mesh, shape, chosen.rules, zero_stage,
                                run.parallel.min_shard_elements, policy.dtype("params"),
                                policy.dtype("grads"), policy.dtype("compute"), cut,
-                               host_opt=run.offload.optimizer)
+                               host_opt=run.offload.optimizer, host_params=run.offload.params)
     stored = layout.placement if zero_lib.stage(zero_stage).params else None
-    hooks = Hooks(mesh, chosen.rules, policy.compute, policy.grads, remat_policy, stored)
+    hooks = Hooks(mesh, chosen.rules, policy.compute, policy.grads, remat_policy, stored,
+                  host_params=run.offload.params)
     return Job(run, model, layout, tx, lr, policy, hooks, scale_cfg, schedule)
 
 

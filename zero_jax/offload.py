@@ -1,4 +1,5 @@
-"""Optimizer state and master weights in host memory (ZeRO-Offload).
+"""Optimizer state, master weights and ZeRO-3 parameters in host memory
+(ZeRO-Offload, and ZeRO-Infinity's CPU tier).
 
 With `[offload] optimizer = true` the optimizer state lives in `pinned_host`
 memory, sharded as the ZeRO stage says; at stages 1 and 2 that includes the
@@ -15,6 +16,20 @@ the device never holds the optimizer state or the masters. The cost is per
 step, per device: the gradient shard to the host (g bytes per parameter it
 stores gradients for) and the new parameter shard back, over the host link,
 and the update at the host's speed (scripts/bench_offload.py measures it).
+
+With `[offload] params = true` (ZeRO-3 only) the stored parameter shards
+live in `pinned_host` too. Each use brings this device's shard of one
+layer to the device before it is cast and all-gathered (hooks.py), inside
+the layer scan, so the device holds a layer's shard at a time and never
+the stack; the backward pass keeps the host shard and fetches it again,
+as it gathers again. The fetch depends on the loop index only, so with
+while-loop double buffering (`compiler_options`) XLA:GPU starts the next
+layer's copy while this layer computes. Shards move in their stored dtype
+(float32 at ZeRO-3): 4 bytes per parameter this device stores, forward
+and backward (and again to recompute under full remat), per microbatch.
+New parameters stay in host memory: updated there with the optimizer
+offloaded, else fetched whole for the update on the device, beside the
+optimizer state, and returned.
 """
 
 from __future__ import annotations
@@ -39,7 +54,7 @@ def on_host(shardings: Any) -> Any:
 class HostUpdate:
     """Runs a step's update on the host, inside the jitted step."""
 
-    params: Any  # device shardings of the stored parameters
+    params: Any  # where the new stored parameters go (device, or host under params offload)
 
     def run(self, update: Callable, grads: Any, opt_state: Any, params: Any, finite: jax.Array):
         """`update(grads, opt_state, params, finite) -> (params, opt_state)`
@@ -51,7 +66,17 @@ class HostUpdate:
         optax's norms (`x.imag` of a real array) then mix in device-typed
         zeros, which JAX 0.10 rejects. The compiled step runs the update's
         instructions with the host compute type, on buffers in host memory
-        (tests/test_offload.py reads both from its HLO)."""
+        (tests/test_offload.py reads both from its HLO). Under parameter
+        offload the parameters are host arrays already, and stay there."""
         new_params, new_opt = compute_on("device_host")(jax.jit(update))(
             grads, opt_state, params, finite)
         return jax.device_put(new_params, self.params), new_opt
+
+
+def compiler_options(host_params: bool) -> dict[str, bool] | None:
+    """XLA options for a step whose parameters are fetched from host memory
+    layer by layer. While-loop double buffering unrolls the layer scan in
+    pairs, so that XLA:GPU's scheduler starts the next layer's host-to-device
+    copy (it depends on the loop index only, not on the layer's output)
+    while this layer computes: the prefetch. Other backends ignore it."""
+    return {"xla_gpu_enable_while_loop_double_buffering": True} if host_params else None

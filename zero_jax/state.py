@@ -76,6 +76,7 @@ class Layout:
     stages: Stages | None = None  # a pipeline's cut: stacked leaves stored in its slots
     stacked: Any = None  # (params, opt_state) trees of bools: the leaf is a layer stack
     host_opt: bool = False  # the optimizer state (and masters) live in host memory (offload.py)
+    host_params: bool = False  # the stored parameters (ZeRO-3 shards) live in host memory
 
     @property
     def master_params(self) -> Any:
@@ -102,10 +103,15 @@ class Layout:
 
     @property
     def shardings(self) -> TrainState:
-        """Where each leaf of the state is stored: under optimizer offload the
-        optimizer state in host memory (offload.py), the rest on the device."""
+        """Where each leaf of the state is stored: the optimizer state and the
+        parameters in host memory where they are offloaded (offload.py), the
+        rest on the device."""
         out = self.named(self.state_specs)
-        return out._replace(opt_state=offload_lib.on_host(out.opt_state)) if self.host_opt else out
+        if self.host_opt:
+            out = out._replace(opt_state=offload_lib.on_host(out.opt_state))
+        if self.host_params:
+            out = out._replace(params=offload_lib.on_host(out.params))
+        return out
 
     @property
     def targets(self) -> TrainState:
@@ -215,7 +221,7 @@ def make_layout(model: ModelFns, tx: optax.GradientTransformation, mesh: Mesh,
                 mesh_shape: MeshShape, rules: AxisRules, zero_stage: int,
                 min_shard_elements: int, param_dtype=jnp.float32,
                 grad_dtype=jnp.float32, compute_dtype=None, stages: Stages | None = None,
-                host_opt: bool = False) -> Layout:
+                host_opt: bool = False, host_params: bool = False) -> Layout:
     """Abstract state and the specs of every leaf; raises ShardingError early.
 
     With master weights (`needs_master` for `compute_dtype`), `tx` must be
@@ -260,7 +266,8 @@ def make_layout(model: ModelFns, tx: optax.GradientTransformation, mesh: Mesh,
     specs = zero_lib.state_specs(params, compute, names, opt_state, tx,
                                  zero_lib.stage(zero_stage), placement, outer, pipe, dict(sizes))
     return Layout(mesh, mesh_shape, rules, zero_stage, abstract, names, specs, placement,
-                  jnp.dtype(grad_dtype), master, stages, (stacked_params, stacked_opt), host_opt)
+                  jnp.dtype(grad_dtype), master, stages, (stacked_params, stacked_opt), host_opt,
+                  host_params)
 
 
 def init_state(layout: Layout, model: ModelFns, tx: optax.GradientTransformation,

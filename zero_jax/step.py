@@ -42,12 +42,14 @@ def lm_loss(model: ModelFns, hooks: Hooks, params: Any, tokens_BxT1: jax.Array) 
 def train_step(state: TrainState, batch: jax.Array, *, loss_and_grads: Callable,
                tx: optax.GradientTransformation, lr: optax.Schedule,
                scale_cfg: loss_scale_lib.LossScaleConfig, to_working: Callable,
-               host: offload_lib.HostUpdate | None = None) -> tuple[TrainState, dict[str, jax.Array]]:
+               host: offload_lib.HostUpdate | None = None,
+               fetch: Any = None) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer step. `loss_and_grads(params, batch, scale)` returns the
     mean loss and its gradients, both times `scale` (accumulated or pipelined);
     `to_working` casts new master weights to the working copy (master.py);
     with `host` the update runs in host memory, where the optimizer state is
-    (offload.py)."""
+    (offload.py); with `fetch` (device shardings) the parameters, stored in
+    host memory, are brought to the device for an update there."""
     scale = state.loss_scale.scale
     loss, grads = loss_and_grads(state.params, batch, scale if scale_cfg.enabled else None)
     if scale_cfg.enabled:
@@ -64,7 +66,8 @@ def train_step(state: TrainState, batch: jax.Array, *, loss_and_grads: Callable,
         return keep(new_params, params), keep(new_opt, opt_state)
 
     run = update if host is None else functools.partial(host.run, update)
-    params, opt_state = run(grads, state.opt_state, state.params, finite)
+    params = state.params if fetch is None else jax.device_put(state.params, fetch)
+    params, opt_state = run(grads, state.opt_state, params, finite)
     new_scale = loss_scale_lib.update(scale_cfg, state.loss_scale, finite)
     metrics = {
         "loss": loss,
@@ -228,12 +231,18 @@ def jit_train_step(layout: Layout, model: ModelFns, hooks: Hooks, tx: optax.Grad
     """`train_step` bound to a layout, jitted with its shardings, state donated."""
     loss_and_grads = make_loss_and_grads(layout, model, hooks, microbatches, sched, gather_once,
                                          reduce_once)
-    host = offload_lib.HostUpdate(layout.named(layout.specs.params)) if layout.host_opt else None
+    # The new parameters go where they are stored: to the device, or left in
+    # host memory under parameter offload.
+    host = offload_lib.HostUpdate(layout.shardings.params) if layout.host_opt else None
+    fetch = layout.named(layout.specs.params) if layout.host_params and not layout.host_opt \
+        else None
     step = functools.partial(train_step, loss_and_grads=loss_and_grads, tx=tx, lr=lr,
-                             scale_cfg=scale_cfg, to_working=layout.to_working, host=host)
+                             scale_cfg=scale_cfg, to_working=layout.to_working, host=host,
+                             fetch=fetch)
     replicated = NamedSharding(layout.mesh, PartitionSpec())
     return jax.jit(step, in_shardings=(layout.shardings, layout.batch_sharding),
-                   out_shardings=(layout.shardings, replicated), donate_argnums=0)
+                   out_shardings=(layout.shardings, replicated), donate_argnums=0,
+                   compiler_options=offload_lib.compiler_options(layout.host_params))
 
 
 def jit_eval_step(layout: Layout, model: ModelFns, hooks: Hooks, sched: Schedule | None = None):
@@ -254,4 +263,5 @@ def jit_eval_step(layout: Layout, model: ModelFns, hooks: Hooks, sched: Schedule
         def loss_fn(params, batch):
             return lm_loss(model, hooks, params, batch)
     return jax.jit(loss_fn, in_shardings=(layout.shardings.params, layout.batch_sharding),
-                   out_shardings=NamedSharding(layout.mesh, PartitionSpec()))
+                   out_shardings=NamedSharding(layout.mesh, PartitionSpec()),
+                   compiler_options=offload_lib.compiler_options(layout.host_params))
