@@ -19,6 +19,12 @@ from the estimates alone.
 Time: compute at peak x the device's published efficiency, plus each mesh
 axis's collectives over its link, nothing overlapped (conservative), and for
 a pipeline the cost of its lockstep schedule (bubble included).
+
+Offload layouts (`--offload`, where the device kind has host figures) keep
+the optimizer state, and at ZeRO-3 the parameters, in host memory: they fit
+when the device's bytes fit its memory and the node's devices' host bytes
+fit the node's host memory; their time adds the host link's transfers and
+the host update at the node's memory bandwidth.
 """
 
 from __future__ import annotations
@@ -52,6 +58,8 @@ def parse(argv):
     p.add_argument("--stages", default="0,1,2,3", help="ZeRO stages to consider")
     p.add_argument("--remat", default="full,none", help="activation policies to consider")
     p.add_argument("--micro", default="1,2,4,8", help="microbatch sizes to consider")
+    p.add_argument("--offload", default="none,opt,opt+params",
+                   help="host offload to consider: none, opt (optimizer state), opt+params (ZeRO-3)")
     p.add_argument("--top", type=int, default=10)
     p.add_argument("--compile", type=int, default=4, help="compile the best N that fit (0: none)")
     p.add_argument("--include", action="append", default=[],
@@ -114,22 +122,29 @@ def main(argv=None) -> int:
         stages = tuple(int(s) for s in args.stages.split(","))
         remats = tuple(args.remat.split(","))
         micros = tuple(int(s) for s in args.micro.split(","))
+        offloads = tuple("" if o == "none" else o for o in args.offload.split(","))
+        if unknown := set(offloads) - set(planner.OFFLOADS):
+            raise ValueError(f"--offload {args.offload}: unknown {sorted(unknown)}; choose from "
+                             "none, opt, opt+params")
     except (ValueError, config_lib.ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     all_choices = planner.choices(cfg, cluster, args.global_batch, stages=stages, remats=remats,
-                                  micros=micros)
+                                  micros=micros, offloads=offloads)
     if not all_choices:
         print("error: no layout divides this model, cluster and batch", file=sys.stderr)
         return 2
     n = cluster.size
     print(f"{model_line}\n{n} x {device.name} ({args.nodes} nodes x {cluster.per_node}), global "
           f"batch {args.global_batch} x {args.seq_len}: {len(all_choices)} layouts", file=sys.stderr)
+    if any(offloads) and not device.can_offload:
+        print(f"no offload layouts: {args.cluster} has no host memory and link figures "
+              "(meshes/devices/)", file=sys.stderr)
 
     # 1. Analytic: one abstract job per mesh, stage and cut; every layout on it.
     jobs, estimates = {}, []
     for choice in tqdm(all_choices, desc="estimate", file=sys.stderr):
-        key = (choice.pipe, choice.tensor, choice.data, choice.zero, choice.virtual)
+        key = (choice.pipe, choice.tensor, choice.data, choice.zero, choice.virtual, choice.offload)
         if key not in jobs:
             try:
                 jobs[key] = planner.abstract_job(choice.flat(base), build, n)
@@ -199,7 +214,7 @@ def row(e, cluster, rank: int) -> dict:
     out = {"rank": rank, "layout": e.choice.label, "fits": e.fits,
            "bytes": {"params": e.state["params"], "opt_state": e.state["opt_state"],
                      **{f"step_{k}": v for k, v in e.step_bytes.items()},
-                     "total_estimate": e.analytic_bytes},
+                     "total_estimate": e.analytic_bytes, "host": e.host_bytes},
            "headroom": e.headroom, "step_s": e.step_s, "compute_s": e.compute_s,
            "comm_s": e.comm_s, "bubble": e.bubble, "tokens_per_s": e.tokens_per_s,
            "tflops_per_device": e.tflops_per_device(n), "mfu": e.mfu(n, dev.peak_flops)}
@@ -212,16 +227,20 @@ def row(e, cluster, rank: int) -> dict:
 
 
 def print_table(rows, device, fitting: int, total: int) -> None:
-    print(f"{fitting} of {total} layouts fit in {device.hbm_bytes / 1e9:.1f} GB "
-          f"(estimate; 'CPU GB': compiled here, bf16 temporaries widened, an upper bound)")
-    print(f"{'#':>4}  {'layout':<54}{'fits':>5}{'GB':>7}{'CPU GB':>8}{'head':>7}{'step s':>9}"
-          f"{'tok/s':>13}{'TFLOP/s':>9}{'MFU':>6}")
+    host = (f" and {device.host_bytes_per_node / 2**40:.0f} TiB of host memory per node"
+            if device.can_offload else "")
+    print(f"{fitting} of {total} layouts fit in {device.hbm_bytes / 1e9:.1f} GB{host} "
+          f"(estimate; 'CPU GB': compiled here, bf16 temporaries widened, an upper bound; "
+          f"'host GB': offloaded, per device)")
+    print(f"{'#':>4}  {'layout':<72}{'fits':>5}{'GB':>7}{'CPU GB':>8}{'host GB':>8}{'head':>7}"
+          f"{'step s':>9}{'tok/s':>13}{'TFLOP/s':>9}{'MFU':>6}")
     for r in rows:
         c = r.get("compiled") or {}
         cpu = f"{(c['argument_bytes'] + c['temp_bytes']) / 1e9:.1f}" if "temp_bytes" in c else \
             ("err" if c else "-")
-        print(f"{r['rank']:>4}  {r['layout']:<54}{'yes' if r['fits'] else 'no':>5}"
-              f"{r['bytes']['total_estimate'] / 1e9:>7.1f}{cpu:>8}{r['headroom']:>7.0%}"
+        print(f"{r['rank']:>4}  {r['layout']:<72}{'yes' if r['fits'] else 'no':>5}"
+              f"{r['bytes']['total_estimate'] / 1e9:>7.1f}{cpu:>8}{r['bytes']['host'] / 1e9:>8.1f}"
+              f"{r['headroom']:>7.0%}"
               f"{r['step_s']:>9.2f}{r['tokens_per_s']:>13,.0f}{r['tflops_per_device']:>9.1f}"
               f"{r['mfu']:>6.0%}")
     if rows:

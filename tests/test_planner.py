@@ -1,6 +1,7 @@
 """The planner: layouts enumerated, model-state bytes exact against real
 arrays, the analytic step estimate against compiled programs, the CLI."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -76,3 +77,34 @@ def test_plan_ranks_layouts_and_writes_a_config_train_accepts(tmp_path):
     run = config_lib.build(str(tmp_path / "run.toml"), {})
     assert run.parallel.mesh.endswith("mesh.toml") and run.model.name == "gpt-tiny"
     job_lib.mesh_config(run).resolve(8)  # the written mesh covers the cluster
+
+
+def test_offload_layouts_move_states_to_the_host_within_its_memory():
+    """The optimizer state leaves the device's bytes for the host's, exactly
+    as the layout's memory kinds say; the host link carries the gradient
+    shard out and the new parameter shard back; a node without the host
+    memory for it does not fit. No offload is planned without host figures."""
+    build = models.for_run(config_lib.ModelConfig(name="gpt-tiny"), 256)[0]
+    cluster = planner.Cluster(A100.device, 1, 8)
+    found = planner.choices(build(1).config, cluster, 16)
+    assert {c.offload for c in found if c.zero == 0} == {""}
+    assert {c.offload for c in found if c.zero == 3 and c.pipe == 1} == {"", "opt", "opt+params"}
+    assert {c.offload for c in found if c.zero == 3 and c.pipe > 1} == {"", "opt"}
+    tpu = planner.Cluster(hardware.load("tpu-v5p"), 2, 4)
+    assert {c.offload for c in planner.choices(build(1).config, tpu, 16)} == {""}
+
+    plain, off = (planner.Choice(1, 1, 8, 2, "full", 2, 1, offload=o) for o in ("", "opt"))
+    jobs = {c: planner.abstract_job(c.flat(BASE), build, 8) for c in (plain, off)}
+    est = {c: planner.estimate(jobs[c], c, cluster) for c in (plain, off)}
+    split = memory.by_memory_kind(jobs[off].layout)
+    assert est[off].host == split["host"] and split["host"]["opt_state"] == est[plain].state["opt_state"]
+    assert est[off].host_bytes == split["host"]["opt_state"] + est[off].state["grads"]
+    assert est[off].analytic_bytes < est[plain].analytic_bytes - split["host"]["opt_state"] * 0.99
+    # fp32, ZeRO-2: the gradient shard out, the parameter shard (same size) back.
+    assert est[off].comm_s["host link"] == pytest.approx(
+        2 * est[off].state["grads"] / A100.device.host_link_bw)
+    assert "host link" not in est[plain].comm_s and est[off].fits
+
+    small = planner.Cluster(dataclasses.replace(A100.device, host_bytes_per_node=8), 1, 8)
+    assert not planner.estimate(jobs[off], off, small).fits
+    assert planner.estimate(jobs[plain], plain, small).fits

@@ -1,6 +1,7 @@
 """Accelerator kinds as data: one TOML per kind in meshes/devices/, each
-number with its source beside it (memory, peak FLOP/s, link bandwidths, and
-the efficiency a planner applies to the peak)."""
+number with its source beside it (memory, peak FLOP/s, link bandwidths, the
+efficiency a planner applies to the peak, and the host's memory and links
+for offload)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,14 @@ class Device:
     inter_node_bw: float  # bytes/s per device, one direction, across nodes (InfiniBand, DCN)
     efficiency: float  # fraction of peak a large dense model reaches (published)
     ici_domain: int = 0  # devices the fast links join, if more than a node (a TPU slice)
+    # Host offload (offload.py); 0 where not known: no offload layouts are planned.
+    host_bytes_per_node: int = 0  # host memory of one node
+    host_link_bw: float = 0.0  # bytes/s per device, one direction, host <-> device (PCIe, C2C)
+    host_mem_bw: float = 0.0  # host memory bytes/s of one node (bounds the update run there)
+
+    @property
+    def can_offload(self) -> bool:
+        return self.host_bytes_per_node > 0 and self.host_link_bw > 0 and self.host_mem_bw > 0
 
     @property
     def fast_domain(self) -> int:

@@ -14,6 +14,10 @@ size, nothing allocated, nothing compiled):
            or across nodes), with nothing overlapped: a pipeline's compute is
            the cost of its lockstep schedule (schedule.cost), bubble included.
 
+With host offload (offload.py) the states in host memory leave the device's
+bytes and count against the node's host memory; the host link's transfers
+and the update on the host add to the time.
+
 The search (scripts/plan.py) prunes with these, then compiles the best on
 simulated CPU devices (`measure`) for the compiled memory and the collective
 bytes of the real program, which replace the analytic traffic.
@@ -59,12 +63,14 @@ class Choice:
     microbatches: int
     schedule: str = ""  # with pipe > 1
     virtual: int = 1
+    offload: str = ""  # in host memory: "" nothing, "opt" the optimizer state, "opt+params" both
 
     @property
     def label(self) -> str:
         s = f"{self.schedule}{f' v={self.virtual}' if self.virtual > 1 else ''}" if self.pipe > 1 else "-"
         return (f"PP={self.pipe} TP={self.tensor} DP={self.data} ZeRO-{self.zero} {self.remat} "
-                f"mb={self.micro}x{self.microbatches} {s}")
+                f"mb={self.micro}x{self.microbatches} {s}"
+                + (f" offload={self.offload}" if self.offload else ""))
 
     def mesh(self, cluster: Cluster) -> dict[str, dict[str, int]]:
         """[ici] and [dcn] sizes: tensor inside a node first, then data, then pipe."""
@@ -84,6 +90,8 @@ class Choice:
         out = {**base, "parallel.mesh": f"pipe={self.pipe},data={self.data},tensor={self.tensor}",
                "parallel.zero_stage": self.zero, "activations.remat": self.remat,
                "train.microbatches": self.microbatches,
+               "offload.optimizer": bool(self.offload),
+               "offload.params": self.offload == "opt+params",
                # The vocabulary padded so that tensor and pipe split the embedding.
                "model.vocab_multiple": self.tensor * self.pipe * 8}
         if self.pipe > 1:
@@ -92,13 +100,20 @@ class Choice:
         return out
 
 
+OFFLOADS = ("", "opt", "opt+params")
+
+
 def choices(model_cfg, cluster: Cluster, global_batch: int, *, stages=(0, 1, 2, 3),
-            remats=("full", "none"), micros=(1, 2, 4, 8), schedules=("1f1b", "interleaved")
-            ) -> list[Choice]:
+            remats=("full", "none"), micros=(1, 2, 4, 8), schedules=("1f1b", "interleaved"),
+            offloads=OFFLOADS) -> list[Choice]:
     """Every layout that divides the model and the cluster: tensor inside a
     node and dividing the heads, pipe up to the layer count, the global batch
     split evenly, and a pipeline with at least as many microbatches as stages.
-    gpipe is left out: 1f1b has its cost and holds fewer inputs."""
+    gpipe is left out: 1f1b has its cost and holds fewer inputs. Offload
+    where the device kind has host figures: the optimizer state at ZeRO-1
+    and up, the parameters too at ZeRO-3 without a pipeline (job.py)."""
+    if not cluster.device.can_offload:
+        offloads = tuple(o for o in offloads if not o)
     n = cluster.size
     out = []
     for tensor in _divisors(min(cluster.per_node, n)):
@@ -121,9 +136,12 @@ def choices(model_cfg, cluster: Cluster, global_batch: int, *, stages=(0, 1, 2, 
                     (s, v) for s in schedules for v in ((2,) if s == "interleaved" else (1,))
                     if not (s == "interleaved" and (m % pipe or model_cfg.n_layer < pipe * v))]
                 for zero in stages:
+                    kept = [o for o in offloads if not o or (zero >= 1 and (
+                        o == "opt" or (zero == 3 and pipe == 1)))]
                     for remat in remats:
                         for schedule, v in plans:
-                            out.append(Choice(pipe, tensor, data, zero, remat, micro, m, schedule, v))
+                            out += [Choice(pipe, tensor, data, zero, remat, micro, m, schedule, v, o)
+                                    for o in kept]
     return out
 
 
@@ -154,10 +172,20 @@ class Estimate:
     tokens: int  # per step
     model_flops: float  # per step, 6 N + attention per token
     compiled: dict[str, Any] | None = None  # measure(): memory and collectives of the real program
+    host: dict[str, int] = dataclasses.field(default_factory=dict)  # of `state`, in host memory
+    host_step: float = 0.0  # host bytes a step adds: the gradient shard the update reads
+    host_limit: float = 0.0  # this device's share of its node's host memory
 
     @property
     def analytic_bytes(self) -> float:
-        return self.state["params"] + self.state["opt_state"] + max(self.step_bytes.values())
+        """Device bytes: the states left on the device and the largest phase."""
+        stored = sum(self.state[k] - self.host.get(k, 0) for k in ("params", "opt_state"))
+        return stored + max(self.step_bytes.values())
+
+    @property
+    def host_bytes(self) -> float:
+        """Host memory this device uses: its offloaded states and the update's gradients."""
+        return sum(self.host.values()) + self.host_step
 
     @property
     def peak_bytes(self) -> float:
@@ -167,7 +195,7 @@ class Estimate:
 
     @property
     def fits(self) -> bool:
-        return self.peak_bytes <= self.hbm
+        return self.peak_bytes <= self.hbm and self.host_bytes <= self.host_limit
 
     @property
     def headroom(self) -> float:
@@ -199,6 +227,7 @@ def estimate(job: job_lib.Job, choice: Choice, cluster: Cluster, platform: str =
     c = np.dtype(job.policy.dtype("compute")).itemsize
     g = np.dtype(layout.grad_dtype).itemsize
     state = memory.sharded(layout)
+    on_device, in_host = (lambda split: (split["device"], split["host"]))(memory.by_memory_kind(layout))
     stage = zero_lib.stage(choice.zero)
     compute_grads = memory.sharded_bytes(layout.abstract_grads, layout.specs.compute, layout.mesh)
     outer_grads, stack_grads = _split_bytes(layout, layout.abstract_grads, layout.specs.compute)
@@ -226,9 +255,12 @@ def estimate(job: job_lib.Job, choice: Choice, cluster: Cluster, platform: str =
     # at the start of the program (the update selects between old and new
     # values, for skipped steps) and holds the copy throughout; a GPU's
     # memory-aware scheduler makes it at the update.
-    held = state["opt_state"] if platform == "cpu" else 0.0
+    held = on_device["opt_state"] if platform == "cpu" else 0.0
     per_microbatch = stage.params and not job.reduce_once
     layer_gathers = 2 * per_layer / g * c if stage.params else 0.0  # this layer's and the next
+    if layout.host_params:  # and their stored shards, fetched from host memory
+        _, stack_stored = _split_bytes(layout, layout.abstract.params, layout.specs.params)
+        layer_gathers += 2 * stack_stored / layers_here
     if choice.pipe > 1:
         # Throughout: accumulators in the gradient layout (reduced each
         # microbatch) or the compute layout (partial sums), `pipe` left out
@@ -266,8 +298,14 @@ def estimate(job: job_lib.Job, choice: Choice, cluster: Cluster, platform: str =
     # ones), and, with a replicated working copy, the gathered new parameters.
     opt_specs = layout.specs.sharded if stage.opt_state else layout.specs.params
     f32 = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, np.float32), layout.abstract.params)
+    opt_elements = memory.sharded_bytes(f32, opt_specs, layout.mesh) / 4  # the update's shard
     working = state["params"] if stage.opt_state and not stage.params else 0.0
-    update = state["grads"] + 2 * memory.sharded_bytes(f32, opt_specs, layout.mesh) + working
+    if layout.host_opt:
+        # Run on the host (offload.py): the device holds the gradients it
+        # sends and the new parameters that come back beside the old.
+        update = state["grads"] + on_device["params"]
+    else:  # offloaded parameters alone are fetched whole for an update on the device
+        update = state["grads"] + 8 * opt_elements + working + in_host["params"]
     step_bytes = {"backward": backward, "reduction": reduction, "update": update}
 
     tokens = choice.data * choice.micro * choice.microbatches * T
@@ -296,6 +334,8 @@ def estimate(job: job_lib.Job, choice: Choice, cluster: Cluster, platform: str =
         layers_here = cfg.n_layer / choice.pipe
         comm["tensor"] = (choice.microbatches * layers_here * per * 2 * (t - 1) / t
                           / _bw(choice, cluster, "tensor"))
+    if layout.host_opt or layout.host_params:
+        comm.update(_host_time(layout, choice, cluster, in_host, opt_elements, on_device, c, g))
     if choice.data > 1:
         n = choice.data
         psi = compute_grads / g  # parameters this device computes with
@@ -305,7 +345,41 @@ def estimate(job: job_lib.Job, choice: Choice, cluster: Cluster, platform: str =
         param_bytes = psi * c * gathers * (n - 1) / n
         comm["data"] = (grad_bytes + param_bytes) / _bw(choice, cluster, "data")
     return Estimate(choice, state, step_bytes, dev.hbm_bytes, compute, comm, bubble, tokens,
-                    model_flops)
+                    model_flops, host=in_host,
+                    host_step=opt_elements * g if layout.host_opt else 0.0,
+                    host_limit=dev.host_bytes_per_node / cluster.per_node)
+
+
+# Bytes of host memory the update reads and writes per parameter it updates:
+# the float32 master and two Adam moments read and written (24), the
+# gradient read, the new working parameter written.
+UPDATE_TOUCHES = 24
+
+
+def _host_time(layout, choice: Choice, cluster: Cluster, in_host: dict, opt_elements: float,
+               on_device: dict, c: int, g: int) -> dict[str, float]:
+    """Seconds per step over the host link and in the host's update, not
+    overlapped. Under optimizer offload each device sends its shard of the
+    gradients (g bytes per parameter it updates) and receives the new
+    parameters it stores on the device (its working shard at ZeRO-1/2, its
+    stored shard at ZeRO-3); the update streams the optimizer state through
+    host memory, whose bandwidth the node's devices share (a floor: a host
+    update reaches a fraction of it). Under parameter offload every
+    microbatch fetches the stored shards forward and backward, and again
+    to recompute under full remat."""
+    dev = cluster.device
+    link = 0.0
+    out = {}
+    if layout.host_opt:
+        back = on_device["params"] if zero_lib.stage(layout.zero_stage).params else opt_elements * c
+        link += opt_elements * g + back
+        touched = opt_elements * (UPDATE_TOUCHES + g + c)
+        out["host update"] = touched / (dev.host_mem_bw / cluster.per_node)
+    if layout.host_params:
+        fetches = 3 if choice.remat == "full" else 2
+        link += in_host["params"] * fetches * choice.microbatches
+    out["host link"] = link / dev.host_link_bw
+    return out
 
 
 @functools.lru_cache(maxsize=256)
@@ -371,6 +445,9 @@ def with_measured(est: Estimate, measured: dict[str, Any], cluster: Cluster) -> 
         comm[where] = comm.get(where, 0.0) + payload * RING.get(op, RING["all-gather"])(max(n, 2)) / link
     if est.choice.pipe > 1:  # the schedule's sends stay as the cost model counts them
         comm["pipe"] = est.comm_s.get("pipe", 0.0)
+    for key in ("host link", "host update"):  # no collectives: as estimated
+        if key in est.comm_s:
+            comm[key] = est.comm_s[key]
     return dataclasses.replace(est, comm_s=comm, compiled=measured)
 
 
