@@ -1,8 +1,9 @@
-"""Step time with the optimizer state offloaded to host memory, against the
-same step without offload.
+"""Step time with the optimizer state (and at ZeRO-3 the parameters) offloaded
+to host memory, against the same step without offload.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 \\
         python scripts/bench_offload.py --model gpt-small --zero-stage 2
+    python scripts/bench_offload.py --model gpt-small --zero-stage 3 --variants none,opt,opt+params
 
 Runs both in one process on the same devices, their steps interleaved round
 by round so that load on a shared machine hits them alike, and prints the
@@ -11,7 +12,10 @@ and host memory (from the shardings). On CPU, host and device memory are the
 same memory: the ratio measures the transfers and the update run as host
 code. On a GPU the same command measures the PCIe or C2C traffic and the
 host's update, and `--json` reports the device's peak memory where the
-runtime gives it. A benchmark, not a test.
+runtime gives it. A variant that does not compile (out of device memory on
+a GPU) or is refused (opt+params below ZeRO-3) is reported as such, so one
+command shows a model that trains with offload and not without.
+A benchmark, not a test.
 """
 
 from __future__ import annotations
@@ -36,49 +40,67 @@ def main(argv=None) -> int:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per variant")
+    parser.add_argument("--variants", default="none,opt",
+                        help="none, opt (optimizer state), opt+params (ZeRO-3)")
+    parser.add_argument("--remat", default="none")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
 
     corpus = data_lib.load("stdlib")
-    runs = {}
-    for name, offload in (("on device", False), ("offloaded", True)):
+    runs, failed = {}, {}
+    for name in args.variants.split(","):
         cfg = config_lib.build(None, {
             "model.name": args.model, "parallel.mesh": args.mesh,
             "parallel.zero_stage": args.zero_stage, "precision.policy": args.precision,
             "data.seq_len": args.seq_len, "train.batch_size": args.batch_size,
-            "offload.optimizer": offload})
-        job = job_lib.prepare(cfg, models.builder(args.model, corpus.vocab_size))
+            "activations.remat": args.remat, "offload.optimizer": name != "none",
+            "offload.params": name == "opt+params"})
+        try:
+            job = job_lib.prepare(cfg, models.builder(args.model, corpus.vocab_size))
+            compiled = job.compile_train_step()
+            state = job.init_state()
+        except Exception as e:  # noqa: BLE001 - refused, or out of device memory: reported
+            failed[name] = str(e).splitlines()[0][:160]
+            continue
         batch = functools.partial(data_lib.global_batch, corpus, "train", args.seq_len,
                                   args.batch_size, 0, sharding=job.layout.batch_sharding)
-        runs[name] = {"step": job.compile_train_step(), "state": job.init_state(), "batch": batch,
+        runs[name] = {"step": compiled, "state": state, "batch": batch,
                       "bytes": memory.by_memory_kind(job.layout),
+                      "compiled": memory.compiled(compiled),
                       "tokens": args.batch_size * args.seq_len}
 
-    medians = interleaved_medians(runs, args.steps)
-    base = medians["on device"]
+    medians = interleaved_medians(runs, args.steps) if runs else {}
+    base = next(iter(medians.values()), None)
     rows = []
     for name, r in runs.items():
         step = medians[name]
         row = {"variant": name, "median_step_s": step, "ratio": step / base,
                "tokens_per_s": r["tokens"] / step,
                "device_bytes": sum(r["bytes"]["device"].values()),
-               "host_bytes": sum(r["bytes"]["host"].values())}
-        stats = jax.devices()[0].memory_stats() or {}
-        if "peak_bytes_in_use" in stats:
-            row["device_peak_bytes"] = stats["peak_bytes_in_use"]
+               "host_bytes": sum(r["bytes"]["host"].values()),
+               "compiled_temp_bytes": r["compiled"]["temp_bytes"]}
         rows.append(row)
+    # The process's peak over every variant run (where the runtime keeps one).
+    stats = jax.devices()[0].memory_stats() or {}
+    peak = stats.get("peak_bytes_in_use")
     if args.json:
-        print(json.dumps(rows, indent=1))
+        print(json.dumps({"variants": rows, "failed": failed, "device_peak_bytes": peak},
+                         indent=1))
     else:
         print(f"{args.model}, {args.mesh}, ZeRO-{args.zero_stage}, {args.precision}, seq "
               f"{args.seq_len}, batch {args.batch_size}, {args.steps} steps each "
               f"({jax.devices()[0].platform})")
         print(f"{'variant':<12}{'step (s)':>10}{'ratio':>8}{'tokens/s':>11}"
-              f"{'device MiB':>12}{'host MiB':>10}")
+              f"{'device MiB':>12}{'host MiB':>10}{'temp MiB':>10}")
         for row in rows:
             print(f"{row['variant']:<12}{row['median_step_s']:>10.3f}{row['ratio']:>8.2f}"
                   f"{row['tokens_per_s']:>11,.0f}{row['device_bytes'] / 2**20:>12.1f}"
-                  f"{row['host_bytes'] / 2**20:>10.1f}")
+                  f"{row['host_bytes'] / 2**20:>10.1f}"
+                  f"{row['compiled_temp_bytes'] / 2**20:>10.1f}")
+        for name, why in failed.items():
+            print(f"{name:<12}failed: {why}")
+        if peak is not None:
+            print(f"device peak over all variants: {peak / 2**30:.2f} GiB")
     return 0
 
 

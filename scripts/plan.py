@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import dataclasses
 import hashlib
 import json
 import multiprocessing
@@ -158,25 +159,27 @@ def main(argv=None) -> int:
 
     # 2. Compile the best that fit, and the pinned ones, in worker processes.
     # Measured traffic can reorder the ranking: a second round compiles what
-    # has risen into the best `--compile` since.
-    results: dict = {}  # Choice -> compiled figures
+    # has risen into the best `--compile` since. An offload layout runs the
+    # collectives of the same layout without offload: that one is compiled.
+    results: dict = {}  # Choice (without offload) -> compiled figures
     ranked = fitting
     if n <= MAX_CPU_DEVICES and (args.compile or pinned):
         ctx = multiprocessing.get_context("spawn")
         with cf.ProcessPoolExecutor(args.workers, mp_context=ctx) as pool:
             for round_ in range(2):
-                todo = [e for e in {e.choice: e for e in ranked[:args.compile] + pinned}.values()
-                        if e.choice not in results]
+                best = list(dict.fromkeys(_compiled_as(e.choice) for e in ranked))[:args.compile]
+                todo = [c for c in dict.fromkeys(best + [_compiled_as(e.choice) for e in pinned])
+                        if c not in results]
                 if not todo:
                     break
-                pending = {e.choice: measured(e.choice.flat(base), n, args.vocab_size,
-                                              Path(args.cache_dir), pool) for e in todo}
-                for e in tqdm(todo, desc=f"compile ({round_ + 1})", file=sys.stderr):
-                    got = pending[e.choice]
+                pending = {c: measured(c.flat(base), n, args.vocab_size, Path(args.cache_dir), pool)
+                           for c in todo}
+                for c in tqdm(todo, desc=f"compile ({round_ + 1})", file=sys.stderr):
+                    got = pending[c]
                     try:
-                        results[e.choice] = got.result() if isinstance(got, cf.Future) else got
+                        results[c] = got.result() if isinstance(got, cf.Future) else got
                     except Exception as err:  # noqa: BLE001 - reported in the table
-                        results[e.choice] = {"error": str(err).splitlines()[0][:200]}
+                        results[c] = {"error": str(err).splitlines()[0][:200]}
                 ranked = _rank(estimates, results, cluster)
     ranked = _rank(estimates, results, cluster)
     shown = ranked[:args.top] + [e for e in ranked[args.top:]
@@ -195,14 +198,22 @@ def main(argv=None) -> int:
     return 0
 
 
+def _compiled_as(choice):
+    """The layout compiled for `choice`'s figures: itself without offload."""
+    return dataclasses.replace(choice, offload="")
+
+
 def _rank(estimates, results: dict, cluster) -> list:
-    """Estimates with the compiled figures where measured, fitting and fastest first."""
+    """Estimates with the compiled figures where measured, fitting and fastest first.
+    An offload layout takes its twin's collectives, not its memory."""
     from zero_jax import planner
     out = []
     for e in estimates:
-        r = results.get(e.choice)
+        r = results.get(_compiled_as(e.choice))
         if r and "error" not in r:
             e = planner.with_measured(e, r, cluster)
+            if e.choice.offload:
+                e.compiled = {k: v for k, v in r.items() if k.startswith("collective")}
         elif r:
             e.compiled = r
         out.append(e)
@@ -219,10 +230,8 @@ def row(e, cluster, rank: int) -> dict:
            "comm_s": e.comm_s, "bubble": e.bubble, "tokens_per_s": e.tokens_per_s,
            "tflops_per_device": e.tflops_per_device(n), "mfu": e.mfu(n, dev.peak_flops)}
     if e.compiled:
-        out["compiled"] = e.compiled if "error" in e.compiled else {
-            "argument_bytes": e.compiled["argument_bytes"], "temp_bytes": e.compiled["temp_bytes"],
-            "collective_bytes": e.compiled["collective_bytes"],
-            "collectives": e.compiled["collectives"]}
+        keys = ("error", "argument_bytes", "temp_bytes", "collective_bytes", "collectives")
+        out["compiled"] = {k: e.compiled[k] for k in keys if k in e.compiled}
     return out
 
 
@@ -237,7 +246,7 @@ def print_table(rows, device, fitting: int, total: int) -> None:
     for r in rows:
         c = r.get("compiled") or {}
         cpu = f"{(c['argument_bytes'] + c['temp_bytes']) / 1e9:.1f}" if "temp_bytes" in c else \
-            ("err" if c else "-")
+            ("err" if "error" in c else "-")
         print(f"{r['rank']:>4}  {r['layout']:<72}{'yes' if r['fits'] else 'no':>5}"
               f"{r['bytes']['total_estimate'] / 1e9:>7.1f}{cpu:>8}{r['bytes']['host'] / 1e9:>8.1f}"
               f"{r['headroom']:>7.0%}"
@@ -252,7 +261,7 @@ def print_table(rows, device, fitting: int, total: int) -> None:
               + ", ".join(f"{k[5:]} {v / 1e9:.2f} GB" for k, v in b.items() if k.startswith("step_"))
               + f"; time: compute {r['compute_s']:.2f} s"
               + "".join(f", {a} {s:.2f} s" for a, s in r["comm_s"].items())
-              + (" (collectives measured in the compiled program)" if "temp_bytes" in
+              + (" (collectives measured in the compiled program)" if "collectives" in
                  (r.get("compiled") or {}) else " (all estimated)")
               + (f", bubble {r['bubble']:.1%} of the schedule" if r["bubble"] else ""))
 

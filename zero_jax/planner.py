@@ -90,13 +90,14 @@ class Choice:
         out = {**base, "parallel.mesh": f"pipe={self.pipe},data={self.data},tensor={self.tensor}",
                "parallel.zero_stage": self.zero, "activations.remat": self.remat,
                "train.microbatches": self.microbatches,
-               "offload.optimizer": bool(self.offload),
-               "offload.params": self.offload == "opt+params",
                # The vocabulary padded so that tensor and pipe split the embedding.
                "model.vocab_multiple": self.tensor * self.pipe * 8}
         if self.pipe > 1:
             out["parallel.pipeline_schedule"] = self.schedule
             out["parallel.virtual_stages"] = self.virtual
+        if self.offload:
+            out["offload.optimizer"] = True
+            out["offload.params"] = self.offload == "opt+params"
         return out
 
 
@@ -227,7 +228,8 @@ def estimate(job: job_lib.Job, choice: Choice, cluster: Cluster, platform: str =
     c = np.dtype(job.policy.dtype("compute")).itemsize
     g = np.dtype(layout.grad_dtype).itemsize
     state = memory.sharded(layout)
-    on_device, in_host = (lambda split: (split["device"], split["host"]))(memory.by_memory_kind(layout))
+    split = memory.by_memory_kind(layout)
+    on_device, in_host = split["device"], split["host"]
     stage = zero_lib.stage(choice.zero)
     compute_grads = memory.sharded_bytes(layout.abstract_grads, layout.specs.compute, layout.mesh)
     outer_grads, stack_grads = _split_bytes(layout, layout.abstract_grads, layout.specs.compute)
