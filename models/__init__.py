@@ -1,39 +1,91 @@
-"""Reference models for zero_jax. Each names logical axes only."""
+"""Reference models for zero_jax, by family: the GPT (models/gpt.py) and the
+Llama family (models/llama.py: Llama 2 and 3, Mistral, Qwen2). Each names
+logical axes only. A model is chosen by preset name, or by "hf:DIR" for the
+shape in a Hugging Face directory's config.json; shape fields override it."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from zero_jax.model import ModelFns
 
-from models import gpt, gpt_hf
+from models import gpt, hf, llama
+
+GPT_FIELDS = ("n_layer", "n_head", "d_model", "d_mlp", "vocab_size", "max_seq_len")
+
+
+def _resolve(name: str, overrides: dict) -> tuple[str, str, dict]:
+    """(family, preset, fields) for a model name: a preset's, or "hf:DIR"'s
+    shape with `overrides` on top; checks the fields belong to the family."""
+    given = {k: v for k, v in overrides.items() if v not in (0, "", None)}
+    if "tie_embeddings" in given and isinstance(given["tie_embeddings"], str):
+        given["tie_embeddings"] = given["tie_embeddings"] == "true"
+    if name.startswith("hf:"):
+        family, fields = hf.shape(Path(name[3:]))
+        return family, "", {**fields, **given}
+    if name in llama.PRESETS:
+        return "llama", name, given
+    if name and name not in gpt.PRESETS:
+        raise ValueError(f"unknown model {name!r}; choose from {', '.join(gpt.PRESETS)}, "
+                         f"{', '.join(llama.PRESETS)}, hf:DIR (a Hugging Face config.json), or "
+                         "give every shape (--model '' --n-layer .. --n-head .. --d-model ..)")
+    other = sorted(set(given) - set(GPT_FIELDS))
+    if other:
+        raise ValueError(f"{', '.join(other)}: Llama-family fields, but {name or 'a custom GPT'} "
+                         "is a GPT; choose a Llama-family preset (llama-tiny, llama-3-8b, ...)")
+    return "gpt", name, given
+
+
+def config(name: str, data_vocab: int, vocab_multiple: int = 1, **overrides):
+    """The model's frozen shape dataclass."""
+    family, preset, fields = _resolve(name, overrides)
+    if family == "gpt":
+        return gpt.config(preset, data_vocab, vocab_multiple=vocab_multiple, **fields)
+    if preset:
+        return llama.config(preset, data_vocab, vocab_multiple=vocab_multiple, **fields)
+    fields.setdefault("vocab_size", data_vocab)
+    return llama.LlamaConfig(vocab_multiple=vocab_multiple, **fields)
+
+
+def model_fns(cfg) -> ModelFns:
+    return llama.model_fns(cfg) if isinstance(cfg, llama.LlamaConfig) else gpt.model_fns(cfg)
 
 
 def build(name: str, data_vocab: int, vocab_multiple: int = 1, **overrides) -> ModelFns:
-    """A model by preset name, sized to the data's vocabulary unless the preset
-    or `overrides` name one (`overrides` change any shape field, e.g. n_layer)."""
-    return gpt.model_fns(gpt.config(name, data_vocab, vocab_multiple=vocab_multiple, **overrides))
+    """A model by name, sized to the data's vocabulary unless the preset or
+    `overrides` name one (`overrides` change any shape field, e.g. n_layer)."""
+    return model_fns(config(name, data_vocab, vocab_multiple, **overrides))
 
 
 def builder(name: str, data_vocab: int, **overrides):
     """`vocab_multiple -> ModelFns`, checking the name now."""
-    gpt.config(name, data_vocab, **overrides)
+    config(name, data_vocab, **overrides)
     return lambda vocab_multiple: build(name, data_vocab, vocab_multiple, **overrides)
 
 
 def describe(name: str, data_vocab: int, vocab_multiple: int = 1, **overrides) -> str:
-    c = gpt.config(name, data_vocab, vocab_multiple=vocab_multiple, **overrides)
+    c = config(name, data_vocab, vocab_multiple, **overrides)
     vocab = f"{c.vocab_size}" + (f" padded to {c.padded_vocab}" if c.padded_vocab != c.vocab_size else "")
     changed = [k for k, v in overrides.items() if v]
-    return (f"{name or 'custom'}{' with ' + ', '.join(changed) + ' set' if name and changed else ''}: "
-            f"{c.n_layer} layers, d_model {c.d_model}, {c.n_head} heads, "
+    head = f"{name or 'custom'}{' with ' + ', '.join(changed) + ' set' if name and changed else ''}"
+    if isinstance(c, llama.LlamaConfig):
+        return (f"{head}: {c.family} family, {c.n_layer} layers, d_model {c.d_model}, "
+                f"{c.n_head} heads over {c.n_kv_head} kv heads of {c.q_dim}, mlp {c.d_mlp}, "
+                f"vocab {vocab}{', tied head' if c.tie_embeddings else ''}, rope theta "
+                f"{c.rope_theta:g}")
+    return (f"{head}: {c.n_layer} layers, d_model {c.d_model}, {c.n_head} heads, "
             f"mlp {c.d_mlp}, vocab {vocab}, positions {c.max_seq_len}")
 
 
 def preset_vocab(name: str) -> int:
     """The vocabulary a preset names (0: the data's)."""
-    return gpt.PRESETS[name][4] if name in gpt.PRESETS else 0
+    if name in gpt.PRESETS:
+        return gpt.PRESETS[name][4]
+    if name in llama.PRESETS:
+        return llama.PRESETS[name]["vocab_size"]
+    if name.startswith("hf:"):
+        return hf.shape(Path(name[3:]))[1].get("vocab_size", 0)
+    return 0
 
 
 def for_run(model_cfg, data_vocab: int):
@@ -41,7 +93,7 @@ def for_run(model_cfg, data_vocab: int):
     shape fields, the data's vocabulary where neither names one. A model
     vocabulary smaller than the data's is an error."""
     shape = model_cfg.shape()
-    cfg = gpt.config(model_cfg.name, data_vocab, **shape)
+    cfg = config(model_cfg.name, data_vocab, **shape)
     if cfg.vocab_size < data_vocab:
         raise ValueError(f"the model's vocabulary ({cfg.vocab_size}, --vocab-size or the preset) "
                          f"is smaller than the data's ({data_vocab}): token ids would fall outside "
@@ -50,27 +102,20 @@ def for_run(model_cfg, data_vocab: int):
             describe(model_cfg.name, data_vocab, model_cfg.vocab_multiple, **shape))
 
 
-def config_from(recorded: dict) -> gpt.GPTConfig:
+def config_from(recorded: dict):
     """The model shape a checkpoint recorded (its meta "model" entry)."""
     fields = {k: v for k, v in recorded.items() if k != "name"}
+    if "n_kv_head" in fields:
+        fields["rope_scaling"] = tuple(fields.get("rope_scaling") or ())
+        return llama.LlamaConfig(**fields)
     return gpt.GPTConfig(**fields)
 
 
 def hf_loader(source: str, job) -> dict | None:
-    """Parameters from a Hugging Face GPT-2 directory (config.json + model.safetensors),
-    or None if `source` is not one."""
+    """Parameters from a Hugging Face directory, placed in the job's layout
+    one tensor at a time (hf.py), or None if `source` is not one."""
     path = Path(source)
-    if not (path.is_dir() and (path / "config.json").exists() and (path / "model.safetensors").exists()):
+    if not hf.is_hf_dir(path):
         return None
-    from safetensors import safe_open
+    return hf.load(path, job)
 
-    hf = json.loads((path / "config.json").read_text())
-    cfg = job.model.config
-    mine = {"n_embd": cfg.d_model, "n_layer": cfg.n_layer, "n_head": cfg.n_head,
-            "vocab_size": cfg.vocab_size, "n_positions": cfg.max_seq_len}
-    differ = {k: (hf.get(k), v) for k, v in mine.items() if hf.get(k) != v}
-    if differ:
-        raise ValueError(f"{source}: Hugging Face config differs from the model: "
-                         + ", ".join(f"{k} {a} there, {b} here" for k, (a, b) in differ.items()))
-    with safe_open(str(path / "model.safetensors"), framework="numpy") as f:
-        return gpt_hf.params_from(cfg, f.get_tensor)

@@ -57,37 +57,57 @@ def pieces(cfg: GPTConfig, read: Read) -> Iterator[tuple[str, tuple[int, ...], C
     yield "ln_f.bias", (D,), lambda: read("ln_f.bias", None)
 
 
-def params_from(cfg: GPTConfig, tensors: Callable[[str], np.ndarray]) -> dict:
-    """Our parameter tree (numpy, stacked layers) from Hugging Face tensors by name."""
-    D, H, Q, L = cfg.d_model, cfg.n_head, cfg.head_dim, cfg.n_layer
+def shape_from(hf: dict) -> dict:
+    """Our shape fields from a GPT-2 config.json."""
+    d = hf["n_embd"]
+    return {"n_layer": hf["n_layer"], "n_head": hf["n_head"], "d_model": d,
+            "d_mlp": hf.get("n_inner") or 4 * d, "vocab_size": hf["vocab_size"],
+            "max_seq_len": hf["n_positions"]}
 
-    def get(name):
-        for prefix in ("", "transformer."):
-            try:
-                return np.asarray(tensors(prefix + name), np.float32)
-            except KeyError:
-                continue
-        raise KeyError(f"tensor {name!r} not in the Hugging Face weights")
 
-    def stack(name, fn=lambda x: x):
-        return np.stack([fn(get(f"h.{i}.{name}")) for i in range(L)])
+Get = Callable[[str], np.ndarray]  # Hugging Face tensor by name
 
-    wte = get("wte.weight")
-    if wte.shape != (cfg.vocab_size, D):
-        raise ValueError(f"wte.weight is {wte.shape}; the model expects ({cfg.vocab_size}, {D})")
-    wte = np.concatenate([wte, np.zeros((cfg.padded_vocab - cfg.vocab_size, D), np.float32)])
-    c_attn_b = stack("attn.c_attn.bias")  # (L, 3D): q, k (dropped), v
+
+def padded_rows(table: np.ndarray, rows: int) -> np.ndarray:
+    """`table` with zero rows appended up to `rows` (the padded vocabulary);
+    itself where none are needed, so that no copy is made."""
+    if table.shape[0] == rows:
+        return table
+    return np.concatenate([table, np.zeros((rows - table.shape[0],) + table.shape[1:], table.dtype)])
+
+
+def sources(cfg: GPTConfig) -> dict[str, Callable[[Get, int | None], np.ndarray]]:
+    """Our parameter path -> how to build it, or one layer of it, from
+    Hugging Face tensors: one tensor read per call."""
+    D, H, Q = cfg.d_model, cfg.n_head, cfg.head_dim
+
+    def get(tensors: Get, name: str) -> np.ndarray:
+        try:  # GPT2LMHeadModel prefixes "transformer."; GPT2Model does not
+            return np.asarray(tensors("transformer." + name), np.float32)
+        except KeyError:
+            return np.asarray(tensors(name), np.float32)
+
+    def layer(name, fn=lambda x: x):
+        return lambda tensors, i: fn(get(tensors, f"h.{i}.{name}"))
+
+    def wte(tensors, _):
+        w = get(tensors, "wte.weight")
+        if w.shape != (cfg.vocab_size, D):
+            raise ValueError(f"wte.weight is {w.shape}; the model expects ({cfg.vocab_size}, {D})")
+        return padded_rows(w, cfg.padded_vocab)
+
     return {
-        "wte": wte, "wpe": get("wpe.weight"),
-        "blocks": {
-            "ln_1": {"scale": stack("ln_1.weight"), "bias": stack("ln_1.bias")},
-            "w_qkv": stack("attn.c_attn.weight", lambda w: w.reshape(D, 3, H, Q)),
-            "b_q": c_attn_b[:, :D].reshape(L, H, Q), "b_v": c_attn_b[:, 2 * D:].reshape(L, H, Q),
-            "w_o": stack("attn.c_proj.weight", lambda w: w.reshape(H, Q, D)),
-            "b_o": stack("attn.c_proj.bias"),
-            "ln_2": {"scale": stack("ln_2.weight"), "bias": stack("ln_2.bias")},
-            "w_fc": stack("mlp.c_fc.weight"), "b_fc": stack("mlp.c_fc.bias"),
-            "w_proj": stack("mlp.c_proj.weight"), "b_proj": stack("mlp.c_proj.bias"),
-        },
-        "ln_f": {"scale": get("ln_f.weight"), "bias": get("ln_f.bias")},
+        "wte": wte, "wpe": lambda tensors, _: get(tensors, "wpe.weight"),
+        "blocks.ln_1.scale": layer("ln_1.weight"), "blocks.ln_1.bias": layer("ln_1.bias"),
+        # c_attn is (D, 3D), q, k, v side by side; the key bias is dropped (see above)
+        "blocks.w_qkv": layer("attn.c_attn.weight", lambda w: w.reshape(D, 3, H, Q)),
+        "blocks.b_q": layer("attn.c_attn.bias", lambda b: b[:D].reshape(H, Q)),
+        "blocks.b_v": layer("attn.c_attn.bias", lambda b: b[2 * D:].reshape(H, Q)),
+        "blocks.w_o": layer("attn.c_proj.weight", lambda w: w.reshape(H, Q, D)),
+        "blocks.b_o": layer("attn.c_proj.bias"),
+        "blocks.ln_2.scale": layer("ln_2.weight"), "blocks.ln_2.bias": layer("ln_2.bias"),
+        "blocks.w_fc": layer("mlp.c_fc.weight"), "blocks.b_fc": layer("mlp.c_fc.bias"),
+        "blocks.w_proj": layer("mlp.c_proj.weight"), "blocks.b_proj": layer("mlp.c_proj.bias"),
+        "ln_f.scale": lambda tensors, _: get(tensors, "ln_f.weight"),
+        "ln_f.bias": lambda tensors, _: get(tensors, "ln_f.bias"),
     }

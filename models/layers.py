@@ -1,17 +1,89 @@
-"""Numerics of the GPT block's elementwise pieces.
+"""Numerics shared by the reference models: norms, activations, rotary
+embeddings, attention, and how a parameter is declared.
 
 What the backward pass keeps is decided by the remat policy over the named
-activations (zero_jax.remat); LayerNorm and GELU internals are unnamed and so
-recomputed. Softmax has its own backward rule that needs only its output, in
-the compute dtype, so the scores before it are never kept either.
+activations (zero_jax.remat); norm and activation internals are unnamed and
+so recomputed. Softmax has its own backward rule that needs only its output,
+in the compute dtype, so the scores before it are never kept either.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
+
+# Attention implementations (`jax.nn.dot_product_attention`): XLA's, which
+# materialises the T x T scores, and cuDNN's fused kernel, which does not.
+ATTENTION = ("xla", "cudnn")
+
+
+def param(module: nn.Module, name: str, shape, names, init):
+    """A float32 parameter of `module` named with logical axes."""
+    return module.param(name, nn.with_logical_partitioning(init, names), shape, jnp.float32)
+
+
+def attention(q_BxTxHxQ, k_BxSxKxQ, v_BxSxKxQ, implementation: str = "xla",
+              window: int = 0):
+    """Causal scaled dot-product attention, grouped when K < H key/value
+    heads (each serves H / K query heads); `window` > 0 lets each query see
+    only the last `window` positions, itself included (Mistral's sliding
+    window). Scores and softmax are float32 whatever the inputs' dtype."""
+    if implementation not in ATTENTION:
+        raise ValueError(f"attention {implementation!r}: choose from {', '.join(ATTENTION)}")
+    return jax.nn.dot_product_attention(
+        q_BxTxHxQ, k_BxSxKxQ, v_BxSxKxQ, is_causal=True,
+        local_window_size=(window - 1, 0) if window else None, implementation=implementation)
+
+
+def attention_reference(q, k, v, window: int = 0):
+    """The explicit formula `attention` must match: float32 scores, causal mask."""
+    H, K = q.shape[2], k.shape[2]
+    k, v = (jnp.repeat(t, H // K, axis=2) for t in (k, v))
+    T, S = q.shape[1], k.shape[1]
+    scores = jnp.einsum("bthq,bshq->bhts", q, k).astype(jnp.float32) / math.sqrt(q.shape[-1])
+    i, j = jnp.arange(T)[:, None], jnp.arange(S)[None, :]
+    keep = (j <= i) & ((i - j < window) if window else True)
+    probs = jax.nn.softmax(jnp.where(keep, scores, -jnp.inf), axis=-1).astype(v.dtype)
+    return jnp.einsum("bhts,bshq->bthq", probs, v)
+
+
+def rms_norm(x, scale, eps: float):
+    """RMSNorm computed in float32, returned in x's dtype."""
+    h = x.astype(jnp.float32)
+    y = h * jax.lax.rsqrt(jnp.mean(jnp.square(h), -1, keepdims=True) + eps)
+    return (y * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope_frequencies(head_dim: int, theta: float, scaling: tuple | None = None):
+    """Inverse frequencies of rotary embeddings, one per pair of dimensions
+    (Hugging Face's half-rotation layout pairs i with i + head_dim / 2).
+    `scaling`: Llama 3's (factor, low_freq_factor, high_freq_factor,
+    original_max_position_embeddings): long wavelengths divided by
+    `factor`, short ones kept, a smooth blend between."""
+    inv = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    if not scaling:
+        return inv
+    factor, low, high, original = scaling
+    wavelen = 2 * math.pi / inv
+    smooth = (original / wavelen - low) / (high - low)
+    blended = (1 - smooth) * inv / factor + smooth * inv
+    return jnp.where(wavelen > original / low, inv / factor,
+                     jnp.where(wavelen < original / high, inv, blended))
+
+
+def rope(x_BxTxHxQ, inv_freq):
+    """Rotary embedding of positions 0..T-1, in float32, returned in x's dtype."""
+    T, Q = x_BxTxHxQ.shape[1], x_BxTxHxQ.shape[-1]
+    angles = jnp.arange(T, dtype=jnp.float32)[:, None] * inv_freq[None, :]  # T x Q/2
+    cos = jnp.concatenate([jnp.cos(angles)] * 2, -1)[None, :, None, :]
+    sin = jnp.concatenate([jnp.sin(angles)] * 2, -1)[None, :, None, :]
+    h = x_BxTxHxQ.astype(jnp.float32)
+    rotated = jnp.concatenate([-h[..., Q // 2:], h[..., :Q // 2]], -1)
+    return (h * cos + rotated * sin).astype(x_BxTxHxQ.dtype)
 
 
 def layer_norm(x, scale, bias, eps: float):

@@ -1,7 +1,7 @@
 """Export a sharded checkpoint's parameters as consolidated weights.
 
     python scripts/export.py --checkpoint-dir ckpt --out model.safetensors
-    python scripts/export.py --checkpoint-dir ckpt --hf-dir gpt2-export   # Hugging Face GPT-2
+    python scripts/export.py --checkpoint-dir ckpt --hf-dir hf-export   # Hugging Face layout
     python scripts/export.py --checkpoint-dir ckpt --step 200 --out m.safetensors --report-memory
 
 Reads one array (one layer of a stacked array) at a time straight from the
@@ -9,6 +9,12 @@ checkpoint's storage and writes it out before reading the next, so host memory
 stays near the largest such piece, whatever the model's size. Every array is
 verified against the checksum saved with it. Import the files back with
 `scripts/train.py --init-from`.
+
+`--hf-dir` writes what `save_pretrained` writes for the model's architecture
+(GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM):
+config.json and the weights in files of at most `--max-shard-size` bytes
+(5 GB, as save_pretrained), with model.safetensors.index.json when there
+are several.
 """
 
 from __future__ import annotations
@@ -19,16 +25,10 @@ import sys
 from pathlib import Path
 
 import models
-from models import gpt_hf
+import procmem
+from models import hf
 from zero_jax import checkpoint as ckpt_lib
 from zero_jax import export
-
-
-def _memory(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    return 0
 
 
 def main(argv=None) -> int:
@@ -36,7 +36,9 @@ def main(argv=None) -> int:
     parser.add_argument("--checkpoint-dir", required=True)
     parser.add_argument("--step", type=int, help="default: the newest complete checkpoint")
     parser.add_argument("--out", help="consolidated .safetensors file to write")
-    parser.add_argument("--hf-dir", help="directory for a Hugging Face GPT-2 export")
+    parser.add_argument("--hf-dir", help="directory for a Hugging Face export")
+    parser.add_argument("--max-shard-size", type=float, default=hf.MAX_SHARD_BYTES,
+                        help="bytes per safetensors file of the Hugging Face export")
     parser.add_argument("--report-memory", action="store_true",
                         help="print the peak resident memory the export added, as JSON")
     args = parser.parse_args(argv)
@@ -52,8 +54,7 @@ def main(argv=None) -> int:
         return 2
     reader = export.ParamReader(directory / str(step))
 
-    Path("/proc/self/clear_refs").write_text("5")  # reset the peak-RSS counter: measure from here
-    baseline = _memory("VmRSS")
+    baseline = procmem.reset_peak()  # measure from here
     written = []
     try:
         if args.out:
@@ -62,20 +63,14 @@ def main(argv=None) -> int:
             written.append(Path(args.out))
         if args.hf_dir:
             cfg = models.config_from(reader.meta["model"])
-            out = Path(args.hf_dir)
-            out.mkdir(parents=True, exist_ok=True)
-            hf = [(name, shape, "float32", produce)
-                  for name, shape, produce in gpt_hf.pieces(cfg, reader.read)]
-            export.write_safetensors(out / "model.safetensors", hf, {"format": "pt"})
-            (out / "config.json").write_text(json.dumps(gpt_hf.config_json(cfg), indent=1))
-            written.append(out / "model.safetensors")
+            written += hf.save(Path(args.hf_dir), cfg, reader.read, int(args.max_shard_size))
     except export.CorruptCheckpoint as e:
         for path in written + [Path(p) for p in (args.out,) if p]:
             path.unlink(missing_ok=True)
         print(f"error: {e}; nothing written", file=sys.stderr)
         return 4
     if args.report_memory:
-        print(json.dumps({"peak_added_bytes": _memory("VmHWM") - baseline,
+        print(json.dumps({"peak_added_bytes": procmem.resident("VmHWM") - baseline,
                           "largest_piece_bytes": reader.largest_piece_bytes(),
                           "param_bytes": reader.total_bytes()}))
     return 0

@@ -29,7 +29,9 @@ class ConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    name: str = "gpt-tiny"  # a preset in models/ (gpt-tiny ... gpt-7b, gpt3-175b, ...); "": none
+    # a preset in models/ (gpt-tiny ... gpt3-175b, llama-tiny ... qwen2-7b), "hf:DIR" for a
+    # Hugging Face config.json's shape, or "": none (GPT, every shape field given)
+    name: str = "gpt-tiny"
     vocab_multiple: int = 1  # pad the vocabulary to a multiple (e.g. 128) so tensor divides it
     n_layer: int = 0  # transformer blocks (0: the preset's)
     n_head: int = 0  # attention heads (0: the preset's)
@@ -37,11 +39,18 @@ class ModelConfig:
     d_mlp: int = 0  # MLP width (0: the preset's, or 4 d_model)
     vocab_size: int = 0  # vocabulary (0: the preset's, else the data's)
     max_seq_len: int = 0  # positions (0: the preset's, or 2048)
+    n_kv_head: int = 0  # Llama family: key/value heads (0: the preset's)
+    head_dim: int = 0  # Llama family: head size (0: the preset's, or d_model / n_head)
+    rope_theta: float = 0.0  # Llama family: rotary base (0: the preset's)
+    tie_embeddings: str = ""  # Llama family: "true" or "false" ("": the preset's)
+    attention: str = "auto"  # xla | cudnn (jax.nn.dot_product_attention); auto: cudnn on GPU in 16 bits
 
-    def shape(self) -> dict[str, int]:
+    SHAPE_FIELDS = ("n_layer", "n_head", "d_model", "d_mlp", "vocab_size", "max_seq_len",
+                    "n_kv_head", "head_dim", "rope_theta", "tie_embeddings")
+
+    def shape(self) -> dict[str, Any]:
         """The shape fields given (non-zero), to override the preset's."""
-        fields = ("n_layer", "n_head", "d_model", "d_mlp", "vocab_size", "max_seq_len")
-        return {f: getattr(self, f) for f in fields if getattr(self, f)}
+        return {f: getattr(self, f) for f in self.SHAPE_FIELDS if getattr(self, f)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,9 +228,14 @@ def validate(run: RunConfig, mesh: MeshShape) -> None:
             f"{t.batch_size // t.microbatches} rows per microbatch, not divisible by the "
             f"data-parallel size {dp}; each microbatch is split over every data-parallel "
             f"device, so use a batch size that is a multiple of {t.microbatches * dp}")
-    negative = {k: v for k, v in run.model.shape().items() if v < 0}
+    m = run.model
+    negative = {k: v for k, v in m.shape().items() if not isinstance(v, str) and v < 0}
     if negative:
         raise ConfigError(f"[model] {negative}: shape fields must be positive (0: the preset's)")
+    if m.tie_embeddings not in ("", "true", "false"):
+        raise ConfigError(f"--tie-embeddings {m.tie_embeddings!r}: true or false")
+    if m.attention not in ("auto", "xla", "cudnn"):
+        raise ConfigError(f"--attention {m.attention!r}: choose auto, xla or cudnn")
     if run.parallel.min_shard_elements < 0:
         raise ConfigError("min_shard_elements must be >= 0")
     if run.model.vocab_multiple < 1:

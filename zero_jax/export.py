@@ -16,7 +16,7 @@ import json
 import struct
 import sys
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 import tensorstore as ts
@@ -27,6 +27,8 @@ from zero_jax import integrity
 _DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64",
            "int32": "I32", "int64": "I64", "int16": "I16", "int8": "I8", "uint8": "U8",
            "bool": "BOOL"}
+
+_NAMES = {code: name for name, code in _DTYPES.items()}  # safetensors dtype -> numpy name
 
 # A piece of the output: name, shape, dtype name, and how to produce its data.
 Piece = tuple[str, tuple[int, ...], str, Callable[[], np.ndarray]]
@@ -172,6 +174,35 @@ def write_safetensors(path: str | Path, pieces: Iterable[Piece],
             del data
             _release_freed_memory()
     return 8 + len(text) + offset
+
+
+class SafetensorsFile:
+    """The tensors of one safetensors file, each read straight from the file
+    into its own array on demand: no memory map, so reading a tensor adds
+    that tensor's bytes to the process and nothing more."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        with open(self.path, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(length))
+        header.pop("__metadata__", None)
+        self.start = 8 + length
+        self.header = header  # name -> {dtype, shape, data_offsets}
+
+    def keys(self) -> list[str]:
+        return list(self.header)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.header[name]["shape"])
+
+    def get(self, name: str) -> np.ndarray:
+        entry = self.header[name]
+        dtype = _np_dtype(_NAMES[entry["dtype"]])
+        begin, end = entry["data_offsets"]
+        count = (end - begin) // np.dtype(dtype).itemsize
+        data = np.fromfile(self.path, dtype=dtype, count=count, offset=self.start + begin)
+        return data.reshape(entry["shape"])
 
 
 def read_consolidated(path: str | Path, names: Any) -> Any:

@@ -242,6 +242,7 @@ class Hooks:
     partial_grads: bool = False  # leave gradients unreduced in the compute layout (per_shard)
     rows: RowSplit | None = None  # tables are row blocks over a manual axis (lookup, vocab_ids)
     host_params: bool = False  # stored parameters are in host memory, fetched at each use
+    attention: str = "xla"  # jax.nn.dot_product_attention's implementation: xla | cudnn
 
     def per_shard(self, axes: Sequence[str]) -> "Hooks":
         """These hooks for one shard of the batch over the data-parallel mesh

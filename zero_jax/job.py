@@ -9,6 +9,7 @@ allocated, so every error surfaces here.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable, Sequence
 
 import jax
@@ -36,6 +37,7 @@ class Job:
     hooks: Hooks
     scale_cfg: loss_scale.LossScaleConfig
     schedule: sched_lib.Schedule | None = None  # the pipeline schedule, with a pipe axis
+    notes: tuple[str, ...] = ()  # what the layout does differently from what was asked, and why
 
     @property
     def abstract_batch(self) -> jax.ShapeDtypeStruct:
@@ -172,6 +174,7 @@ def prepare_on(run: config_lib.RunConfig, build_model: Callable[[int], ModelFns]
             f"({run.model.name}); use --seq-len {model.max_seq_len} or less")
     schedule, cut = pipeline_schedule(run, model, shape)
     chosen = rules.layout(run.parallel.layout, shape.sizes)
+    axis_rules, notes = unsplit_where_indivisible(chosen.rules, model, shape.sizes)
     zero_stage = chosen.zero_stage if run.parallel.zero_stage is None else run.parallel.zero_stage
     check_grad_reduce(run.parallel.grad_reduce, zero_stage)
     if run.offload.optimizer and zero_stage < 1:
@@ -195,6 +198,7 @@ def prepare_on(run: config_lib.RunConfig, build_model: Callable[[int], ModelFns]
         policy = precision_policy(run, platform)
         remat_policy = remat.Remat(run.activations.remat,
                                    remat.parse_names(run.activations.save_names))
+        attention = attention_implementation(run.model.attention, platform, policy.compute)
     except ValueError as e:
         raise config_lib.ConfigError(str(e)) from None
     p = run.precision
@@ -207,14 +211,44 @@ def prepare_on(run: config_lib.RunConfig, build_model: Callable[[int], ModelFns]
                                     policy.dtype("opt_state"))
     if state.needs_master(zero_stage, policy.dtype("params"), policy.dtype("compute")):
         tx = master.wrap(tx)
-    layout = state.make_layout(model, tx, mesh, shape, chosen.rules, zero_stage,
+    layout = state.make_layout(model, tx, mesh, shape, axis_rules, zero_stage,
                                run.parallel.min_shard_elements, policy.dtype("params"),
                                policy.dtype("grads"), policy.dtype("compute"), cut,
                                host_opt=run.offload.optimizer, host_params=run.offload.params)
     stored = layout.placement if zero_lib.stage(zero_stage).params else None
-    hooks = Hooks(mesh, chosen.rules, policy.compute, policy.grads, remat_policy, stored,
-                  host_params=run.offload.params)
-    return Job(run, model, layout, tx, lr, policy, hooks, scale_cfg, schedule)
+    hooks = Hooks(mesh, axis_rules, policy.compute, policy.grads, remat_policy, stored,
+                  host_params=run.offload.params, attention=attention)
+    return Job(run, model, layout, tx, lr, policy, hooks, scale_cfg, schedule, notes)
+
+
+def unsplit_where_indivisible(axis_rules: rules.AxisRules, model: ModelFns,
+                              sizes: dict[str, int]) -> tuple[rules.AxisRules, tuple[str, ...]]:
+    """The rules with each of the model's replicable axes (ModelFns.replicable)
+    left unsplit where its mesh axes do not divide it, and a note for each:
+    2 key/value heads on tensor=4 are replicated within the tensor group
+    (each device computes the heads its query heads read), not refused."""
+    notes = []
+    for name, size in model.replicable.items():
+        axes = [a for a in axis_rules.mesh_axes(name) if sizes.get(a, 1) > 1]
+        split = math.prod(sizes[a] for a in axes)
+        if size % split:
+            axis_rules = axis_rules.replace(**{name: ()})
+            notes.append(f"{name}: {size} not divisible by {'*'.join(axes)}={split}, so "
+                         f"replicated within each {'*'.join(axes)} group")
+    return axis_rules, tuple(notes)
+
+
+def attention_implementation(choice: str, platform: str, compute_dtype: str) -> str:
+    """`jax.nn.dot_product_attention`'s implementation for `choice`: auto is
+    cuDNN's fused kernel on a GPU computing in 16 bits (it takes no float32),
+    XLA's elsewhere."""
+    if choice == "auto":
+        sixteen = jnp.dtype(compute_dtype).itemsize == 2
+        return "cudnn" if platform == "gpu" and sixteen else "xla"
+    if choice == "cudnn" and platform != "gpu":
+        raise config_lib.ConfigError(f"--attention cudnn on {platform}: cuDNN runs on NVIDIA "
+                                     "GPUs only; use --attention xla (or auto)")
+    return choice
 
 
 GRAD_REDUCE = ("auto", "step", "microbatch")

@@ -35,3 +35,7 @@ class ModelFns:
     # last use (Hooks.gathered), rather than once forward and once backward
     gathered_once: tuple[str, ...] = ()
     head_cost: Callable[[int], float] | None = None  # seq_len -> the head's forward, in layers' forwards
+    # logical axes the model can run unsplit where the mesh does not divide
+    # them, with their sizes: {"kv_heads": 2} replicates 2 key/value heads
+    # within a tensor group of 4 rather than refusing the layout
+    replicable: dict[str, int] = dataclasses.field(default_factory=dict)

@@ -75,7 +75,9 @@ def summary_rows(job: Job, data_line: str, model_line: str, report: dict) -> lis
     n_shard = math.prod(sizes[a] for a in shard_axes)
     t = run.train
     word = lambda b: "sharded" if b else "replicated"
-    tp = [n for n in ("heads", "mlp", "vocab") if "tensor" in layout.rules.mesh_axes(n)]
+    used = {n for spec in jax.tree.leaves(layout.names, is_leaf=_is_spec) for n in spec}
+    tp = [n for n in ("heads", "kv_heads", "mlp", "vocab")
+          if n in used and "tensor" in layout.rules.mesh_axes(n)]
     master = ("; float32 master weights in the sharded optimizer state, a working copy "
               "stored replicated" if layout.master else "")
     reduce = ("once per step" if job.reduce_once or t.microbatches == 1
@@ -95,6 +97,8 @@ def summary_rows(job: Job, data_line: str, model_line: str, report: dict) -> lis
                       + (f"from 2^{job.scale_cfg.initial_scale_power}" if job.scale_cfg.enabled
                          else "off")),
         ("remat", job.hooks.remat.describe()),
+        ("attention", f"jax.nn.dot_product_attention, {job.hooks.attention} implementation"),
+        *(("note", note) for note in job.notes),
         ("zero", f"stage {layout.zero_stage} over "
                  + (f"{'*'.join(shard_axes)} (N_d={n_shard})" if shard_axes else "no axis (N_d=1)")
                  + f": optimizer state {word(stage.opt_state)}, gradients {word(stage.grads)}, "

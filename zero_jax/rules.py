@@ -18,12 +18,14 @@ from jax.sharding import PartitionSpec
 
 from zero_jax.mesh import DATA_AXES
 
-# Logical names every model may use. Parameters: embed, heads, kv (head size),
-# mlp, vocab, pos (position table), layers (the scanned stack). Activations:
-# batch, seq (inside a block), res_seq (the residual stream between blocks,
-# split only under sequence parallelism), and the parameter names above.
+# Logical names every model may use. Parameters: embed, heads, kv_heads (key
+# and value heads under grouped-query attention), kv (head size), mlp, vocab,
+# pos (position table), layers (the scanned stack). Activations: batch, seq
+# (inside a block), res_seq (the residual stream between blocks, split only
+# under sequence parallelism), and the parameter names above.
 LOGICAL_AXES: tuple[str, ...] = (
-    "batch", "seq", "res_seq", "embed", "heads", "kv", "mlp", "vocab", "pos", "layers")
+    "batch", "seq", "res_seq", "embed", "heads", "kv_heads", "kv", "mlp", "vocab", "pos",
+    "layers")
 
 
 # How to make a dimension divisible, by logical name.
@@ -117,7 +119,8 @@ _DATA = {**{a: () for a in LOGICAL_AXES}, "batch": DATA_AXES, "layers": ("pipe",
 # Megatron tensor parallelism on the `tensor` axis: attention heads and the MLP
 # hidden dimension split (column-parallel in, row-parallel out), and the
 # vocabulary split for the embedding and the logits.
-_TENSOR = {"heads": ("tensor",), "mlp": ("tensor",), "vocab": ("tensor",)}
+_TENSOR = {"heads": ("tensor",), "kv_heads": ("tensor",), "mlp": ("tensor",),
+           "vocab": ("tensor",)}
 # Sequence parallelism: the residual stream between blocks (LayerNorm input,
 # residual adds) split along the sequence over `tensor` as well.
 _SEQUENCE = {"res_seq": ("tensor",)}

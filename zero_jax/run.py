@@ -27,7 +27,7 @@ from zero_jax.preempt import Preemption
 from zero_jax.state import TrainState
 from zero_jax.watchdog import StepWatchdog
 
-# (path, job) -> parameter tree as numpy, for weight formats a model package knows
+# (path, job) -> the parameters placed in the job's layout (None: not this format)
 ParamLoader = Callable[[str, Job], Any]
 
 
@@ -66,12 +66,13 @@ def checkpoint_meta(job: Job, step: int) -> dict[str, Any]:
 
 def load_params(source: str, job: Job, loaders: list[ParamLoader] = ()) -> Any:
     """Parameters from a checkpoint directory, a consolidated .safetensors file, or
-    a format one of `loaders` recognises, laid out for `job`."""
+    a format one of `loaders` recognises (a loader returns the parameters
+    placed in the job's layout, or None), laid out for `job`."""
     path = Path(source)
     for loader in loaders:
         tree = loader(source, job)
         if tree is not None:
-            return place(tree, job)
+            return tree
     if path.suffix == ".safetensors":
         return place(export.read_consolidated(path, job.layout.names), job)
     checkpointer = ckpt_lib.Checkpointer(ckpt_lib.CheckpointConfig(dir=str(path)))

@@ -1,0 +1,332 @@
+"""The decoder behind Llama 2 and 3, Mistral and Qwen2, in Flax: RMSNorm,
+rotary embeddings (Hugging Face's half-rotation layout), SwiGLU MLP,
+grouped-query attention, an untied head (tied as an option), q/k/v biases
+for Qwen2 and no other biases; the blocks are one scanned, stacked layer.
+
+The model names logical axes only; `Hooks` (zero_jax.hooks) turn them into
+sharding constraints, exactly as for the GPT (models/gpt.py), so every ZeRO
+stage, tensor and sequence parallelism, pipelines and remat apply unchanged.
+Key/value heads have their own logical axis, `kv_heads`: split over `tensor`
+where it divides them, else replicated within the tensor group (job.py).
+Tensor names carry their shapes: B batch, T sequence, D model width, H query
+heads, K key/value heads, Q head size, F MLP width, V vocabulary, L layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from models import layers
+from models.gpt import ActivationParts
+from zero_jax.hooks import Hooks
+from zero_jax.model import ModelFns
+from zero_jax.pipeline import PipelineFns
+from zero_jax.remat import Remat
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    """Shape of a Llama-family model."""
+
+    vocab_size: int  # tokens the data can produce
+    n_layer: int  # transformer blocks (L)
+    n_head: int  # query heads (H)
+    n_kv_head: int  # key/value heads (K), dividing H: grouped-query attention
+    d_model: int  # residual width (D)
+    d_mlp: int  # SwiGLU hidden width (F)
+    max_seq_len: int  # longest sequence (rotary embeddings need no table)
+    head_dim: int = 0  # Q (0: D / H)
+    rope_theta: float = 10000.0  # rotary base
+    rms_eps: float = 1e-5  # RMSNorm epsilon
+    tie_embeddings: bool = False  # the head is the embedding table
+    qkv_bias: bool = False  # biases on the q, k, v projections (Qwen2)
+    sliding_window: int = 0  # each query sees the last this many positions (0: all)
+    # Llama 3 rope scaling: (factor, low_freq_factor, high_freq_factor,
+    # original_max_position_embeddings), or () for none
+    rope_scaling: tuple = ()
+    vocab_multiple: int = 1  # embedding rows padded to a multiple of this (masked in the logits)
+    family: str = "llama"  # llama | mistral | qwen2: the Hugging Face architecture it maps to
+
+    def __post_init__(self):
+        if self.n_head % self.n_kv_head:
+            raise ValueError(f"n_head={self.n_head} is not a multiple of n_kv_head={self.n_kv_head}")
+        if not self.head_dim and self.d_model % self.n_head:
+            raise ValueError(f"d_model={self.d_model} is not divisible by n_head={self.n_head}; "
+                             "give head_dim")
+        if self.rope_scaling and len(self.rope_scaling) != 4:
+            raise ValueError("rope_scaling: (factor, low_freq_factor, high_freq_factor, "
+                             "original_max_position_embeddings)")
+
+    @property
+    def padded_vocab(self) -> int:
+        return -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple
+
+    @property
+    def q_dim(self) -> int:
+        return self.head_dim or self.d_model // self.n_head
+
+    @property
+    def param_count(self) -> int:
+        D, F, L, Q = self.d_model, self.d_mlp, self.n_layer, self.q_dim
+        H, K = self.n_head, self.n_kv_head
+        attn = D * H * Q + 2 * D * K * Q + H * Q * D + ((H + 2 * K) * Q if self.qkv_bias else 0)
+        block = 2 * D + attn + 3 * D * F
+        tables = self.padded_vocab * D * (1 if self.tie_embeddings else 2)
+        return tables + L * block + D
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token, 6 N + 12 L H Q T (PaLM, appendix B), N
+        the matmul parameters including the head."""
+        D, F, L, Q = self.d_model, self.d_mlp, self.n_layer, self.q_dim
+        H, K = self.n_head, self.n_kv_head
+        n_matmul = L * (2 * D * H * Q + 2 * D * K * Q + 3 * D * F) + self.padded_vocab * D
+        return 6 * n_matmul + 12 * L * H * Q * seq_len
+
+    def head_cost(self, seq_len: int) -> float:
+        """The head's forward FLOPs in units of one block's forward."""
+        D, F, Q, H, K = self.d_model, self.d_mlp, self.q_dim, self.n_head, self.n_kv_head
+        block = 2 * (2 * D * H * Q + 2 * D * K * Q + 3 * D * F) + 4 * seq_len * H * Q
+        return 2 * self.padded_vocab * D / block
+
+    def activation_bytes(self, rows: int, seq_len: int, dtype_bytes: int, remat: Remat,
+                         tensor: int = 1, sequence_parallel: bool = False) -> float:
+        kept, rebuilt, head = self.activation_parts(rows, seq_len, dtype_bytes, remat, tensor,
+                                                    sequence_parallel)
+        return kept + max(rebuilt, head)
+
+    def activation_parts(self, rows: int, seq_len: int, dtype_bytes: int, remat: Remat,
+                         tensor: int = 1, sequence_parallel: bool = False) -> ActivationParts:
+        """Activation bytes per device for one microbatch (models/gpt.py has
+        the method). Per layer the block names: the block input, both norm
+        outputs and the residual after attention (4 s b h), q, k, v and the
+        attention context ((2 H + 2 K) Q s b / t), the SwiGLU gate and up
+        projections and their product (3 s b f / t). Attention keeps no
+        scores: `jax.nn.dot_product_attention` is unnamed, so every policy
+        recomputes it in the backward pass, one layer at a time; XLA's
+        implementation then holds float32 scores and probabilities in both
+        dtypes (a s^2 b (4 + c) / t), cuDNN's nothing of that size."""
+        s, b, h, f, L, t = seq_len, rows, self.d_model, self.d_mlp, self.n_layer, tensor
+        H, K, Q = self.n_head, self.n_kv_head, self.q_dim
+        res = s * b * h / (t if sequence_parallel else 1)
+        full = s * b * h
+        q = s * b * H * Q / t
+        kv = s * b * K * Q / (t if K % t == 0 else 1)  # replicated where tensor does not divide K
+        mlp = s * b * f / t
+        named = {"ln_out": 2 * res, "qkv": q + 2 * kv, "attn_ctx": q, "resid_mid": res,
+                 "mlp_hidden": 2 * mlp, "mlp_act": mlp}
+        layer = res + sum(named.values())
+        kept = {
+            "none": L * layer,
+            "full": L * res,
+            "dots_saveable": L * (res + q + 2 * kv + full + 2 * mlp + full),
+            "save_names": L * (res + sum(named.get(n, 0) for n in remat.names)),
+            "offload": L * res,
+        }[remat.policy]
+        scores = H * s * s * b / t * (4 + dtype_bytes) / dtype_bytes
+        rebuilt = (0 if remat.policy == "none" else layer) + scores
+        head = 3 * s * b * self.padded_vocab / t * 4 / dtype_bytes + 2 * res
+        return ActivationParts(kept * dtype_bytes, rebuilt * dtype_bytes, head * dtype_bytes)
+
+
+# Published shapes (each model's config.json): name -> fields. Vocabulary 0 takes the data's.
+PRESETS: dict[str, dict] = {
+    "llama-tiny": dict(n_layer=4, n_head=8, n_kv_head=4, d_model=256, d_mlp=688,
+                       max_seq_len=256, vocab_size=0),
+    "llama-2-7b": dict(n_layer=32, n_head=32, n_kv_head=32, d_model=4096, d_mlp=11008,
+                       max_seq_len=4096, vocab_size=32000),
+    "llama-2-13b": dict(n_layer=40, n_head=40, n_kv_head=40, d_model=5120, d_mlp=13824,
+                        max_seq_len=4096, vocab_size=32000),
+    "llama-2-70b": dict(n_layer=80, n_head=64, n_kv_head=8, d_model=8192, d_mlp=28672,
+                        max_seq_len=4096, vocab_size=32000),
+    "llama-3-8b": dict(n_layer=32, n_head=32, n_kv_head=8, d_model=4096, d_mlp=14336,
+                       max_seq_len=8192, vocab_size=128256, rope_theta=500000.0),
+    # Mistral-7B-v0.3: no sliding window (v0.1's was 4096 positions)
+    "mistral-7b": dict(n_layer=32, n_head=32, n_kv_head=8, d_model=4096, d_mlp=14336,
+                       max_seq_len=32768, vocab_size=32768, rope_theta=1000000.0,
+                       family="mistral"),
+    "qwen2-0.5b": dict(n_layer=24, n_head=14, n_kv_head=2, d_model=896, d_mlp=4864,
+                       max_seq_len=32768, vocab_size=151936, rope_theta=1000000.0,
+                       rms_eps=1e-6, tie_embeddings=True, qkv_bias=True, family="qwen2"),
+    "qwen2-7b": dict(n_layer=28, n_head=28, n_kv_head=4, d_model=3584, d_mlp=18944,
+                     max_seq_len=32768, vocab_size=152064, rope_theta=1000000.0,
+                     rms_eps=1e-6, qkv_bias=True, family="qwen2"),
+}
+
+
+def config(name: str, data_vocab: int, **overrides) -> LlamaConfig:
+    """A preset's shape with any field overridden (zero/empty values are not
+    overrides); `data_vocab` where neither names a vocabulary."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model {name!r}; Llama-family presets: {', '.join(PRESETS)}")
+    fields = {**PRESETS[name], **{k: v for k, v in overrides.items() if v not in (0, "", None)}}
+    fields["vocab_size"] = fields["vocab_size"] or data_vocab
+    return LlamaConfig(**fields)
+
+
+class RMSNorm(nn.Module):
+    cfg: LlamaConfig
+    hooks: Hooks
+
+    @nn.compact
+    def __call__(self, x_BxTxD):
+        scale = self.hooks.weight(
+            layers.param(self, "scale", (self.cfg.d_model,), ("embed",), nn.initializers.ones),
+            ("embed",), jnp.float32)
+        return layers.rms_norm(x_BxTxD, scale, self.cfg.rms_eps)
+
+
+class Block(nn.Module):
+    """One pre-norm Llama block; scanned over `layers` by Llama."""
+
+    cfg: LlamaConfig
+    hooks: Hooks
+
+    @nn.compact
+    def __call__(self, x_BxTxD, _):
+        c, h = self.cfg, self.hooks
+        D, H, K, Q, F = c.d_model, c.n_head, c.n_kv_head, c.q_dim, c.d_mlp
+        normal = nn.initializers.normal(0.02)
+        residual = nn.initializers.normal(0.02 / math.sqrt(2 * c.n_layer))
+        param = functools.partial(layers.param, self)
+
+        def dense(eq, x, name, shape, names, init=normal):
+            return h.dense(eq, x, param(name, shape, names, init), names)
+
+        def bias(x, name, shape, names):
+            if not c.qkv_bias:
+                return x
+            b = h.weight(param(name, shape, names, nn.initializers.zeros), names, jnp.float32)
+            return (x.astype(jnp.float32) + b).astype(x.dtype)
+
+        x_BxTxD = h.act(x_BxTxD, ("batch", "res_seq", "embed"))
+        y = h.act(RMSNorm(c, h, name="attn_norm")(x_BxTxD), ("batch", "res_seq", "embed"),
+                  name="ln_out")
+        y = h.act(y, ("batch", "seq", "embed"))
+        q = bias(dense("btd,dhq->bthq", y, "w_q", (D, H, Q), ("embed", "heads", "kv")),
+                 "b_q", (H, Q), ("heads", "kv"))
+        k = bias(dense("btd,dhq->bthq", y, "w_k", (D, K, Q), ("embed", "kv_heads", "kv")),
+                 "b_k", (K, Q), ("kv_heads", "kv"))
+        v = bias(dense("btd,dhq->bthq", y, "w_v", (D, K, Q), ("embed", "kv_heads", "kv")),
+                 "b_v", (K, Q), ("kv_heads", "kv"))
+        inv_freq = layers.rope_frequencies(Q, c.rope_theta, c.rope_scaling)
+        q = h.act(layers.rope(q, inv_freq), ("batch", "seq", "heads", "kv"), name="qkv")
+        k = h.act(layers.rope(k, inv_freq), ("batch", "seq", "kv_heads", "kv"), name="qkv")
+        v = h.act(v, ("batch", "seq", "kv_heads", "kv"), name="qkv")
+        att_BxTxHxQ = h.act(layers.attention(q, k, v, h.attention, c.sliding_window),
+                            ("batch", "seq", "heads", "kv"), name="attn_ctx")
+        out_BxTxD = dense("bthq,hqd->btd", att_BxTxHxQ, "w_o", (H, Q, D),
+                          ("heads", "kv", "embed"), residual)
+        out_BxTxD = h.act(out_BxTxD, ("batch", "res_seq", "embed"))
+        x_BxTxD = h.act(x_BxTxD + out_BxTxD, ("batch", "res_seq", "embed"), name="resid_mid")
+
+        # SwiGLU: gate and up column-parallel, down row-parallel.
+        y = h.act(RMSNorm(c, h, name="mlp_norm")(x_BxTxD), ("batch", "res_seq", "embed"),
+                  name="ln_out")
+        y = h.act(y, ("batch", "seq", "embed"))
+        gate = h.act(dense("btd,df->btf", y, "w_gate", (D, F), ("embed", "mlp")),
+                     ("batch", "seq", "mlp"), name="mlp_hidden")
+        up = h.act(dense("btd,df->btf", y, "w_up", (D, F), ("embed", "mlp")),
+                   ("batch", "seq", "mlp"), name="mlp_hidden")
+        hid_BxTxF = h.act(jax.nn.silu(gate.astype(jnp.float32)).astype(up.dtype) * up,
+                          ("batch", "seq", "mlp"), name="mlp_act")
+        out_BxTxD = dense("btf,fd->btd", hid_BxTxF, "w_down", (F, D), ("mlp", "embed"), residual)
+        out_BxTxD = h.act(out_BxTxD, ("batch", "res_seq", "embed"))
+        return x_BxTxD + out_BxTxD, None
+
+
+def stack(cfg: LlamaConfig, hooks: Hooks) -> nn.Module:
+    """The scanned stack of cfg.n_layer blocks (a pipeline stage uses fewer)."""
+    block = nn.remat(Block, policy=hooks.remat.jax_policy(), prevent_cse=False)
+    return nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
+                   length=cfg.n_layer, metadata_params={nn.PARTITION_NAME: "layers"})(cfg, hooks)
+
+
+class Llama(nn.Module):
+    """Token ids (B, T) -> logits (B, T, V); `embed`, `stack` and `head` are
+    separate for a pipeline, as in the GPT."""
+
+    cfg: LlamaConfig
+    hooks: Hooks = Hooks()
+
+    def setup(self):
+        c = self.cfg
+        table = self.hooks.table_shape
+        normal = nn.initializers.normal(0.02)
+        self.wte = layers.param(self, "wte", table((c.padded_vocab, c.d_model)),
+                                ("vocab", "embed"), normal)
+        if not c.tie_embeddings:
+            self.w_head = layers.param(self, "w_head", table((c.padded_vocab, c.d_model)),
+                                       ("vocab", "embed"), normal)
+        self.blocks = stack(c, self.hooks)
+        self.norm_f = RMSNorm(c, self.hooks)
+
+    def embed(self, tokens_BxT, wte=None):
+        h = self.hooks
+        if tokens_BxT.shape[1] > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {tokens_BxT.shape[1]} exceeds the model's "
+                             f"max_seq_len={self.cfg.max_seq_len}")
+        x = h.lookup(self.wte if wte is None else wte, tokens_BxT, ("vocab", "embed"))
+        x = h.act(x, ("batch", "seq", "embed"))
+        return h.act(x, ("batch", "res_seq", "embed"))
+
+    def stack(self, x_BxTxD):
+        x_BxTxD, _ = self.blocks(x_BxTxD, None)
+        return x_BxTxD
+
+    def head(self, x_BxTxD, wte=None):
+        h = self.hooks
+        y = h.act(self.norm_f(x_BxTxD), ("batch", "seq", "embed"))
+        w = (self.wte if wte is None else wte) if self.cfg.tie_embeddings else self.w_head
+        logits_BxTxV = h.act(h.dense("btd,vd->btv", y, w, ("vocab", "embed")),
+                             ("batch", "seq", "vocab"))
+        if self.cfg.padded_vocab != self.cfg.vocab_size:
+            real_V = h.vocab_ids(logits_BxTxV.shape[-1]) < self.cfg.vocab_size
+            logits_BxTxV = jnp.where(real_V, logits_BxTxV, jnp.finfo(logits_BxTxV.dtype).min)
+        return logits_BxTxV
+
+    def __call__(self, tokens_BxT):
+        wte = self.hooks.gathered(self.wte, ("vocab", "embed")) if self.cfg.tie_embeddings else None
+        return self.head(self.stack(self.embed(tokens_BxT, wte)), wte)
+
+
+def model_fns(cfg: LlamaConfig) -> ModelFns:
+    """The Llama as the zero_jax train step sees it."""
+
+    def init(key):
+        tokens = jnp.zeros((1, min(8, cfg.max_seq_len)), jnp.int32)
+        return Llama(cfg).init(key, tokens)["params"]
+
+    def apply(params, tokens_BxT, hooks):
+        return Llama(cfg, hooks).apply({"params": params}, tokens_BxT)
+
+    def decay_mask(params):
+        # Matrices (named w*) decay; norm scales and biases do not.
+        return jax.tree_util.tree_map_with_path(
+            lambda path, _: str(path[-1].key).startswith("w"), params)
+
+    def stage(blocks, x_BxTxD, hooks):
+        n = jax.tree.leaves(blocks)[0].shape[0]
+        y, _ = stack(dataclasses.replace(cfg, n_layer=n), hooks).apply({"params": blocks}, x_BxTxD, None)
+        return y
+
+    pipeline = PipelineFns(
+        split=lambda params: ({k: v for k, v in params.items() if k != "blocks"}, params["blocks"]),
+        merge=lambda outer, blocks: {**outer, "blocks": blocks},
+        embed=lambda outer, tokens, hooks: Llama(cfg, hooks).apply({"params": outer}, tokens,
+                                                                   method=Llama.embed),
+        stage=stage,
+        head=lambda outer, x, hooks: Llama(cfg, hooks).apply({"params": outer}, x,
+                                                             method=Llama.head),
+        vocab_parallel=True,
+    )
+    return ModelFns(init=init, apply=apply, vocab_size=cfg.vocab_size, max_seq_len=cfg.max_seq_len,
+                    pipeline=pipeline, layers=cfg.n_layer, flops_per_token=cfg.flops_per_token,
+                    decay_mask=decay_mask, activation_bytes=cfg.activation_bytes, config=cfg,
+                    gathered_once=("wte",) if cfg.tie_embeddings else (),
+                    head_cost=cfg.head_cost, replicable={"kv_heads": cfg.n_kv_head})

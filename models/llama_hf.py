@@ -1,0 +1,155 @@
+"""The Llama family in Hugging Face's layout (LlamaForCausalLM,
+MistralForCausalLM, Qwen2ForCausalLM): names, shapes and config.json.
+
+Hugging Face stores each layer separately, every projection a torch Linear
+weight of shape (out, in): q_proj is (H Q, D), our (D, H, Q) transposed
+and split by head; o_proj (D, H Q) is our (H, Q, D); gate, up and down are
+our (D, F), (D, F) and (F, D) transposed. Rotary embeddings use the same
+half-rotation layout, so the head dimensions map one to one.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+import numpy as np
+
+from models.gpt_hf import padded_rows as _padded
+from models.llama import LlamaConfig
+
+MODEL_TYPES = ("llama", "mistral", "qwen2")
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                 "qwen2": "Qwen2ForCausalLM"}
+
+Get = Callable[[str], np.ndarray]  # Hugging Face tensor by name
+Read = Callable[[str, int | None], np.ndarray]  # (our path, layer or None) -> array
+
+
+def shape_from(hf: dict, where: str = "config.json") -> dict:
+    """Our LlamaConfig fields from a Hugging Face config.json."""
+    kind = hf["model_type"]
+    heads = hf["num_attention_heads"]
+    # transformers 5 writes the rotary settings as one `rope_parameters`
+    # table; published configs have `rope_theta` and `rope_scaling`
+    rope = dict(hf.get("rope_parameters") or {})
+    theta = rope.pop("rope_theta", hf.get("rope_theta", 1e4))
+    scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default"
+                                         else None)
+    fields = {
+        "family": kind, "n_layer": hf["num_hidden_layers"], "n_head": heads,
+        "n_kv_head": hf.get("num_key_value_heads") or heads, "d_model": hf["hidden_size"],
+        "d_mlp": hf["intermediate_size"], "vocab_size": hf["vocab_size"],
+        "max_seq_len": hf["max_position_embeddings"], "rope_theta": float(theta),
+        "rms_eps": float(hf.get("rms_norm_eps", 1e-6)),
+        "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+        "qkv_bias": kind == "qwen2" or bool(hf.get("attention_bias", False)),
+    }
+    head_dim = hf.get("head_dim")
+    if head_dim and head_dim != hf["hidden_size"] // heads:
+        fields["head_dim"] = head_dim
+    window = hf.get("sliding_window")
+    if window and (kind == "mistral" or hf.get("use_sliding_window")):
+        fields["sliding_window"] = window
+    if scaling:
+        kind_of = scaling.get("rope_type", scaling.get("type"))
+        if kind_of != "llama3":
+            raise ValueError(f"{where}: rope_scaling of type {kind_of!r} is not supported "
+                             "(Llama 3's 'llama3' is)")
+        fields["rope_scaling"] = (float(scaling["factor"]), float(scaling["low_freq_factor"]),
+                                  float(scaling["high_freq_factor"]),
+                                  int(scaling["original_max_position_embeddings"]))
+    if kind != "qwen2" and hf.get("mlp_bias"):
+        raise ValueError(f"{where}: mlp_bias = true is not supported")
+    return fields
+
+
+def config_json(cfg: LlamaConfig) -> dict:
+    out = {
+        "architectures": [ARCHITECTURES[cfg.family]], "model_type": cfg.family,
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
+        "intermediate_size": cfg.d_mlp, "num_hidden_layers": cfg.n_layer,
+        "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.n_kv_head,
+        "head_dim": cfg.q_dim, "max_position_embeddings": cfg.max_seq_len,
+        "rope_theta": cfg.rope_theta, "rms_norm_eps": cfg.rms_eps,
+        "tie_word_embeddings": cfg.tie_embeddings, "hidden_act": "silu",
+        "attention_dropout": 0.0, "torch_dtype": "float32",
+    }
+    if cfg.family == "llama":
+        out.update(attention_bias=cfg.qkv_bias, mlp_bias=False)
+    if cfg.family in ("mistral", "qwen2"):
+        out["sliding_window"] = cfg.sliding_window or None
+    if cfg.family == "qwen2":
+        out["use_sliding_window"] = bool(cfg.sliding_window)
+    if cfg.rope_scaling:
+        factor, low, high, original = cfg.rope_scaling
+        out["rope_scaling"] = {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
+                               "high_freq_factor": high,
+                               "original_max_position_embeddings": original}
+    return out
+
+
+def _layer_map(cfg: LlamaConfig) -> dict[str, tuple[str, Callable, Callable, tuple]]:
+    """Our stacked path -> (Hugging Face name in layer i, to ours, to theirs, their shape)."""
+    D, H, K, Q, F = cfg.d_model, cfg.n_head, cfg.n_kv_head, cfg.q_dim, cfg.d_mlp
+    heads = lambda n: (lambda w: w.T.reshape(D, n, Q), lambda w: w.reshape(D, n * Q).T, (n * Q, D))
+    same = lambda shape: (lambda x: x, lambda x: x, shape)
+    out = {
+        "blocks.attn_norm.scale": ("input_layernorm.weight", *same((D,))),
+        "blocks.w_q": ("self_attn.q_proj.weight", *heads(H)),
+        "blocks.w_k": ("self_attn.k_proj.weight", *heads(K)),
+        "blocks.w_v": ("self_attn.v_proj.weight", *heads(K)),
+        "blocks.w_o": ("self_attn.o_proj.weight", lambda w: w.T.reshape(H, Q, D),
+                       lambda w: w.reshape(H * Q, D).T, (D, H * Q)),
+        "blocks.mlp_norm.scale": ("post_attention_layernorm.weight", *same((D,))),
+        "blocks.w_gate": ("mlp.gate_proj.weight", lambda w: w.T, lambda w: w.T, (F, D)),
+        "blocks.w_up": ("mlp.up_proj.weight", lambda w: w.T, lambda w: w.T, (F, D)),
+        "blocks.w_down": ("mlp.down_proj.weight", lambda w: w.T, lambda w: w.T, (D, F)),
+    }
+    if cfg.qkv_bias:
+        for ours, theirs, n in (("b_q", "q_proj", H), ("b_k", "k_proj", K), ("b_v", "v_proj", K)):
+            out[f"blocks.{ours}"] = (f"self_attn.{theirs}.bias", lambda b, n=n: b.reshape(n, Q),
+                                     lambda b, n=n: b.reshape(n * Q), (n * Q,))
+    return out
+
+
+def _tables(cfg: LlamaConfig) -> dict[str, str]:
+    out = {"wte": "model.embed_tokens.weight"}
+    if not cfg.tie_embeddings:
+        out["w_head"] = "lm_head.weight"
+    return out
+
+
+def sources(cfg: LlamaConfig) -> dict[str, Callable[[Get, int | None], np.ndarray]]:
+    """Our parameter path -> how to build it, or one layer of it, from
+    Hugging Face tensors: one tensor read per call."""
+    V, D = cfg.vocab_size, cfg.d_model
+    get = lambda tensors, name: np.asarray(tensors(name), np.float32)
+
+    def table(name):
+        def build(tensors, _):
+            w = get(tensors, name)
+            if w.shape != (V, D):
+                raise ValueError(f"{name} is {w.shape}; the model expects ({V}, {D})")
+            return _padded(w, cfg.padded_vocab)
+        return build
+
+    out = {ours: table(theirs) for ours, theirs in _tables(cfg).items()}
+    out["norm_f.scale"] = lambda tensors, _: get(tensors, "model.norm.weight")
+    for ours, (theirs, to_ours, _, _) in _layer_map(cfg).items():
+        out[ours] = (lambda tensors, i, theirs=theirs, to_ours=to_ours:
+                     np.ascontiguousarray(to_ours(get(tensors, f"model.layers.{i}.{theirs}"))))
+    return out
+
+
+def pieces(cfg: LlamaConfig, read: Read) -> Iterator[tuple[str, tuple[int, ...], Callable[[], np.ndarray]]]:
+    """(Hugging Face name, shape, producer) for every tensor, one layer at a time."""
+    V, D = cfg.vocab_size, cfg.d_model
+    yield "model.embed_tokens.weight", (V, D), lambda: read("wte", None)[:V]
+    layer_map = _layer_map(cfg)
+    for i in range(cfg.n_layer):
+        for ours, (theirs, _, to_theirs, shape) in layer_map.items():
+            yield (f"model.layers.{i}.{theirs}", shape,
+                   lambda ours=ours, i=i, to_theirs=to_theirs: to_theirs(read(ours, i)))
+    yield "model.norm.weight", (D,), lambda: read("norm_f.scale", None)
+    if not cfg.tie_embeddings:
+        yield "lm_head.weight", (V, D), lambda: read("w_head", None)[:V]

@@ -1,0 +1,69 @@
+"""Parameters placed into their sharded layout one tensor at a time.
+
+An import from another framework's files (models/hf.py) must not hold the
+model in host memory: `place` asks for one leaf, or one layer of a stacked
+leaf, at a time, puts it into the target's sharding and lets it go before
+asking for the next. A stacked leaf is created on the devices first and
+each layer written into it in place (a donated update), so host memory stays
+near the largest single tensor, whatever the model's size.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import jax
+import numpy as np
+from jax.sharding import PartitionSpec
+
+# (our parameter path, layer index or None) -> that tensor, as numpy
+Produce = Callable[[str, int | None], np.ndarray]
+
+
+def place(targets: Any, names: Any, produce: Produce) -> Any:
+    """A tree like `targets` (jax.ShapeDtypeStruct leaves with shardings),
+    each leaf built from `produce`: whole, or layer by layer where its first
+    logical name (`names`, PartitionSpecs of logical names) is `layers`."""
+    paths = {jax.tree_util.keystr(p, simple=True, separator="."): (t, n) for (p, t), n in zip(
+        jax.tree_util.tree_flatten_with_path(targets)[0],
+        jax.tree.leaves(names, is_leaf=lambda x: isinstance(x, PartitionSpec)))}
+    placed = {}
+    for path, (target, logical) in paths.items():
+        if len(logical) and logical[0] == "layers":
+            placed[path] = _stacked(path, target, produce)
+        else:
+            placed[path] = _whole(target, _checked(path, produce(path, None), target.shape, target.dtype))
+    leaves = [placed[jax.tree_util.keystr(p, simple=True, separator=".")]
+              for p, _ in jax.tree_util.tree_flatten_with_path(targets)[0]]
+    return jax.tree.unflatten(jax.tree.structure(targets), leaves)
+
+
+def _checked(path: str, x: np.ndarray, shape, dtype) -> np.ndarray:
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{path}: the weights give shape {tuple(x.shape)}, the model has "
+                         f"{tuple(shape)}")
+    return np.asarray(x, dtype=dtype)
+
+
+def _whole(target, x: np.ndarray) -> jax.Array:
+    return jax.make_array_from_callback(target.shape, target.sharding, lambda idx: x[idx])
+
+
+def _stacked(path: str, target, produce: Produce) -> jax.Array:
+    stack = _zeros(target.shape, target.dtype, target.sharding)
+    for i in range(target.shape[0]):
+        layer = _checked(f"{path} (layer {i})", produce(path, i), target.shape[1:], target.dtype)
+        stack = _write(stack, layer, i)
+        del layer
+    return stack
+
+
+def _zeros(shape, dtype, sharding) -> jax.Array:
+    return jax.jit(lambda: jax.numpy.zeros(shape, dtype), out_shardings=sharding)()
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _write(stack: jax.Array, layer: jax.Array, i: int) -> jax.Array:
+    """`stack` with `layer` at index `i` of its first dimension, in place."""
+    return jax.lax.dynamic_update_index_in_dim(stack, layer.astype(stack.dtype), i, 0)
