@@ -87,26 +87,29 @@ class GPTConfig:
         return 2 * V * D / (8 * D * D + 4 * D * F + 4 * seq_len * D)
 
     def activation_bytes(self, rows: int, seq_len: int, dtype_bytes: int, remat: Remat,
-                         tensor: int = 1, sequence_parallel: bool = False) -> float:
+                         tensor: int = 1, sequence_parallel: bool = False,
+                         attention: str = "xla") -> float:
         """Activation bytes one device holds at the peak of the backward pass,
         one microbatch (`activation_parts`): what the layers keep, and the
         larger of one rebuilt layer and the head."""
         kept, rebuilt, head = self.activation_parts(rows, seq_len, dtype_bytes, remat, tensor,
-                                                    sequence_parallel)
+                                                    sequence_parallel, attention)
         return kept + max(rebuilt, head)
 
     def activation_parts(self, rows: int, seq_len: int, dtype_bytes: int, remat: Remat,
-                         tensor: int = 1, sequence_parallel: bool = False) -> "ActivationParts":
+                         tensor: int = 1, sequence_parallel: bool = False,
+                         attention: str = "xla") -> "ActivationParts":
         """Activation bytes per device for one microbatch, in three parts.
 
         Per layer the block names what its backward pass needs (elements per
         device; t = tensor, residual-stream tensors also split by t under
         sequence parallelism): the block input, both LayerNorm outputs and the
         residual after attention (4 s b h), q, k, v and the attention context
-        (4 s b h / t), the attention probabilities (a s^2 b / t) and the MLP
-        hidden before and after GELU (2 s b f / t). `none` keeps all of it;
-        the other policies keep less per layer and rebuild one layer at a
-        time in the backward pass.
+        (4 s b h / t), the attention probabilities (a s^2 b / t; none under
+        cuDNN's fused attention, `layers.attention_probs`) and the MLP hidden
+        before and after GELU (2 s b f / t). `none` keeps all of it; the
+        other policies keep less per layer and rebuild one layer at a time
+        in the backward pass.
 
         The head's backward runs before any layer's, so its buffers and a
         rebuilt layer are never live together. The head holds three float32
@@ -119,7 +122,7 @@ class GPTConfig:
         full = s * b * h  # a row-parallel product before its reduction
         split = s * b * h / t  # a tensor split over heads
         mlp = s * b * f / t
-        probs = a * s * s * b / t
+        probs = layers.attention_probs(a, s, b, t, attention)
         named = {"ln_out": 2 * res, "qkv": 3 * split, "attn_probs": probs, "attn_ctx": split,
                  "resid_mid": res, "mlp_hidden": mlp, "mlp_act": mlp}
         layer = res + sum(named.values())  # = 4 res + 4 split + probs + 2 mlp
@@ -179,10 +182,6 @@ def config(name: str, data_vocab: int, **overrides) -> GPTConfig:
     return GPTConfig(**fields)
 
 
-def _param(module: nn.Module, name: str, shape, names, init):
-    return module.param(name, nn.with_logical_partitioning(init, names), shape, jnp.float32)
-
-
 class LayerNorm(nn.Module):
     """LayerNorm computed in float32, returned in the input's dtype."""
 
@@ -192,9 +191,9 @@ class LayerNorm(nn.Module):
     @nn.compact
     def __call__(self, x_BxTxD):
         D, h = self.cfg.d_model, self.hooks
-        scale = h.weight(_param(self, "scale", (D,), ("embed",), nn.initializers.ones),
+        scale = h.weight(layers.param(self, "scale", (D,), ("embed",), nn.initializers.ones),
                          ("embed",), jnp.float32)
-        bias = h.weight(_param(self, "bias", (D,), ("embed",), nn.initializers.zeros),
+        bias = h.weight(layers.param(self, "bias", (D,), ("embed",), nn.initializers.zeros),
                         ("embed",), jnp.float32)
         return layers.layer_norm(x_BxTxD, scale, bias, self.cfg.ln_eps)
 
@@ -218,7 +217,7 @@ class Block(nn.Module):
         # GPT-2 scales the init of the projections into the residual stream.
         residual = nn.initializers.normal(0.02 / math.sqrt(2 * c.n_layer))
         zeros = nn.initializers.zeros
-        param = functools.partial(_param, self)
+        param = functools.partial(layers.param, self)
 
         def dense(eq, x, name, shape, names, init):
             return h.dense(eq, x, param(name, shape, names, init), names)
@@ -243,14 +242,9 @@ class Block(nn.Module):
         k = qkv_BxTx3xHxQ[:, :, 1]
         v = add_bias(qkv_BxTx3xHxQ[:, :, 2], "b_v", (H, Q), ("heads", "kv"))
         q, k, v = (h.act(t, ("batch", "seq", "heads", "kv"), name="qkv") for t in (q, k, v))
-        T = x_BxTxD.shape[1]
-        # Scores and softmax in float32 whatever the compute dtype.
-        scores_BxHxTxT = jnp.einsum("bthq,bshq->bhts", q, k).astype(jnp.float32) / math.sqrt(Q)
-        causal_TxT = jnp.tril(jnp.ones((T, T), dtype=bool))
-        scores_BxHxTxT = jnp.where(causal_TxT, scores_BxHxTxT, jnp.finfo(jnp.float32).min)
-        probs_BxHxTxT = h.act(layers.softmax(scores_BxHxTxT, v.dtype),
-                              ("batch", "heads", "seq", None), name="attn_probs")
-        att_BxTxHxQ = h.act(jnp.einsum("bhts,bshq->bthq", probs_BxHxTxT, v),
+        # Causal attention, scores and softmax in float32 (layers.attention).
+        probs = lambda p: h.act(p, ("batch", "heads", "seq", None), name="attn_probs")
+        att_BxTxHxQ = h.act(layers.attention(q, k, v, h.attention, keep=probs),
                             ("batch", "seq", "heads", "kv"), name="attn_ctx")
         out_BxTxD = dense("bthq,hqd->btd", att_BxTxHxQ, "w_o", (H, Q, D),
                           ("heads", "kv", "embed"), residual)
@@ -288,9 +282,9 @@ class GPT(nn.Module):
         # Under a pipeline's evaluation each stage holds a block of each
         # table's rows (Hooks.rows); the lookups and the logits use the block.
         table = self.hooks.table_shape
-        self.wte = _param(self, "wte", table((c.padded_vocab, c.d_model)), ("vocab", "embed"),
+        self.wte = layers.param(self, "wte", table((c.padded_vocab, c.d_model)), ("vocab", "embed"),
                           nn.initializers.normal(0.02))
-        self.wpe = _param(self, "wpe", table((c.max_seq_len, c.d_model)), ("pos", "embed"),
+        self.wpe = layers.param(self, "wpe", table((c.max_seq_len, c.d_model)), ("pos", "embed"),
                           nn.initializers.normal(0.01))
         self.blocks = stack(c, self.hooks)
         self.ln_f = LayerNorm(c, self.hooks)

@@ -80,7 +80,11 @@ def load(path: Path, job) -> Any:
     family, fields = shape(path)
     cfg = job.model.config
     mine = dataclasses.asdict(cfg)
-    differ = {k: (v, mine[k]) for k, v in fields.items() if k in mine and not _same(v, mine[k])}
+    # Rotary embeddings have no table: a Llama-family model may be run at
+    # another length than its config's max_position_embeddings.
+    free = ("max_seq_len",) if family == "llama" else ()
+    differ = {k: (v, mine[k]) for k, v in fields.items()
+              if k in mine and k not in free and not _same(v, mine[k])}
     if (family == "llama") != isinstance(cfg, llama.LlamaConfig) or differ:
         what = ", ".join(f"{k} {a} there, {b} in the model" for k, (a, b) in differ.items()) \
             or f"a {family} model there, not a {type(cfg).__name__}"

@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Callable
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-# Attention implementations (`jax.nn.dot_product_attention`): XLA's, which
-# materialises the T x T scores, and cuDNN's fused kernel, which does not.
+# Attention implementations: "xla", the computation written out below, which
+# materialises the T x T scores; "cudnn", jax.nn.dot_product_attention's fused
+# cuDNN kernel, which does not.
 ATTENTION = ("xla", "cudnn")
 
 
@@ -26,29 +28,43 @@ def param(module: nn.Module, name: str, shape, names, init):
     return module.param(name, nn.with_logical_partitioning(init, names), shape, jnp.float32)
 
 
-def attention(q_BxTxHxQ, k_BxSxKxQ, v_BxSxKxQ, implementation: str = "xla",
-              window: int = 0):
+def attention(q_BxTxHxQ, k_BxSxKxQ, v_BxSxKxQ, implementation: str = "xla", window: int = 0,
+              keep: Callable = lambda probs: probs):
     """Causal scaled dot-product attention, grouped when K < H key/value
     heads (each serves H / K query heads); `window` > 0 lets each query see
     only the last `window` positions, itself included (Mistral's sliding
-    window). Scores and softmax are float32 whatever the inputs' dtype."""
+    window). Scores and softmax are float32 whatever the inputs' dtype.
+
+    "cudnn" calls `jax.nn.dot_product_attention`'s cuDNN kernel. "xla" is
+    the computation its XLA implementation performs, written out: that
+    implementation asks for float16 x float16 -> float32 products, which
+    XLA:CPU cannot lower ("F16_F16_F32 is not supported by dot_general on
+    CPU"), and its bf16 products round differently under vmap, which would
+    make layouts disagree. Written out, the probabilities pass through
+    `keep` (the model names them for the remat policy, `attn_probs`)."""
     if implementation not in ATTENTION:
         raise ValueError(f"attention {implementation!r}: choose from {', '.join(ATTENTION)}")
-    return jax.nn.dot_product_attention(
-        q_BxTxHxQ, k_BxSxKxQ, v_BxSxKxQ, is_causal=True,
-        local_window_size=(window - 1, 0) if window else None, implementation=implementation)
-
-
-def attention_reference(q, k, v, window: int = 0):
-    """The explicit formula `attention` must match: float32 scores, causal mask."""
-    H, K = q.shape[2], k.shape[2]
-    k, v = (jnp.repeat(t, H // K, axis=2) for t in (k, v))
-    T, S = q.shape[1], k.shape[1]
-    scores = jnp.einsum("bthq,bshq->bhts", q, k).astype(jnp.float32) / math.sqrt(q.shape[-1])
+    if implementation == "cudnn":
+        return jax.nn.dot_product_attention(
+            q_BxTxHxQ, k_BxSxKxQ, v_BxSxKxQ, is_causal=True, implementation="cudnn",
+            local_window_size=(window - 1, 0) if window else None)
+    H, K = q_BxTxHxQ.shape[2], k_BxSxKxQ.shape[2]
+    k, v = (jnp.repeat(t, H // K, axis=2) if K != H else t for t in (k_BxSxKxQ, v_BxSxKxQ))
+    T, S = q_BxTxHxQ.shape[1], k.shape[1]
+    scores = jnp.einsum("bthq,bshq->bhts", q_BxTxHxQ, k).astype(jnp.float32)
+    scores = scores / math.sqrt(q_BxTxHxQ.shape[-1])
     i, j = jnp.arange(T)[:, None], jnp.arange(S)[None, :]
-    keep = (j <= i) & ((i - j < window) if window else True)
-    probs = jax.nn.softmax(jnp.where(keep, scores, -jnp.inf), axis=-1).astype(v.dtype)
+    visible = (j <= i) & ((i - j < window) if window else True)
+    scores = jnp.where(visible, scores, jnp.finfo(jnp.float32).min)
+    probs = keep(softmax(scores, v.dtype))
     return jnp.einsum("bhts,bshq->bthq", probs, v)
+
+
+def attention_probs(heads: int, seq_len: int, rows: int, tensor: int, implementation: str) -> float:
+    """Elements per device of one layer's attention probabilities, which the
+    model names (`attn_probs`) and remat policies keep or rebuild like any
+    named activation; none under cuDNN's kernel, which keeps row statistics."""
+    return 0.0 if implementation == "cudnn" else heads * seq_len * seq_len * rows / tensor
 
 
 def rms_norm(x, scale, eps: float):

@@ -95,22 +95,21 @@ class LlamaConfig:
         return 2 * self.padded_vocab * D / block
 
     def activation_bytes(self, rows: int, seq_len: int, dtype_bytes: int, remat: Remat,
-                         tensor: int = 1, sequence_parallel: bool = False) -> float:
+                         tensor: int = 1, sequence_parallel: bool = False,
+                         attention: str = "xla") -> float:
         kept, rebuilt, head = self.activation_parts(rows, seq_len, dtype_bytes, remat, tensor,
-                                                    sequence_parallel)
+                                                    sequence_parallel, attention)
         return kept + max(rebuilt, head)
 
     def activation_parts(self, rows: int, seq_len: int, dtype_bytes: int, remat: Remat,
-                         tensor: int = 1, sequence_parallel: bool = False) -> ActivationParts:
+                         tensor: int = 1, sequence_parallel: bool = False,
+                         attention: str = "xla") -> ActivationParts:
         """Activation bytes per device for one microbatch (models/gpt.py has
         the method). Per layer the block names: the block input, both norm
         outputs and the residual after attention (4 s b h), q, k, v and the
-        attention context ((2 H + 2 K) Q s b / t), the SwiGLU gate and up
-        projections and their product (3 s b f / t). Attention keeps no
-        scores: `jax.nn.dot_product_attention` is unnamed, so every policy
-        recomputes it in the backward pass, one layer at a time; XLA's
-        implementation then holds float32 scores and probabilities in both
-        dtypes (a s^2 b (4 + c) / t), cuDNN's nothing of that size."""
+        attention context ((2 H + 2 K) Q s b / t), the attention
+        probabilities (a s^2 b / t; none under cuDNN's fused attention), the
+        SwiGLU gate and up projections and their product (3 s b f / t)."""
         s, b, h, f, L, t = seq_len, rows, self.d_model, self.d_mlp, self.n_layer, tensor
         H, K, Q = self.n_head, self.n_kv_head, self.q_dim
         res = s * b * h / (t if sequence_parallel else 1)
@@ -118,18 +117,18 @@ class LlamaConfig:
         q = s * b * H * Q / t
         kv = s * b * K * Q / (t if K % t == 0 else 1)  # replicated where tensor does not divide K
         mlp = s * b * f / t
-        named = {"ln_out": 2 * res, "qkv": q + 2 * kv, "attn_ctx": q, "resid_mid": res,
-                 "mlp_hidden": 2 * mlp, "mlp_act": mlp}
+        probs = layers.attention_probs(H, s, b, t, attention)
+        named = {"ln_out": 2 * res, "qkv": q + 2 * kv, "attn_probs": probs, "attn_ctx": q,
+                 "resid_mid": res, "mlp_hidden": 2 * mlp, "mlp_act": mlp}
         layer = res + sum(named.values())
         kept = {
             "none": L * layer,
             "full": L * res,
-            "dots_saveable": L * (res + q + 2 * kv + full + 2 * mlp + full),
+            "dots_saveable": L * (res + q + 2 * kv + probs + q + full + 2 * mlp + full),
             "save_names": L * (res + sum(named.get(n, 0) for n in remat.names)),
             "offload": L * res,
         }[remat.policy]
-        scores = H * s * s * b / t * (4 + dtype_bytes) / dtype_bytes
-        rebuilt = (0 if remat.policy == "none" else layer) + scores
+        rebuilt = 0 if remat.policy == "none" else layer
         head = 3 * s * b * self.padded_vocab / t * 4 / dtype_bytes + 2 * res
         return ActivationParts(kept * dtype_bytes, rebuilt * dtype_bytes, head * dtype_bytes)
 
@@ -218,7 +217,8 @@ class Block(nn.Module):
         q = h.act(layers.rope(q, inv_freq), ("batch", "seq", "heads", "kv"), name="qkv")
         k = h.act(layers.rope(k, inv_freq), ("batch", "seq", "kv_heads", "kv"), name="qkv")
         v = h.act(v, ("batch", "seq", "kv_heads", "kv"), name="qkv")
-        att_BxTxHxQ = h.act(layers.attention(q, k, v, h.attention, c.sliding_window),
+        probs = lambda p: h.act(p, ("batch", "heads", "seq", None), name="attn_probs")
+        att_BxTxHxQ = h.act(layers.attention(q, k, v, h.attention, c.sliding_window, keep=probs),
                             ("batch", "seq", "heads", "kv"), name="attn_ctx")
         out_BxTxD = dense("bthq,hqd->btd", att_BxTxHxQ, "w_o", (H, Q, D),
                           ("heads", "kv", "embed"), residual)

@@ -45,14 +45,23 @@ def _job(corpus, stage, mesh, **extra):
 
 
 @pytest.mark.parametrize("window", [0, 5])
-def test_attention_matches_the_explicit_formula(window):
-    """Grouped-query (4 query heads over 2 key/value heads), causal, float32."""
+def test_attention_matches_jax_dot_product_attention(window):
+    """The written-out attention against `jax.nn.dot_product_attention`'s
+    XLA implementation: grouped-query (4 query heads over 2 key/value
+    heads), causal, float32, with and without a sliding window; and their
+    gradients."""
     rng = np.random.default_rng(0)
     q = jnp.asarray(rng.normal(size=(2, 16, 4, 8)), jnp.float32)
     k, v = (jnp.asarray(rng.normal(size=(2, 16, 2, 8)), jnp.float32) for _ in range(2))
-    ours = layers.attention(q, k, v, "xla", window)
-    np.testing.assert_allclose(ours, layers.attention_reference(q, k, v, window), atol=1e-5,
-                               rtol=1e-5)
+    jaxs = lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, is_causal=True, implementation="xla",
+        local_window_size=(window - 1, 0) if window else None)
+    ours = lambda q, k, v: layers.attention(q, k, v, "xla", window)
+    np.testing.assert_allclose(ours(q, k, v), jaxs(q, k, v), atol=1e-5, rtol=1e-5)
+    loss = lambda f: lambda *a: jnp.sum(jnp.sin(f(*a)))
+    for g_ours, g_jax in zip(jax.grad(loss(ours), (0, 1, 2))(q, k, v),
+                             jax.grad(loss(jaxs), (0, 1, 2))(q, k, v)):
+        np.testing.assert_allclose(g_ours, g_jax, atol=1e-5, rtol=1e-5)
 
 
 def test_presets_have_the_published_parameter_counts(corpus):

@@ -102,7 +102,7 @@ class Job:
         return self.model.activation_bytes(rows, self.run.data.seq_len,
                                            jnp.dtype(self.policy.compute).itemsize,
                                            self.hooks.remat, sizes["tensor"],
-                                           self.sequence_parallel)
+                                           self.sequence_parallel, self.hooks.attention)
 
     def compile_with_text(self):
         """The compiled train step and its HLO after SPMD partitioning (what

@@ -246,9 +246,10 @@ def estimate(job: job_lib.Job, choice: Choice, cluster: Cluster, platform: str =
         # A backward tick rebuilds one chunk's layers (its slots); the last
         # stage's forward tick runs the head, whose logits it holds whole.
         acts = dataclasses.replace(cfg, n_layer=stages.slots).activation_parts(
-            rows, T, c, policy, choice.tensor, seq_parallel)
+            rows, T, c, policy, choice.tensor, seq_parallel, job.hooks.attention)
     else:
-        acts = cfg.activation_parts(rows, T, c, policy, choice.tensor, seq_parallel)
+        acts = cfg.activation_parts(rows, T, c, policy, choice.tensor, seq_parallel,
+                                    job.hooks.attention)
     # A step's temporaries peak in one of three phases, whose buffers XLA
     # reuses for one another (activations are dead when the optimizer runs):
     # the backward pass, the gradients' reduction, the update. Within the
