@@ -69,15 +69,16 @@ def test_processes_give_the_losses_of_one_process(reference, tmp_path, n, k, mes
 
 
 def test_checkpoint_of_two_processes_restores_in_one_and_in_four(tmp_path):
-    """Saved by 2 processes, resumed by 1 and by 4. A restore verifies every
-    array against the checksum saved with it (layout-independent, of the
-    exact bits), so a restore that succeeds is bit-exact."""
+    """Saved by 2 processes, resumed by 4 (and, under ZERO_JAX_FULL_GRID=1,
+    by 1, with the same losses). A restore verifies every array against the
+    checksum saved with it (layout-independent, of the exact bits), so a
+    restore that succeeds is bit-exact."""
     saved = tmp_path / "saved"
     p = launch(2, 4, "--steps", "4", "--mesh", "cpu-2x4", *SMALL, "--checkpoint-dir", str(saved))
     assert p.returncode == 0, p.stdout[-4000:]
     assert sorted(os.listdir(saved)) == ["4"]
     after = {}
-    for n, k in ((1, 8), (4, 2)):
+    for n, k in ((1, 8), (4, 2)) if os.environ.get("ZERO_JAX_FULL_GRID") else ((4, 2),):
         directory, out = tmp_path / f"resumed-by-{n}", tmp_path / f"{n}.jsonl"
         shutil.copytree(saved, directory)
         p = launch(n, k, "--steps", "6", "--mesh", "fsdp=8", *SMALL, "--checkpoint-dir",
@@ -85,8 +86,9 @@ def test_checkpoint_of_two_processes_restores_in_one_and_in_four(tmp_path):
         assert p.returncode == 0, p.stdout[-4000:]
         assert re.search(r"\(step 4; \d+ arrays equal to the saved ones by checksum\)", p.stdout)
         after[n] = losses(out)
-    assert len(after[1]) == 2
-    np.testing.assert_allclose(after[4], after[1], rtol=1e-5)
+    assert len(after[4]) == 2
+    if 1 in after:
+        np.testing.assert_allclose(after[4], after[1], rtol=1e-5)
 
 
 def _children(launcher_pid):
