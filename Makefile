@@ -1,7 +1,7 @@
 # `make train` and `make test` set up .venv themselves: it is (re)created when
 # missing or broken, and reinstalled when pyproject.toml or constraints.txt change.
 # `make test-interop` does the same with .venv-interop, which adds transformers
-# and a CPU build of torch, to check Hugging Face exports.
+# and a CPU build of torch, to check Hugging Face imports and exports.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
