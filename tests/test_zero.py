@@ -62,8 +62,12 @@ def test_snapshot_of_every_state_leaf_spec_per_stage(corpus):
     assert table == json.loads(SNAPSHOT.read_text())
 
 
-@pytest.mark.parametrize("optimizer,stage,precision", [
-    ("adamw", 3, "fp32"), ("sgd", 1, "bf16"), ("adafactor", 2, "bf16")])
+# CI runs the least Adam-like; ZERO_JAX_FULL_GRID=1 all three.
+OPTIMIZERS = [("adamw", 3, "fp32"), ("sgd", 1, "bf16"), ("adafactor", 2, "bf16")]
+
+
+@pytest.mark.parametrize("optimizer,stage,precision",
+                         OPTIMIZERS if os.environ.get("ZERO_JAX_FULL_GRID") else OPTIMIZERS[2:])
 def test_any_optax_optimizer_shards_and_matches_one_device(corpus, optimizer, stage, precision):
     """Any optax transformation, its state sharded; under bf16 at stages 1-2
     wrapped with float32 master weights (bf16 tolerances: test_numerics.py)."""
