@@ -17,10 +17,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from models import layers
+from models import decoder, layers
 from zero_jax.hooks import Hooks
 from zero_jax.model import ModelFns
-from zero_jax.pipeline import PipelineFns
 from zero_jax.remat import Remat
 
 
@@ -263,11 +262,9 @@ class Block(nn.Module):
         return x_BxTxD + out_BxTxD, None
 
 
-def stack(cfg: GPTConfig, hooks: Hooks) -> nn.Module:
+def stack(cfg, hooks: Hooks) -> nn.Module:
     """The scanned stack of cfg.n_layer blocks (a pipeline stage uses fewer)."""
-    block = nn.remat(Block, policy=hooks.remat.jax_policy(), prevent_cse=False)
-    return nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
-                   length=cfg.n_layer, metadata_params={nn.PARTITION_NAME: "layers"})(cfg, hooks)
+    return decoder.scanned(Block, cfg, hooks)
 
 
 class GPT(nn.Module):
@@ -333,34 +330,7 @@ class GPT(nn.Module):
 
 def model_fns(cfg: GPTConfig) -> ModelFns:
     """The GPT as the zero_jax train step sees it."""
-
-    def init(key):
-        tokens = jnp.zeros((1, min(8, cfg.max_seq_len)), jnp.int32)
-        return GPT(cfg).init(key, tokens)["params"]
-
-    def apply(params, tokens_BxT, hooks):
-        return GPT(cfg, hooks).apply({"params": params}, tokens_BxT)
-
-    def decay_mask(params):
-        # Matrices (named w*) decay; LayerNorm parameters and biases do not.
-        return jax.tree_util.tree_map_with_path(
-            lambda path, _: str(path[-1].key).startswith("w"), params)
-
-    def stage(blocks, x_BxTxD, hooks):
-        n = jax.tree.leaves(blocks)[0].shape[0]
-        y, _ = stack(dataclasses.replace(cfg, n_layer=n), hooks).apply({"params": blocks}, x_BxTxD, None)
-        return y
-
-    pipeline = PipelineFns(
-        split=lambda params: ({k: v for k, v in params.items() if k != "blocks"}, params["blocks"]),
-        merge=lambda outer, blocks: {**outer, "blocks": blocks},
-        embed=lambda outer, tokens, hooks: GPT(cfg, hooks).apply({"params": outer}, tokens, method=GPT.embed),
-        stage=stage,
-        head=lambda outer, x, hooks: GPT(cfg, hooks).apply({"params": outer}, x, method=GPT.head),
-        vocab_parallel=True,
-    )
-    return ModelFns(init=init, apply=apply, vocab_size=cfg.vocab_size, max_seq_len=cfg.max_seq_len,
-                    pipeline=pipeline, layers=cfg.n_layer,
-                    flops_per_token=cfg.flops_per_token, decay_mask=decay_mask,
+    return ModelFns(**decoder.fns(GPT, Block, cfg), vocab_size=cfg.vocab_size,
+                    max_seq_len=cfg.max_seq_len, layers=cfg.n_layer, flops_per_token=cfg.flops_per_token,
                     activation_bytes=cfg.activation_bytes, config=cfg, gathered_once=("wte",),
                     head_cost=cfg.head_cost)

@@ -1,0 +1,56 @@
+"""What the two decoder families share: the scanned layer stack, and the
+functions the train step needs from a module with `embed`, `stack` and
+`head` methods over parameters {..., "blocks": the stack}."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from zero_jax.hooks import Hooks
+from zero_jax.pipeline import PipelineFns
+
+
+def scanned(block: type[nn.Module], cfg: Any, hooks: Hooks) -> nn.Module:
+    """cfg.n_layer `block`s as one scanned, stacked layer (remat per block)."""
+    remat = nn.remat(block, policy=hooks.remat.jax_policy(), prevent_cse=False)
+    return nn.scan(remat, variable_axes={"params": 0}, split_rngs={"params": True},
+                   length=cfg.n_layer, metadata_params={nn.PARTITION_NAME: "layers"})(cfg, hooks)
+
+
+def fns(module: type[nn.Module], block: type[nn.Module], cfg: Any) -> dict[str, Any]:
+    """init, apply, decay_mask and pipeline (ModelFns fields) of `module`."""
+
+    def init(key):
+        tokens = jnp.zeros((1, min(8, cfg.max_seq_len)), jnp.int32)
+        return module(cfg).init(key, tokens)["params"]
+
+    def apply(params, tokens_BxT, hooks):
+        return module(cfg, hooks).apply({"params": params}, tokens_BxT)
+
+    def decay_mask(params):
+        # Matrices (named w*) decay; norm parameters and biases do not.
+        return jax.tree_util.tree_map_with_path(
+            lambda path, _: str(path[-1].key).startswith("w"), params)
+
+    def stage(blocks, x_BxTxD, hooks):
+        n = jax.tree.leaves(blocks)[0].shape[0]
+        stack = scanned(block, dataclasses.replace(cfg, n_layer=n), hooks)
+        y, _ = stack.apply({"params": blocks}, x_BxTxD, None)
+        return y
+
+    pipeline = PipelineFns(
+        split=lambda params: ({k: v for k, v in params.items() if k != "blocks"}, params["blocks"]),
+        merge=lambda outer, blocks: {**outer, "blocks": blocks},
+        embed=lambda outer, tokens, hooks: module(cfg, hooks).apply({"params": outer}, tokens,
+                                                                    method=module.embed),
+        stage=stage,
+        head=lambda outer, x, hooks: module(cfg, hooks).apply({"params": outer}, x,
+                                                              method=module.head),
+        vocab_parallel=True,
+    )
+    return {"init": init, "apply": apply, "decay_mask": decay_mask, "pipeline": pipeline}
