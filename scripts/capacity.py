@@ -120,7 +120,8 @@ def main(argv=None) -> int:
         return 0
     print(f"GPT family d_model = 128 x layers, seq {SEQ}, micro-batch 1, full remat, bf16 with "
           f"float32 masters and Adam, {args.grad_dtype} gradients; one device, "
-          f"{args.host_bytes / 1e12:g} TB host memory")
+          f"{args.host_bytes / 1e12:g} TB host memory; bytes per parameter exact from the "
+          f"shardings, device GB adds the step's estimated temporaries")
     print(f"{'device':<12}{'offload':<12}{'ZeRO':>5}{'layers':>7}{'params':>9}"
           f"{'device B/param':>16}{'host B/param':>14}{'device GB':>11}{'host GB':>9}{'step s':>8}")
     for r in rows:
