@@ -111,6 +111,13 @@ def config_from(recorded: dict):
     return gpt.GPTConfig(**fields)
 
 
+def weight_dirs(name: str, init_from: str) -> list[str]:
+    """Directories a run's model comes from (hf:DIR, --init-from DIR), whose
+    tokenizer.json the data must have been prepared with."""
+    dirs = [name[3:]] if name.startswith("hf:") else []
+    return dirs + ([init_from] if init_from and Path(init_from).is_dir() else [])
+
+
 def hf_loader(source: str, job) -> dict | None:
     """Parameters from a Hugging Face directory, placed in the job's layout
     one tensor at a time (hf.py), or None if `source` is not one."""

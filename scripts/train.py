@@ -58,6 +58,9 @@ def main(argv: list[str] | None = None) -> int:
         corpus = data_lib.load(cfg.data.source)
         build, model_line = models.for_run(cfg.model, corpus.vocab_size)
         job = job_lib.prepare(cfg, build)
+        # Bad data stops here, before anything compiles.
+        data_lib.check(corpus, job.model.config.vocab_size, cfg.data.seq_len,
+                       models.weight_dirs(cfg.model.name, cfg.checkpoint.init_from))
     except (config_lib.ConfigError, MeshError, ShardingError, ValueError, FileNotFoundError,
             distributed.DistributedError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -78,8 +81,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 6
     eval_step = job.compile_eval_step()
-    data_line = (f"{corpus.name}: {len(corpus.train):,} train / {len(corpus.val):,} "
-                 f"validation tokens, vocab {corpus.vocab_size}")
+    data_line = (f"{corpus.name}: {corpus.tokens('train'):,} train / {corpus.tokens('val'):,} "
+                 f"validation tokens, vocab {corpus.vocab_size}"
+                 + (", loss on masked targets only" if corpus.masked else ""))
     if lead:
         print(plan.describe(job, data_line, model_line, train_step, partitioned), flush=True)
 

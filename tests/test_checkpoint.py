@@ -15,7 +15,7 @@ from safetensors import safe_open
 
 from tests.helpers import host, initial_state, make_job
 from zero_jax import checkpoint as ckpt_lib
-from zero_jax import data as data_lib, export, integrity, run
+from zero_jax import data as data_lib, export, integrity, run, sampler
 from zero_jax import master as master_lib, state as state_lib
 
 
@@ -91,7 +91,8 @@ def test_pipeline_checkpoint_restores_without_a_pipeline_exactly(corpus, tmp_pat
 def test_meta_records_config_data_position_and_prng(saved):
     directory, _, _ = saved
     meta = json.loads((directory / "5" / "meta" / "metadata").read_text())
-    assert meta["data"] == {"source": "stdlib", "seed": 0, "next_step": 5, "batch_size": 16, "seq_len": 32}
+    assert meta["data"] == {"source": "stdlib", "seed": 0, "next_step": 5, "batch_size": 16,
+                            "seq_len": 32, "order": sampler.ORDER}
     assert meta["prng"]["seed"] == 0 and meta["layout"]["zero_stage"] == 3
     assert meta["model"]["n_layer"] == 4 and meta["logical_axes"]["blocks.w_fc"] == ["layers", "embed", "mlp"]
     for item in ("params", "opt_state", "scalars"):

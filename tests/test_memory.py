@@ -44,7 +44,8 @@ def test_compiled_arguments_are_the_sharded_state_and_batch(corpus, stage):
     compiled_step = job.compile_train_step()
     compiled = memory.compiled(compiled_step)
     sharded = memory.sharded(job.layout)
-    batch = math.prod(job.layout.batch_sharding.shard_shape(job.abstract_batch.shape)) * 4
+    batch = sum(math.prod(job.layout.batch_sharding.shard_shape(b.shape)) * b.dtype.itemsize
+                for b in job.abstract_batch.values())  # tokens and loss mask
     scalars = sum(x.size * x.dtype.itemsize for x in
                   jax.tree.leaves((job.layout.abstract.step, job.layout.abstract.loss_scale)))
     state = sharded["params"] + sharded["opt_state"] + scalars  # + step, loss-scale scalars

@@ -105,7 +105,8 @@ def test_four_microbatches_equal_one_whole_batch(corpus, stage):
     job = make_job(corpus, mesh="data=2,fsdp=4", zero_stage=stage, batch_size=32)
     layout = job.layout
     state = job.init_state()
-    batch = data_lib.global_batch(corpus, "train", 32, 32, 0, 0, layout.batch_sharding)
+    raw = data_lib.global_batch(corpus, "train", 32, 32, 0, 0, layout.batch_sharding)
+    batch = step_lib.weighted(raw)
     loss_fn = lambda p, b: step_lib.lm_loss(job.model, job.hooks, p, b)
     grads_sharding = layout.named(layout.specs.grads)
     constrain = lambda g: jax.lax.with_sharding_constraint(g, grads_sharding)
@@ -124,7 +125,7 @@ def test_four_microbatches_equal_one_whole_batch(corpus, stage):
     (loss1, g1), (loss4, g4) = both(state.params, batch)
     np.testing.assert_allclose(float(loss4), float(loss1), rtol=RTOL)
     assert_close(g4, g1, RTOL)
-    loss_p, g_p = four_once(state.params, batch)
+    loss_p, g_p = four_once(state.params, raw)
     np.testing.assert_allclose(float(loss_p), float(loss1), rtol=RTOL)
     assert_close(g_p, g1, RTOL)
 

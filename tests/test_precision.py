@@ -121,7 +121,8 @@ def test_gpt_medium_bf16_zero3_bytes_per_parameter(grad_dtype, per_param):
     compiled = memory.compiled(job.compile_train_step())
     scalars = sum(x.size * x.dtype.itemsize for x in
                   jax.tree.leaves((job.layout.abstract.step, job.layout.abstract.loss_scale)))
-    batch = math.prod(job.layout.batch_sharding.shard_shape(job.abstract_batch.shape)) * 4
+    batch = sum(math.prod(job.layout.batch_sharding.shard_shape(b.shape)) * b.dtype.itemsize
+                for b in job.abstract_batch.values())  # tokens and loss mask
     assert compiled["argument_bytes"] == sharded["params"] + sharded["opt_state"] + scalars + batch
 
 

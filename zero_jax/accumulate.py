@@ -30,23 +30,27 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 
 
-def split_microbatches(batch: jax.Array, microbatches: int) -> jax.Array:
-    """(B, ...) -> (m, B/m, ...), microbatch j holding rows j, j + m, j + 2m, ...
+def split_microbatches(batch: Any, microbatches: int) -> Any:
+    """(B, ...) -> (m, B/m, ...) for each array of `batch`, microbatch j
+    holding rows j, j + m, j + 2m, ...
 
     Strided rows keep each microbatch spread evenly over every data shard:
     a device holding a contiguous block of B/N rows holds B/(N m) rows of each
     microbatch, so the split moves no data between devices.
     """
-    B = batch.shape[0]
-    return batch.reshape(B // microbatches, microbatches, *batch.shape[1:]).swapaxes(0, 1)
+    return jax.tree.map(
+        lambda x: x.reshape(x.shape[0] // microbatches, microbatches, *x.shape[1:]).swapaxes(0, 1),
+        batch)
 
 
-def accumulate(value_and_grad: Callable[[Any, jax.Array], tuple[jax.Array, Any]],
-               params: Any, batch: jax.Array, microbatches: int,
+def accumulate(value_and_grad: Callable[[Any, Any], tuple[jax.Array, Any]],
+               params: Any, batch: Any, microbatches: int,
                constrain_grads: Callable[[Any], Any],
-               constrain_micro: Callable[[jax.Array], jax.Array]) -> tuple[jax.Array, Any]:
-    """Mean loss and mean gradient over `microbatches` equal microbatches,
-    each microbatch's gradient reduced into the gradient layout.
+               constrain_micro: Callable[[Any], Any]) -> tuple[jax.Array, Any]:
+    """Sums of the loss and gradient over `microbatches` equal microbatches,
+    each microbatch's gradient reduced into the gradient layout. A
+    microbatch's loss is its share of the batch's (step.weighted: its
+    targets' weights), so the sums are the batch's loss and gradient.
 
     `constrain_grads` casts a gradient tree to the gradient dtype and pins it
     to the stage's gradient sharding; `constrain_micro` pins the (m, B/m, ...)
@@ -65,11 +69,11 @@ def accumulate(value_and_grad: Callable[[Any, jax.Array], tuple[jax.Array, Any]]
     zeros = constrain_grads(jax.tree.map(jnp.zeros_like, params))
     micro = constrain_micro(split_microbatches(batch, microbatches))
     (loss_sum, acc), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), micro)
-    return loss_sum / microbatches, jax.tree.map(lambda g: g / microbatches, acc)
+    return loss_sum, acc
 
 
-def accumulate_partials(value_and_grad: Callable[[Any, jax.Array], tuple[jax.Array, Any]],
-                        params: Any, batch: jax.Array, microbatches: int,
+def accumulate_partials(value_and_grad: Callable[[Any, Any], tuple[jax.Array, Any]],
+                        params: Any, batch: Any, microbatches: int,
                         axes: tuple[str, ...], shards: int,
                         constrain_partials: Callable[[Any], Any],
                         constrain_micro: Callable[[jax.Array], jax.Array]
@@ -86,8 +90,9 @@ def accumulate_partials(value_and_grad: Callable[[Any, jax.Array], tuple[jax.Arr
     pins the (m, shards, rows, ...) split of the batch.
     """
     per_shard = jax.vmap(value_and_grad, in_axes=(None, 0), spmd_axis_name=axes)
-    micro = split_microbatches(batch, microbatches)
-    micro = constrain_micro(micro.reshape(microbatches, shards, -1, *batch.shape[1:]))
+    micro = jax.tree.map(lambda x: x.reshape(microbatches, shards, -1, *x.shape[2:]),
+                         split_microbatches(batch, microbatches))
+    micro = constrain_micro(micro)
 
     def body(carry, rows):
         loss_sum, acc = carry

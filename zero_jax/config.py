@@ -88,8 +88,9 @@ class ActivationConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    source: str = "stdlib"  # "stdlib" (byte-level Python source) or a uint16 token file
+    source: str = "stdlib"  # "stdlib" (byte-level Python source), a scripts/prepare_data.py directory, or a flat uint16 file
     seq_len: int = 128  # tokens per row fed to the model
+    segment_ids: bool = False  # attend within each document only; positions restart at each
 
 
 @dataclasses.dataclass(frozen=True)

@@ -40,10 +40,15 @@ class Job:
     notes: tuple[str, ...] = ()  # what the layout does differently from what was asked, and why
 
     @property
-    def abstract_batch(self) -> jax.ShapeDtypeStruct:
-        t = self.run.train
-        return jax.ShapeDtypeStruct((t.batch_size, self.run.data.seq_len + 1), jnp.int32,
-                                    sharding=self.layout.batch_sharding)
+    def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
+        """What data.global_batch gives: tokens, each target's weight, and
+        with --segment-ids each token's document within its row."""
+        B, T = self.run.train.batch_size, self.run.data.seq_len
+        sds = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype,
+                                                        sharding=self.layout.batch_sharding)
+        segments = {"segment_ids": sds((B, T + 1), jnp.int32)} if self.run.data.segment_ids else {}
+        return {"tokens": sds((B, T + 1), jnp.int32), "weights": sds((B, T), jnp.float32),
+                **segments}
 
     def lower_train_step(self):
         """The train step traced for the abstract state: the program every
@@ -187,6 +192,10 @@ def prepare_on(run: config_lib.RunConfig, build_model: Callable[[int], ModelFns]
             f"[offload] params = true with --zero-stage {zero_stage}: only ZeRO-3 gathers each "
             "layer's parameters where they are used, so only there can they be fetched from host "
             "memory layer by layer; use --zero-stage 3, or --offload-optimizer alone")
+    if run.data.segment_ids and schedule is not None:
+        raise config_lib.ConfigError(
+            f"--segment-ids with pipe={shape.sizes['pipe']}: document masking is not carried "
+            "through pipeline stages; use pipe=1, or train without --segment-ids")
     if run.offload.params and schedule is not None:
         raise config_lib.ConfigError(
             f"[offload] params = true with pipe={shape.sizes['pipe']}: a pipeline stage holds only "
@@ -198,7 +207,8 @@ def prepare_on(run: config_lib.RunConfig, build_model: Callable[[int], ModelFns]
         policy = precision_policy(run, platform)
         remat_policy = remat.Remat(run.activations.remat,
                                    remat.parse_names(run.activations.save_names))
-        attention = attention_implementation(run.model.attention, platform, policy.compute)
+        attention = attention_implementation(run.model.attention, platform, policy.compute,
+                                             run.data.segment_ids)
     except ValueError as e:
         raise config_lib.ConfigError(str(e)) from None
     p = run.precision
@@ -238,13 +248,19 @@ def unsplit_where_indivisible(axis_rules: rules.AxisRules, model: ModelFns,
     return axis_rules, tuple(notes)
 
 
-def attention_implementation(choice: str, platform: str, compute_dtype: str) -> str:
+def attention_implementation(choice: str, platform: str, compute_dtype: str,
+                             segments: bool = False) -> str:
     """`jax.nn.dot_product_attention`'s implementation for `choice`: auto is
     cuDNN's fused kernel on a GPU computing in 16 bits (it takes no float32),
-    XLA's elsewhere."""
+    XLA's elsewhere and with document masking (`segments`), which only the
+    XLA computation here applies."""
     if choice == "auto":
         sixteen = jnp.dtype(compute_dtype).itemsize == 2
-        return "cudnn" if platform == "gpu" and sixteen else "xla"
+        return "cudnn" if platform == "gpu" and sixteen and not segments else "xla"
+    if choice == "cudnn" and segments:
+        raise config_lib.ConfigError("--attention cudnn with --segment-ids: document masking is "
+                                     "applied by the xla implementation only; use --attention xla "
+                                     "(or auto)")
     if choice == "cudnn" and platform != "gpu":
         raise config_lib.ConfigError(f"--attention cudnn on {platform}: cuDNN runs on NVIDIA "
                                      "GPUs only; use --attention xla (or auto)")

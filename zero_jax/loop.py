@@ -16,7 +16,6 @@ import time
 from typing import Any, Callable, TextIO
 
 import jax
-import numpy as np
 from tqdm import tqdm
 
 from zero_jax.distributed import local
@@ -44,10 +43,15 @@ class MetricsWriter:
             self._file.close()
 
 
-def evaluate(eval_step: Callable, params: Any, batches: Callable[[int], jax.Array], n: int) -> float:
-    """Mean loss over `n` validation batches, one in flight at a time."""
-    losses = [float(local(eval_step(params, batches(i)))) for i in range(n)]
-    return float(np.mean(losses))
+def evaluate(eval_step: Callable, params: Any, batches: Callable[[int], Any], n: int,
+             targets: Callable[[int], int] = lambda i: 1) -> float:
+    """Mean loss over the targets of `n` validation batches, one in flight at
+    a time: each batch's mean weighted by its count of `targets`."""
+    total = count = 0.0
+    for i in range(n):
+        loss = float(local(eval_step(params, batches(i))))  # waits: one batch in flight
+        total, count = total + loss * targets(i), count + targets(i)
+    return total / max(count, 1)
 
 
 def train(state: TrainState, train_step: Callable, batch_at: Callable[[int], jax.Array], *,

@@ -13,8 +13,10 @@ import jax.numpy as jnp
 
 
 def cross_entropy(logits_BxTxV: jax.Array, targets_BxT: jax.Array,
-                  vocab_axis: str | None = None) -> jax.Array:
-    """Mean negative log-likelihood in nats, computed in float32.
+                  vocab_axis: str | None = None, weights_BxT: jax.Array | None = None
+                  ) -> jax.Array:
+    """Mean negative log-likelihood in nats, computed in float32; with
+    `weights_BxT`, the sum of each target's weighted by its weight instead.
 
     `vocab_axis`: inside `shard_map`, the manual mesh axis over which the
     vocabulary is split in contiguous blocks (hooks.RowSplit): the logits
@@ -34,4 +36,5 @@ def cross_entropy(logits_BxTxV: jax.Array, targets_BxT: jax.Array,
     picked_BxT = jnp.sum(jnp.where(vocab_V == targets_BxT[..., None], logits, 0.0), axis=-1)
     if vocab_axis is not None:
         picked_BxT = jax.lax.psum(picked_BxT, vocab_axis)
-    return jnp.mean(logz_BxT - picked_BxT)
+    nll_BxT = logz_BxT - picked_BxT
+    return jnp.mean(nll_BxT) if weights_BxT is None else jnp.sum(nll_BxT * weights_BxT)

@@ -177,7 +177,8 @@ class Tick(NamedTuple):
 
 def loss_and_grads(fns: PipelineFns, hooks, schedule: Schedule, mesh: Mesh, params: Any,
                    batch: jax.Array, scale: jax.Array, where: StageLayout) -> tuple[jax.Array, Any]:
-    """Mean loss (times `scale`) and gradients of `params` over `batch`, pipelined.
+    """Mean loss (times `scale`) and gradients of `params` over `batch` (a
+    `step.weighted` batch), pipelined.
 
     Gradients come back as sums per shard of the batch over
     `where.shard_axes`, with a leading axis of `where.shards`, for the caller
@@ -193,7 +194,8 @@ def loss_and_grads(fns: PipelineFns, hooks, schedule: Schedule, mesh: Mesh, para
     table = {k: jnp.asarray(getattr(prog, k)) for k in Program.tables()}
     counts = jnp.asarray(where.stages.device_counts() if where.stages is not None
                          else np.full((p, v), jax.tree.leaves(stack)[0].shape[0] // (p * v)))
-    x_shape = jax.eval_shape(lambda o, t: fns.embed(o, t[:, :-1], hooks), outer, micro[0])
+    x_shape = jax.eval_shape(lambda o, t: fns.embed(o, t[:, :-1], hooks), outer,
+                             micro["tokens"][0])
 
     def body(outer, stack, micro, scale):
         d = jax.lax.axis_index("pipe")
@@ -206,7 +208,7 @@ def loss_and_grads(fns: PipelineFns, hooks, schedule: Schedule, mesh: Mesh, para
             outer = jax.lax.with_sharding_constraint(outer, _named(inner, where.gather[0]))
             stack = jax.lax.with_sharding_constraint(stack, _named(inner, where.gather[1]))
         chunks = jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), stack)
-        steps = _Steps(fns, hooks_in, where, inner, outer, chunks, micro, scale / m, x_shape)
+        steps = _Steps(fns, hooks_in, where, inner, outer, chunks, micro, scale, x_shape)
 
         def tick(t, c):
             row = {k: v[t, d] for k, v in table.items()}
@@ -231,7 +233,7 @@ def loss_and_grads(fns: PipelineFns, hooks, schedule: Schedule, mesh: Mesh, para
 
 def loss(fns: PipelineFns, hooks, schedule: Schedule, mesh: Mesh, params: Any, batch: jax.Array,
          where: StageLayout) -> jax.Array:
-    """Mean loss over `batch` through a forward-only schedule
+    """Mean loss over `batch` (a `step.weighted` batch) through a forward-only schedule
     (`schedule.forward_only`): evaluation, with every stage's layers where
     they are stored. Only activations move over `pipe`; nothing is kept for
     a backward pass.
@@ -255,7 +257,8 @@ def loss(fns: PipelineFns, hooks, schedule: Schedule, mesh: Mesh, params: Any, b
                                                         "read", "fwd_arrival")}
     counts = jnp.asarray(where.stages.device_counts() if where.stages is not None
                          else np.full((p, v), jax.tree.leaves(stack)[0].shape[0] // (p * v)))
-    x_shape = jax.eval_shape(lambda o, t: fns.embed(o, t[:, :-1], hooks), outer, micro[0])
+    x_shape = jax.eval_shape(lambda o, t: fns.embed(o, t[:, :-1], hooks), outer,
+                             micro["tokens"][0])
     outer_specs, rows = _outer_in_specs(fns, outer, where.outer, dict(mesh.shape),
                                         mesh.devices.flat[0].platform == "cpu")
     enters, leaves = (jnp.asarray(a) for a in prog.ends())
@@ -283,7 +286,7 @@ def loss(fns: PipelineFns, hooks, schedule: Schedule, mesh: Mesh, params: Any, b
         start = {"fwd": steps.place(jnp.zeros((prog.slots[1] + 1, *x_shape.shape), x_shape.dtype)),
                  "loss": jnp.zeros((), jnp.float32)}
         c = jax.lax.fori_loop(0, schedule.ticks, tick, start)
-        return jax.lax.psum(c["loss"], "pipe") / m
+        return jax.lax.psum(c["loss"], "pipe")
 
     piped = jax.tree.map(lambda _: PartitionSpec("pipe"), stack)
     run = jax.shard_map(body, mesh=mesh, in_specs=(outer_specs, piped, PartitionSpec()),
@@ -338,7 +341,7 @@ class _Steps:
                  loss_scale, x_shape):
         self.fns, self.hooks, self.where, self.mesh = fns, hooks, where, mesh
         self.outer, self.chunks, self.micro = outer, chunks, micro
-        self.loss_scale = loss_scale  # the scale over the microbatch count
+        self.loss_scale = loss_scale
         self.x_zero = jnp.zeros(x_shape.shape, x_shape.dtype)
         self.shard_hooks = hooks.per_shard(where.shard_axes)
         self.n = where.shards
@@ -351,10 +354,15 @@ class _Steps:
         return self.hooks.act(buf, (None, "batch", "res_seq", "embed"))
 
     def split(self, x):
-        """(B, ...) -> (shards, B / shards, ...), each device's rows in its own entry."""
+        """(B, ...) -> (shards, B / shards, ...) for each array of `x`, each
+        device's rows in its own entry."""
         spec = PartitionSpec(self.where.shard_axes or None)
-        return jax.lax.with_sharding_constraint(x.reshape(self.n, -1, *x.shape[1:]),
-                                                NamedSharding(self.mesh, spec))
+        return jax.lax.with_sharding_constraint(
+            jax.tree.map(lambda a: a.reshape(self.n, -1, *a.shape[1:]), x),
+            NamedSharding(self.mesh, spec))
+
+    def microbatch(self, i):
+        return jax.tree.map(lambda a: a[i], self.micro)
 
     def merge(self, x):
         return self.act(x.reshape(-1, *x.shape[2:]))
@@ -368,7 +376,8 @@ class _Steps:
     def per_shard(self, f, weights, *rows):
         """`f(weights, *rows)` for each shard: `weights` shared, `rows` split (`split`)."""
         if not self.where.shard_axes:  # one shard: the same program without a vmap
-            return jax.tree.map(lambda x: x[None], f(weights, *(r[0] for r in rows)))
+            first = [jax.tree.map(lambda a: a[0], r) for r in rows]
+            return jax.tree.map(lambda x: x[None], f(weights, *first))
         return jax.vmap(f, in_axes=(None,) + (0,) * len(rows),
                         spmd_axis_name=self.where.shard_axes)(weights, *rows)
 
@@ -410,22 +419,24 @@ class _Steps:
     # -- forward: embed (first chunk), one chunk, loss (last chunk) ---------
     def forward(self, c, row) -> Tick:
         fns, h = self.fns, self.hooks
-        tokens = self.micro[row["mb"]]
-        x = jax.lax.cond(row["first"], lambda: self.act(fns.embed(self.outer, tokens[:, :-1], h)),
+        mb = self.microbatch(row["mb"])
+        x = jax.lax.cond(row["first"],
+                         lambda: self.act(fns.embed(self.outer, mb["tokens"][:, :-1], h)),
                          lambda: self.act(c["fwd"][row["read"]]))
         chunk = jax.tree.map(lambda a: a[row["chunk"]], self.chunks)
         y = self.act(self.run(chunk, x, h, row["layers"]))
 
-        def head_loss(outer, y, tokens):
-            # Each shard's mean over its rows, over the shard count: the
-            # shards' sum is the microbatch's mean.
+        def head_loss(outer, y, mb):
+            # Each shard's weighted sum (step.weighted): the shards' and
+            # microbatches' sum is the batch's mean.
             logits = fns.head(outer, y, self.shard_hooks)
-            return cross_entropy(logits, tokens[:, 1:]) * self.loss_scale / self.n
+            return cross_entropy(logits, mb["tokens"][:, 1:],
+                                 weights_BxT=mb["weights"]) * self.loss_scale
 
         def ends():
             loss, (g_o, dy) = self.per_shard(
                 jax.value_and_grad(head_loss, argnums=(0, 1)), self.outer, self.split(y),
-                self.split(tokens))
+                self.split(mb))
             return loss, self._cast(g_o), self.merge(dy)
 
         nothing = lambda: (jnp.zeros((self.n,), jnp.float32), self.zero_grads(self.outer), self.x_zero)
@@ -438,13 +449,15 @@ class _Steps:
     def infer(self, inbox, row) -> tuple[jax.Array, jax.Array]:
         """(output for the next stage, the microbatch's loss on the last chunk)."""
         fns, h = self.fns, self.hooks
-        tokens = self.micro[row["mb"]]
-        x = jax.lax.cond(row["first"], lambda: self.act(fns.embed(self.outer, tokens[:, :-1], h)),
+        mb = self.microbatch(row["mb"])
+        x = jax.lax.cond(row["first"],
+                         lambda: self.act(fns.embed(self.outer, mb["tokens"][:, :-1], h)),
                          lambda: self.act(inbox[row["read"]]))
         chunk = jax.tree.map(lambda a: a[row["chunk"]], self.chunks)
         y = self.act(self.run(chunk, x, h, row["layers"]))
         part = jax.lax.cond(row["last"],
-                            lambda: cross_entropy(fns.head(self.outer, y, h), tokens[:, 1:]),
+                            lambda: cross_entropy(fns.head(self.outer, y, h), mb["tokens"][:, 1:],
+                                                  weights_BxT=mb["weights"]),
                             lambda: jnp.zeros((), jnp.float32))
         return jnp.where(row["last"], self.x_zero, y), part
 
@@ -457,7 +470,9 @@ class _Steps:
         tick's, the same on every device, as collectives over `pipe` need."""
         fns, h = self.fns, self.hooks
         x0 = jax.lax.cond(enters >= 0,
-                          lambda: self.act(fns.embed(self.outer, self.micro[enters][:, :-1], ends)),
+                          lambda: self.act(fns.embed(self.outer,
+                                                     self.microbatch(enters)["tokens"][:, :-1],
+                                                     ends)),
                           lambda: self.x_zero)
         x = jnp.where(row["first"], x0, inbox[row["read"]])
         chunk = jax.tree.map(lambda a: a[row["chunk"]], self.chunks)
@@ -467,8 +482,9 @@ class _Steps:
 
         def head_loss():
             out = self.act(ends.rows.sum(jnp.where(row["last"], y, self.x_zero)))
-            return cross_entropy(fns.head(self.outer, out, ends), self.micro[leaves][:, 1:],
-                                 ends.rows.axis)
+            mb = self.microbatch(leaves)
+            return cross_entropy(fns.head(self.outer, out, ends), mb["tokens"][:, 1:],
+                                 ends.rows.axis, mb["weights"])
 
         part = jax.lax.cond(leaves >= 0, head_loss, lambda: jnp.zeros((), jnp.float32))
         return jnp.where(row["last"], self.x_zero, y), part
@@ -488,7 +504,7 @@ class _Steps:
             def embed_vjp(outer, tokens, dx):
                 return jax.vjp(lambda o: fns.embed(o, tokens[:, :-1], h), outer)[1](dx)[0]
             return self._cast(self.per_shard(embed_vjp, self.outer,
-                                             self.split(self.micro[row["mb"]]), dx))
+                                             self.split(self.microbatch(row["mb"])["tokens"]), dx))
 
         g_o = jax.lax.cond(row["first"], starts, lambda: self.zero_grads(self.outer))
         dx = self.merge(dx)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -21,7 +20,7 @@ import numpy as np
 
 from zero_jax import checkpoint as ckpt_lib
 from zero_jax import data as data_lib
-from zero_jax import distributed, export, integrity, loop
+from zero_jax import distributed, export, integrity, loop, sampler
 from zero_jax.job import Job
 from zero_jax.preempt import Preemption
 from zero_jax.state import TrainState
@@ -39,8 +38,10 @@ class Outcome:
     resumed_from: int | None = None
 
 
-def checkpoint_meta(job: Job, step: int) -> dict[str, Any]:
-    """What a checkpoint records beside the arrays."""
+def checkpoint_meta(job: Job, step: int, corpus: data_lib.TokenData | None = None
+                    ) -> dict[str, Any]:
+    """What a checkpoint records beside the arrays (with `corpus`, what the
+    data was: its token counts and tokenizer)."""
     run, t = job.run, job.run.train
     names = jax.tree_util.tree_flatten_with_path(
         job.layout.names, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))[0]
@@ -50,9 +51,12 @@ def checkpoint_meta(job: Job, step: int) -> dict[str, Any]:
                   **(dataclasses.asdict(job.model.config) if job.model.config else {})},
         "logical_axes": {jax.tree_util.keystr(p, simple=True, separator="."): list(spec)
                          for p, spec in names},
-        # Batches are a pure function of (seed, split, step): the position is the step.
+        # Batches are a pure function of (seed, split, step) in sampler.ORDER:
+        # the position is the step.
         "data": {"source": run.data.source, "seed": t.seed, "next_step": step,
-                 "batch_size": t.batch_size, "seq_len": run.data.seq_len},
+                 "batch_size": t.batch_size, "seq_len": run.data.seq_len, "order": sampler.ORDER,
+                 **({"tokens": {s: corpus.tokens(s) for s in ("train", "val")},
+                     "tokenizer": corpus.meta.get("tokenizer", {})} if corpus else {})},
         # No other randomness than the seed (initialisation, data order).
         "prng": {"seed": t.seed, "impl": str(jax.config.jax_default_prng_impl)},
         # The resolved policy ("auto" depends on the platform): a resume under
@@ -104,7 +108,8 @@ def place(tree: Any, job: Job, log: Callable[[str], None] = print) -> Any:
 
 
 def initial_state(job: Job, checkpointer: ckpt_lib.Checkpointer | None,
-                  loaders: list[ParamLoader], log: Callable[[str], None]) -> tuple[TrainState, int | None]:
+                  loaders: list[ParamLoader], log: Callable[[str], None],
+                  corpus: data_lib.TokenData | None = None) -> tuple[TrainState, int | None]:
     c = job.run.checkpoint
     if c.resume:
         restored = checkpointer.restore_latest(job.layout.targets, log)
@@ -117,6 +122,9 @@ def initial_state(job: Job, checkpointer: ckpt_lib.Checkpointer | None,
                 "equal to the saved ones by checksum)")
             _log_config_changes(meta.get("run", {}), job.run.to_dict(), log)
             _log_precision_change(meta.get("precision"), job, log)
+            if corpus is not None:
+                _log_data_change(meta.get("data", {}), checkpoint_meta(job, step, corpus)["data"],
+                                 log)
             return state, step
         log(f"--resume: no complete checkpoint in {checkpointer.directory}; starting fresh")
     if c.init_from:
@@ -139,6 +147,15 @@ def _log_precision_change(saved: dict | None, job: Job, log) -> None:
         f"{working}")
 
 
+def _log_data_change(saved: dict, now: dict, log) -> None:
+    """One line per way the data differs from the saved run's: the batches
+    from here on are then not those the saved run would have read."""
+    for key in ("order", "tokens", "tokenizer"):
+        if key in saved and saved[key] != now.get(key):
+            log(f"  data.{key}: {saved[key]!r} at save, {now.get(key)!r} now: the batches from "
+                "here on differ from those the saved run would have read")
+
+
 def _log_config_changes(saved: dict, now: dict, log) -> None:
     for section in sorted(set(saved) | set(now)):
         for key in sorted(set(saved.get(section, {})) | set(now.get(section, {}))):
@@ -154,15 +171,16 @@ def train(job: Job, corpus: data_lib.TokenData, train_step, eval_step, *,
     d = run.distributed
     checkpointer = (ckpt_lib.Checkpointer(c, job.layout.names, writer=True,
                                           barrier_timeout_s=d.barrier_timeout_s) if c.dir else None)
-    state, resumed = initial_state(job, checkpointer, loaders, log)
+    state, resumed = initial_state(job, checkpointer, loaders, log, corpus)
     # Every process has its state before any starts stepping; bounded, so a
     # process that died while restoring ends the run instead of holding it.
     distributed.barrier("state ready", d.barrier_timeout_s)
     seq, sharding = run.data.seq_len, job.layout.batch_sharding
     batch = functools.partial(data_lib.global_batch, corpus, "train", seq, t.batch_size, t.seed,
-                              sharding=sharding)
+                              sharding=sharding, segments=run.data.segment_ids)
     val_batch = functools.partial(data_lib.global_batch, corpus, "val", seq, t.batch_size, t.seed,
-                                  sharding=sharding)
+                                  sharding=sharding, segments=run.data.segment_ids)
+    val_targets = functools.partial(data_lib.targets, corpus, "val", seq, t.batch_size, t.seed)
     preemption = Preemption()
     last = t.stop_at or t.steps
     stopped = ""
@@ -175,7 +193,7 @@ def train(job: Job, corpus: data_lib.TokenData, train_step, eval_step, *,
             stopped = "stop_at"
         if checkpointer is not None:
             if stopped or n == last or checkpointer.due(n):
-                checkpointer.save(n, job.layout.saved_form(state), checkpoint_meta(job, n))
+                checkpointer.save(n, job.layout.saved_form(state), checkpoint_meta(job, n, corpus))
             checkpointer.check()
         return bool(stopped)
 
@@ -185,7 +203,8 @@ def train(job: Job, corpus: data_lib.TokenData, train_step, eval_step, *,
     try:
         state, history = loop.train(
             state, train_step, lambda step: batch(step=step), steps=t.steps,
-            eval_fn=lambda params: loop.evaluate(eval_step, params, val_batch, t.eval_batches),
+            eval_fn=lambda params: loop.evaluate(eval_step, params, val_batch, t.eval_batches,
+                                                 val_targets),
             eval_every=t.eval_every, metrics_path=t.metrics_out if lead else "",
             progress=progress and lead, max_consecutive_skips=run.precision.max_consecutive_skips,
             after_step=after_step, watchdog=watchdog)

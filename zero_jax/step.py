@@ -33,13 +33,34 @@ from zero_jax.schedule import Schedule
 from zero_jax.state import Layout, TrainState
 
 
-def lm_loss(model: ModelFns, hooks: Hooks, params: Any, tokens_BxT1: jax.Array) -> jax.Array:
-    """Next-token loss of a (B, T + 1) token batch."""
-    logits = model.apply(params, tokens_BxT1[:, :-1], hooks)
-    return cross_entropy(logits, tokens_BxT1[:, 1:])
+def weighted(batch: Any) -> dict[str, jax.Array]:
+    """A batch as the loss functions take it: {"tokens": (B, T + 1), "weights":
+    (B, T) float32, optionally "segment_ids"}.
+
+    A target's weight is its share of the batch's loss, so the weights sum
+    to one over the batch: the loss of any part of it (a microbatch, a
+    device's rows, a pipeline's microbatch) is that part's weighted sum, and
+    the parts add up to the batch's mean over its targets, whatever their
+    sizes and loss-mask counts. data.global_batch computes them on the host
+    (the count of targets is known to every process, so no collective is
+    needed); a bare (B, T + 1) token array weighs every target 1 / (B T).
+    """
+    if isinstance(batch, dict):
+        return batch
+    return {"tokens": batch, "weights": jnp.full(batch[:, 1:].shape, 1.0 / batch[:, 1:].size,
+                                                 jnp.float32)}
 
 
-def train_step(state: TrainState, batch: jax.Array, *, loss_and_grads: Callable,
+def lm_loss(model: ModelFns, hooks: Hooks, params: Any, batch: dict[str, jax.Array]) -> jax.Array:
+    """Next-token loss of (part of) a `weighted` batch: its weighted sum."""
+    tokens = batch["tokens"]
+    # With segment ids, each document in a row attends to itself only.
+    segments = ({"segments_BxT": batch["segment_ids"][:, :-1]} if "segment_ids" in batch else {})
+    logits = model.apply(params, tokens[:, :-1], hooks, **segments)
+    return cross_entropy(logits, tokens[:, 1:], weights_BxT=batch["weights"])
+
+
+def train_step(state: TrainState, batch: Any, *, loss_and_grads: Callable,
                tx: optax.GradientTransformation, lr: optax.Schedule,
                scale_cfg: loss_scale_lib.LossScaleConfig, to_working: Callable,
                host: offload_lib.HostUpdate | None = None,
@@ -51,6 +72,7 @@ def train_step(state: TrainState, batch: jax.Array, *, loss_and_grads: Callable,
     (offload.py); with `fetch` (device shardings) the parameters, stored in
     host memory, are brought to the device for an update there."""
     scale = state.loss_scale.scale
+    batch = weighted(batch)
     loss, grads = loss_and_grads(state.params, batch, scale if scale_cfg.enabled else None)
     if scale_cfg.enabled:
         loss = loss / scale
@@ -74,7 +96,7 @@ def train_step(state: TrainState, batch: jax.Array, *, loss_and_grads: Callable,
         "grad_norm": grad_norm,
         # The rate this update used: optax counts applied updates only.
         "lr": jnp.asarray(lr(state.step - state.loss_scale.skipped), jnp.float32),
-        "tokens": jnp.asarray(batch.shape[0] * (batch.shape[1] - 1), jnp.int32),
+        "tokens": jnp.asarray(batch["weights"].size, jnp.int32),
         "loss_scale": scale,  # the scale this step ran with
         "skipped": ~finite,
         "consecutive_skips": new_scale.consecutive,
@@ -143,9 +165,7 @@ def partial_sums(layout: Layout, model: ModelFns, hooks: Hooks, microbatches: in
             constrain_partials, lambda x: jax.lax.with_sharding_constraint(x, micro))
         grads = reduce_partials(partials, layout.specs.grads, layout.mesh, axes,
                                 layout.mesh_shape.shard_axes)
-        # Each shard's loss is the mean over its rows of one microbatch, and
-        # every shard and microbatch has as many rows: the batch mean is theirs.
-        return loss_sums.sum() / (n * m), constrain_grads(jax.tree.map(lambda g: g / (n * m), grads))
+        return loss_sums.sum(), constrain_grads(grads)
 
     return loss_and_grads
 
@@ -205,7 +225,8 @@ def make_loss_and_grads(layout: Layout, model: ModelFns, hooks: Hooks, microbatc
     """`(params, batch, scale) -> (loss, grads)` for a layout: pipelined over
     `pipe` through `sched` if given, else accumulated over microbatches,
     reduced once per step (`reduce_once`) or once per microbatch.
-    Gradients come out in the layout's gradient sharding and dtype."""
+    Gradients come out in the layout's gradient sharding and dtype. `batch`
+    is what `weighted` takes, or gives."""
     constrain_grads = _constrainer(layout, layout.specs.grads, hooks.grad_dtype)
     if sched is not None:
         fn = pipelined(layout, model, hooks, sched, constrain_grads, gather_once, reduce_once)
@@ -215,13 +236,12 @@ def make_loss_and_grads(layout: Layout, model: ModelFns, hooks: Hooks, microbatc
         micro = NamedSharding(layout.mesh, PartitionSpec(None, *layout.batch_sharding.spec))
         fn = accumulated(functools.partial(lm_loss, model, hooks), microbatches, constrain_grads,
                          lambda x: jax.lax.with_sharding_constraint(x, micro))
-    if not layout.master:
-        return fn
     # A working copy narrower than the master weights is differentiated as
     # its exact float32 widening, so that gradients come out in float32 (and
     # are then cast to the gradient dtype), as they do from float32 parameters.
-    widen = master_lib.cast_to(jax.tree.map(lambda m: m.dtype, layout.master_params))
-    return lambda params, batch, scale: fn(widen(params), batch, scale)
+    widen = (master_lib.cast_to(jax.tree.map(lambda m: m.dtype, layout.master_params))
+             if layout.master else lambda params: params)
+    return lambda params, batch, scale: fn(widen(params), weighted(batch), scale)
 
 
 def jit_train_step(layout: Layout, model: ModelFns, hooks: Hooks, tx: optax.GradientTransformation,
@@ -246,9 +266,9 @@ def jit_train_step(layout: Layout, model: ModelFns, hooks: Hooks, tx: optax.Grad
 
 
 def jit_eval_step(layout: Layout, model: ModelFns, hooks: Hooks, sched: Schedule | None = None):
-    """Mean validation loss of a batch, with the parameters where they are
-    stored: under a pipeline, through `sched`'s forwards (each stage runs
-    the layers it stores; only activations cross `pipe`)."""
+    """The mean loss over a batch's targets, with the parameters where they
+    are stored: under a pipeline, through `sched`'s forwards (each stage
+    runs the layers it stores; only activations cross `pipe`)."""
     if sched is not None:
         fns = model.pipeline
         outer_specs, stack_specs = fns.split(layout.specs.params)
@@ -262,6 +282,10 @@ def jit_eval_step(layout: Layout, model: ModelFns, hooks: Hooks, sched: Schedule
     else:
         def loss_fn(params, batch):
             return lm_loss(model, hooks, params, batch)
-    return jax.jit(loss_fn, in_shardings=(layout.shardings.params, layout.batch_sharding),
+
+    def eval_step(params, batch):
+        return loss_fn(params, weighted(batch))
+
+    return jax.jit(eval_step, in_shardings=(layout.shardings.params, layout.batch_sharding),
                    out_shardings=NamedSharding(layout.mesh, PartitionSpec()),
                    compiler_options=offload_lib.compiler_options(layout.host_params))
