@@ -16,10 +16,12 @@ from zero_jax.pipeline import PipelineFns
 
 
 def scanned(block: type[nn.Module], cfg: Any, hooks: Hooks) -> nn.Module:
-    """cfg.n_layer `block`s as one scanned, stacked layer (remat per block)."""
+    """cfg.n_layer `block`s as one scanned, stacked layer (remat per block),
+    called as `(x, segments or None)`: every layer sees the same segments."""
     remat = nn.remat(block, policy=hooks.remat.jax_policy(), prevent_cse=False)
     return nn.scan(remat, variable_axes={"params": 0}, split_rngs={"params": True},
-                   length=cfg.n_layer, metadata_params={nn.PARTITION_NAME: "layers"})(cfg, hooks)
+                   in_axes=nn.broadcast, length=cfg.n_layer,
+                   metadata_params={nn.PARTITION_NAME: "layers"})(cfg, hooks)
 
 
 def fns(module: type[nn.Module], block: type[nn.Module], cfg: Any) -> dict[str, Any]:
@@ -29,8 +31,8 @@ def fns(module: type[nn.Module], block: type[nn.Module], cfg: Any) -> dict[str, 
         tokens = jnp.zeros((1, min(8, cfg.max_seq_len)), jnp.int32)
         return module(cfg).init(key, tokens)["params"]
 
-    def apply(params, tokens_BxT, hooks):
-        return module(cfg, hooks).apply({"params": params}, tokens_BxT)
+    def apply(params, tokens_BxT, hooks, segments_BxT=None):
+        return module(cfg, hooks).apply({"params": params}, tokens_BxT, segments_BxT)
 
     def decay_mask(params):
         # Matrices (named w*) decay; norm parameters and biases do not.

@@ -209,7 +209,7 @@ class Block(nn.Module):
     hooks: Hooks
 
     @nn.compact
-    def __call__(self, x_BxTxD, _):
+    def __call__(self, x_BxTxD, segments_BxT):
         c, h = self.cfg, self.hooks
         D, H, Q, F = c.d_model, c.n_head, c.head_dim, c.d_mlp
         normal = nn.initializers.normal(0.02)
@@ -243,7 +243,8 @@ class Block(nn.Module):
         q, k, v = (h.act(t, ("batch", "seq", "heads", "kv"), name="qkv") for t in (q, k, v))
         # Causal attention, scores and softmax in float32 (layers.attention).
         probs = lambda p: h.act(p, ("batch", "heads", "seq", None), name="attn_probs")
-        att_BxTxHxQ = h.act(layers.attention(q, k, v, h.attention, keep=probs),
+        att_BxTxHxQ = h.act(layers.attention(q, k, v, h.attention, keep=probs,
+                                             segments_BxT=segments_BxT),
                             ("batch", "seq", "heads", "kv"), name="attn_ctx")
         out_BxTxD = dense("bthq,hqd->btd", att_BxTxHxQ, "w_o", (H, Q, D),
                           ("heads", "kv", "embed"), residual)
@@ -286,8 +287,9 @@ class GPT(nn.Module):
         self.blocks = stack(c, self.hooks)
         self.ln_f = LayerNorm(c, self.hooks)
 
-    def embed(self, tokens_BxT, wte=None):
-        """`wte`: the table from `hooks.gathered`, when the head shares it."""
+    def embed(self, tokens_BxT, wte=None, segments_BxT=None):
+        """`wte`: the table from `hooks.gathered`, when the head shares it;
+        with `segments_BxT`, positions restart at each document."""
         T = tokens_BxT.shape[1]
         if T > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {T} exceeds the position table "
@@ -301,13 +303,14 @@ class GPT(nn.Module):
         # Positions are added in float32: their gradient is a sum over the
         # batch, and each device's part of it must reach the reduction across
         # devices in float32, not rounded to the compute dtype first.
-        positions = h.lookup(self.wpe, jnp.arange(T), ("pos", "embed"), out_dtype=jnp.float32)
+        at = jnp.arange(T) if segments_BxT is None else layers.positions(segments_BxT)
+        positions = h.lookup(self.wpe, at, ("pos", "embed"), out_dtype=jnp.float32)
         x_BxTxD = h.act((tokens.astype(jnp.float32) + positions).astype(h.dtype),
                         ("batch", "seq", "embed"))
         return h.act(x_BxTxD, ("batch", "res_seq", "embed"))
 
-    def stack(self, x_BxTxD):
-        x_BxTxD, _ = self.blocks(x_BxTxD, None)
+    def stack(self, x_BxTxD, segments_BxT=None):
+        x_BxTxD, _ = self.blocks(x_BxTxD, segments_BxT)
         return x_BxTxD
 
     def head(self, x_BxTxD, wte=None):
@@ -321,11 +324,12 @@ class GPT(nn.Module):
             logits_BxTxV = jnp.where(real_V, logits_BxTxV, jnp.finfo(logits_BxTxV.dtype).min)
         return logits_BxTxV
 
-    def __call__(self, tokens_BxT):
+    def __call__(self, tokens_BxT, segments_BxT=None):
         # The tied table is gathered once (ZeRO-3) for the lookup and the head,
         # and its two gradients are summed before their one reduction.
         wte = self.hooks.gathered(self.wte, ("vocab", "embed"))
-        return self.head(self.stack(self.embed(tokens_BxT, wte)), wte)
+        x_BxTxD = self.embed(tokens_BxT, wte, segments_BxT)
+        return self.head(self.stack(x_BxTxD, segments_BxT), wte)
 
 
 def model_fns(cfg: GPTConfig) -> ModelFns:

@@ -29,11 +29,13 @@ def param(module: nn.Module, name: str, shape, names, init):
 
 
 def attention(q_BxTxHxQ, k_BxSxKxQ, v_BxSxKxQ, implementation: str = "xla", window: int = 0,
-              keep: Callable = lambda probs: probs):
+              keep: Callable = lambda probs: probs, segments_BxT=None):
     """Causal scaled dot-product attention, grouped when K < H key/value
     heads (each serves H / K query heads); `window` > 0 lets each query see
     only the last `window` positions, itself included (Mistral's sliding
-    window). Scores and softmax are float32 whatever the inputs' dtype.
+    window); with `segments_BxT` (documents packed in a row, numbered) each
+    query sees its own document only. Scores and softmax are float32
+    whatever the inputs' dtype.
 
     "cudnn" calls `jax.nn.dot_product_attention`'s cuDNN kernel. "xla" is
     the computation its XLA implementation performs, written out: that
@@ -45,6 +47,9 @@ def attention(q_BxTxHxQ, k_BxSxKxQ, v_BxSxKxQ, implementation: str = "xla", wind
     if implementation not in ATTENTION:
         raise ValueError(f"attention {implementation!r}: choose from {', '.join(ATTENTION)}")
     if implementation == "cudnn":
+        if segments_BxT is not None:  # job.attention_implementation picks xla for them
+            raise ValueError("attention cudnn: document masking (segment ids) is written for "
+                             "the xla implementation only; use --attention xla")
         return jax.nn.dot_product_attention(
             q_BxTxHxQ, k_BxSxKxQ, v_BxSxKxQ, is_causal=True, implementation="cudnn",
             local_window_size=(window - 1, 0) if window else None)
@@ -55,6 +60,8 @@ def attention(q_BxTxHxQ, k_BxSxKxQ, v_BxSxKxQ, implementation: str = "xla", wind
     scores = scores / math.sqrt(q_BxTxHxQ.shape[-1])
     i, j = jnp.arange(T)[:, None], jnp.arange(S)[None, :]
     visible = (j <= i) & ((i - j < window) if window else True)
+    if segments_BxT is not None:
+        visible = visible & (segments_BxT[:, None, :, None] == segments_BxT[:, None, None, :])
     scores = jnp.where(visible, scores, jnp.finfo(jnp.float32).min)
     probs = keep(softmax(scores, v.dtype))
     return jnp.einsum("bhts,bshq->bthq", probs, v)
@@ -91,12 +98,24 @@ def rope_frequencies(head_dim: int, theta: float, scaling: tuple | None = None):
                      jnp.where(wavelen < original / high, inv, blended))
 
 
-def rope(x_BxTxHxQ, inv_freq):
-    """Rotary embedding of positions 0..T-1, in float32, returned in x's dtype."""
+def positions(segments_BxT):
+    """Each token's position within its document, the documents of a row
+    numbered in order (segment ids): positions restart at every document."""
+    T = segments_BxT.shape[1]
+    i = jnp.arange(T, dtype=jnp.int32)
+    starts = jnp.concatenate([jnp.ones_like(segments_BxT[:, :1], bool),
+                              segments_BxT[:, 1:] != segments_BxT[:, :-1]], axis=1)
+    return i - jax.lax.cummax(jnp.where(starts, i, 0), axis=1)
+
+
+def rope(x_BxTxHxQ, inv_freq, positions_BxT=None):
+    """Rotary embedding of positions 0..T-1 (or `positions_BxT`), in float32,
+    returned in x's dtype."""
     T, Q = x_BxTxHxQ.shape[1], x_BxTxHxQ.shape[-1]
-    angles = jnp.arange(T, dtype=jnp.float32)[:, None] * inv_freq[None, :]  # T x Q/2
-    cos = jnp.concatenate([jnp.cos(angles)] * 2, -1)[None, :, None, :]
-    sin = jnp.concatenate([jnp.sin(angles)] * 2, -1)[None, :, None, :]
+    at = jnp.arange(T)[None] if positions_BxT is None else positions_BxT
+    angles = at.astype(jnp.float32)[..., None] * inv_freq  # (B or 1) x T x Q/2
+    cos = jnp.concatenate([jnp.cos(angles)] * 2, -1)[:, :, None, :]
+    sin = jnp.concatenate([jnp.sin(angles)] * 2, -1)[:, :, None, :]
     h = x_BxTxHxQ.astype(jnp.float32)
     rotated = jnp.concatenate([-h[..., Q // 2:], h[..., :Q // 2]], -1)
     return (h * cos + rotated * sin).astype(x_BxTxHxQ.dtype)

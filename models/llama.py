@@ -186,7 +186,7 @@ class Block(nn.Module):
     hooks: Hooks
 
     @nn.compact
-    def __call__(self, x_BxTxD, _):
+    def __call__(self, x_BxTxD, segments_BxT):
         c, h = self.cfg, self.hooks
         D, H, K, Q, F = c.d_model, c.n_head, c.n_kv_head, c.q_dim, c.d_mlp
         normal = nn.initializers.normal(0.02)
@@ -213,11 +213,13 @@ class Block(nn.Module):
         v = bias(dense("btd,dhq->bthq", y, "w_v", (D, K, Q), ("embed", "kv_heads", "kv")),
                  "b_v", (K, Q), ("kv_heads", "kv"))
         inv_freq = layers.rope_frequencies(Q, c.rope_theta, c.rope_scaling)
-        q = h.act(layers.rope(q, inv_freq), ("batch", "seq", "heads", "kv"), name="qkv")
-        k = h.act(layers.rope(k, inv_freq), ("batch", "seq", "kv_heads", "kv"), name="qkv")
+        at = None if segments_BxT is None else layers.positions(segments_BxT)
+        q = h.act(layers.rope(q, inv_freq, at), ("batch", "seq", "heads", "kv"), name="qkv")
+        k = h.act(layers.rope(k, inv_freq, at), ("batch", "seq", "kv_heads", "kv"), name="qkv")
         v = h.act(v, ("batch", "seq", "kv_heads", "kv"), name="qkv")
         probs = lambda p: h.act(p, ("batch", "heads", "seq", None), name="attn_probs")
-        att_BxTxHxQ = h.act(layers.attention(q, k, v, h.attention, c.sliding_window, keep=probs),
+        att_BxTxHxQ = h.act(layers.attention(q, k, v, h.attention, c.sliding_window, keep=probs,
+                                             segments_BxT=segments_BxT),
                             ("batch", "seq", "heads", "kv"), name="attn_ctx")
         out_BxTxD = dense("bthq,hqd->btd", att_BxTxHxQ, "w_o", (H, Q, D),
                           ("heads", "kv", "embed"), residual)
@@ -272,8 +274,8 @@ class Llama(nn.Module):
         x = h.act(x, ("batch", "seq", "embed"))
         return h.act(x, ("batch", "res_seq", "embed"))
 
-    def stack(self, x_BxTxD):
-        x_BxTxD, _ = self.blocks(x_BxTxD, None)
+    def stack(self, x_BxTxD, segments_BxT=None):
+        x_BxTxD, _ = self.blocks(x_BxTxD, segments_BxT)
         return x_BxTxD
 
     def head(self, x_BxTxD, wte=None):
@@ -287,9 +289,9 @@ class Llama(nn.Module):
             logits_BxTxV = jnp.where(real_V, logits_BxTxV, jnp.finfo(logits_BxTxV.dtype).min)
         return logits_BxTxV
 
-    def __call__(self, tokens_BxT):
+    def __call__(self, tokens_BxT, segments_BxT=None):
         wte = self.hooks.gathered(self.wte, ("vocab", "embed")) if self.cfg.tie_embeddings else None
-        return self.head(self.stack(self.embed(tokens_BxT, wte)), wte)
+        return self.head(self.stack(self.embed(tokens_BxT, wte), segments_BxT), wte)
 
 
 def model_fns(cfg: LlamaConfig) -> ModelFns:
