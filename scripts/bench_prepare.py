@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 from zero_jax import data as data_lib  # noqa: E402
 
 
-def write_text(out: Path, megabytes: float, file_mb: float = 4.0) -> int:
+def write_text(out: Path, megabytes: float, file_mb: float = 0.25) -> int:
     corpus = bytes(data_lib.stdlib_corpus().train[0].tokens)
     total, i = int(megabytes * 1e6), 0
     out.mkdir(parents=True)
@@ -46,32 +46,41 @@ def main(argv=None) -> int:
     p.add_argument("--mb", type=float, default=100.0, help="megabytes of text to tokenize")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     p.add_argument("--vocab-size", type=int, default=8192)
+    p.add_argument("--tokenizer", choices=("bpe", "bytes"), default="bpe",
+                   help="a BPE tokenizer.json trained here, or the byte-level default")
     p.add_argument("--work-dir", required=True, help="scratch directory (removed first)")
     args = p.parse_args(argv)
     work = Path(args.work_dir)
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     scripts = ROOT / "scripts"
-    subprocess.run([sys.executable, scripts / "make_tokenizer.py", "--out", work / "tok",
-                    "--vocab-size", str(args.vocab_size)], check=True)
+    tokenizer = "bytes"
+    if args.tokenizer == "bpe":
+        tokenizer = work / "tok"
+        subprocess.run([sys.executable, scripts / "make_tokenizer.py", "--out", tokenizer,
+                        "--vocab-size", str(args.vocab_size)], check=True)
     size = write_text(work / "text", args.mb)
     run = subprocess.run([sys.executable, scripts / "prepare_data.py", "--input",
-                          f"{work}/text/*.txt", "--tokenizer", work / "tok", "--out", work / "data",
+                          f"{work}/text/*.txt", "--tokenizer", tokenizer, "--out", work / "data",
                           "--workers", str(args.workers), "--no-progress"],
-                         capture_output=True, text=True, check=True)
+                         capture_output=True, text=True)
+    if run.returncode:
+        print(run.stderr, file=sys.stderr)
+        return run.returncode
     line = run.stdout.strip().splitlines()[-1]
     print(line)
     rate = float(re.search(r"\(([\d.]+) MB/s", line).group(1))
-    peak = float(re.search(r"peak resident (\d+) MB", line).group(1))
+    peak = {who: float(mb) for mb, who in re.findall(r"(\d+) MB in (this process|a worker)", line)}
     data = data_lib.load(str(work / "data"))
     tokens = data.tokens("train") + data.tokens("val")
     started = time.perf_counter()
     data_lib.check(data, data.vocab_size, 128)
     check_s = time.perf_counter() - started
     ids_bytes = tokens * data.train[0].tokens.dtype.itemsize
-    result = {"text_mb": size / 1e6, "workers": args.workers, "tokens": tokens,
+    result = {"tokenizer": args.tokenizer, "text_mb": size / 1e6, "workers": args.workers,
+              "tokens": tokens,
               "bytes_per_token": round(size / tokens, 3), "tokenize_mb_per_s": rate,
-              "peak_resident_mb_one_process": peak, "check_s": round(check_s, 3),
+              "peak_resident_mb": peak, "check_s": round(check_s, 3),
               "check_gb_of_ids_per_s": round(ids_bytes / 1e9 / check_s, 2),
               "check_s_for_10gb_text": round(check_s * 10e9 / size, 1)}
     print(json.dumps(result))

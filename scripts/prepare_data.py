@@ -45,6 +45,7 @@ from typing import Iterator
 import numpy as np
 from tqdm import tqdm
 
+import procmem
 from zero_jax import shards
 from zero_jax import tokenize as tok_lib
 
@@ -71,7 +72,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--shard-tokens", type=int, default=1 << 28,
                    help="start a new shard after this many tokens")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
-                   help="tokenizer processes (1: tokenize in this process)")
+                   help="tokenizer processes (1: tokenize in this process; bytes always are)")
     p.add_argument("--eos-token", default="",
                    help="end-of-document token, where the tokenizer's configs do not name one")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -154,7 +155,7 @@ def encode(items: list[Item]) -> list[tuple[np.ndarray, np.ndarray | None, bool,
             ids, mask = _encoder.chat(payload)
             out.append((ids, mask, first, last))
         else:
-            out.append((_encoder.text([(payload, first, last)]), None, first, last))
+            out.append((_encoder.text(payload, first, last), None, first, last))
     return out
 
 
@@ -221,6 +222,8 @@ def main(argv=None) -> int:
         if not files:
             raise ValueError(f"--input {' '.join(args.input)}: matched only directories")
         spec = tok_lib.resolve(args.tokenizer, args.eos_token)
+        # Bytes need no tokenizing: sending them to workers only costs copies.
+        workers = 1 if spec.name == tok_lib.BYTES else args.workers
         dtype = shards.dtype_for(spec.vocab_size)
         if flat and dtype != np.uint16:
             raise ValueError(f"--format flat: the flat format holds uint16 ids, but the "
@@ -230,13 +233,13 @@ def main(argv=None) -> int:
         bar = tqdm(total=total, unit="B", unit_scale=True, disable=args.no_progress,
                    mininterval=1.0, desc="tokenizing", leave=False)
         if flat:
-            counts = _write_flat(out, encoded(stream, spec, args.workers), bar)
+            counts = _write_flat(out, encoded(stream, spec, workers), bar)
             Path(f"{out}.json").write_text(json.dumps({"vocab_size": spec.vocab_size}) + "\n")
         else:
             out.mkdir(parents=True, exist_ok=True)
             writers = {s: shards.SplitWriter(out, s, dtype, args.shard_tokens, chat)
                        for s in shards.SPLITS}
-            counts = _write_splits(writers, encoded(stream, spec, args.workers), bar,
+            counts = _write_splits(writers, encoded(stream, spec, workers), bar,
                                    args.val_fraction)
             write_meta(out, args, spec, dtype, chat, counts, files)
         bar.close()
@@ -246,11 +249,14 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     seconds = time.perf_counter() - started
-    peak = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
-               resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss) / 1024
+    # VmHWM, not ru_maxrss: the latter keeps the peak of the parent this
+    # process was started from.
+    peak = {"this process": procmem.resident("VmHWM") / 2 ** 20,
+            "a worker": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}
     print(f"wrote {out}: {describe(counts)}; {total / 1e6:.1f} MB of input in {seconds:.1f} s "
-          f"({total / 1e6 / seconds:.1f} MB/s, {args.workers} workers); peak resident "
-          f"{peak:.0f} MB in one process")
+          f"({total / 1e6 / seconds:.1f} MB/s, {workers} worker{'s' * (workers > 1)}); peak "
+          "resident "
+          + ", ".join(f"{mb:.0f} MB in {who}" for who, mb in peak.items() if mb))
     return 0
 
 

@@ -105,11 +105,12 @@ def test_text_documents_become_shards_with_end_of_document_tokens(text_data, tex
         p.stat().st_size + 1 for p in texts.glob("*.txt"))
 
 
-def test_worker_processes_write_the_same_shards(text_data, texts, tmp_path):
-    prepare("--input", f"{texts}/*.txt", "--out", tmp_path / "two", "--workers", 2,
-            "--val-fraction", 0.1, "--shard-tokens", 200_000)
-    one, two = data_lib.load(str(text_data)), data_lib.load(str(tmp_path / "two"))
-    assert len(two.train) > 1  # cut into shards at document ends
+def test_worker_processes_write_the_same_shards(texts, bpe, tmp_path):
+    common = ("--input", f"{texts}/0[0-3]*.txt", "--tokenizer", bpe, "--val-fraction", 0.1)
+    prepare(*common, "--out", tmp_path / "one", "--workers", 1)
+    prepare(*common, "--out", tmp_path / "two", "--workers", 2, "--shard-tokens", 50_000)
+    one, two = data_lib.load(str(tmp_path / "one")), data_lib.load(str(tmp_path / "two"))
+    assert len(two.train) > 1 and one.vocab_size == 512  # cut into shards at document ends
     for split in ("train", "val"):
         np.testing.assert_array_equal(np.concatenate([s.tokens for s in one.split(split)]),
                                       np.concatenate([s.tokens for s in two.split(split)]))

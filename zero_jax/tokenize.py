@@ -120,16 +120,14 @@ class Encoder:
             return list(text.encode("utf-8"))
         return self._tok.encode(text, add_special_tokens=special).ids
 
-    def text(self, pieces: list[tuple[str, bool, bool]]) -> np.ndarray:
-        """Ids of one document given as pieces (text, first, last): the first
-        with the tokenizer's special tokens, the last followed by the end of
-        document."""
-        out: list[int] = []
-        for text, first, last in pieces:
-            out += self.ids(text, special=first)
-            if last:
-                out.append(self.spec.eos_id)
-        return np.asarray(out, np.uint32)
+    def text(self, text: str, first: bool, last: bool) -> np.ndarray:
+        """Ids of (a piece of) one document: the first piece with the
+        tokenizer's special tokens, the last followed by the end of document."""
+        if self._tok is None:
+            ids = np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.uint32)
+        else:
+            ids = np.asarray(self._tok.encode(text, add_special_tokens=first).ids, np.uint32)
+        return np.append(ids, np.uint32(self.spec.eos_id)) if last else ids
 
     def chat(self, messages: list[dict[str, str]]) -> tuple[np.ndarray, np.ndarray]:
         """(ids, loss mask) of one conversation."""
