@@ -207,6 +207,16 @@ def check_out(out: Path, flat: bool) -> None:
                          "never overwritten, choose another or remove it")
 
 
+def remove_partial(out: Path, flat: bool) -> None:
+    """What an interrupted run wrote: no meta.json, so unusable, and in the
+    way of the next run."""
+    for path in [Path(f"{out}.json"), out] if flat else sorted(out.glob("*")) + [out]:
+        if path.is_file():
+            path.unlink()
+        elif path.is_dir() and not any(path.iterdir()):
+            path.rmdir()
+
+
 def main(argv=None) -> int:
     args = parse(argv)
     started = time.perf_counter()
@@ -246,6 +256,7 @@ def main(argv=None) -> int:
     except (ValueError, OSError) as e:  # TokenizerError and shards.DataError are ValueErrors
         if bar is not None:
             bar.close()
+            remove_partial(out, flat)  # written by this run only: check_out refused anything else
         print(f"error: {e}", file=sys.stderr)
         return 2
     seconds = time.perf_counter() - started

@@ -408,3 +408,15 @@ def test_segment_ids_make_packed_documents_independent(sft, model):
     loss8, grads8 = sharded.jit_loss_and_grads()(initial_state(sharded).params, batches[1])
     np.testing.assert_allclose(float(loss8), float(loss1), rtol=1e-6)
     assert_close(grads8, grads1, rtol=1e-5)
+
+
+def test_a_bad_record_stops_preparation_with_one_line_and_leaves_nothing(chat_file, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(chat_file.read_text() + '{"prompt": "no response"}\n')
+    p = subprocess.run([sys.executable, "scripts/prepare_data.py", "--format", "chat", "--input",
+                        str(bad), "--out", str(tmp_path / "out"), "--no-progress"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and p.stderr.strip().splitlines() == [
+        f'error: --input {bad}:{len(CHATS) + 1}: a chat record has "messages", or "prompt" and '
+        '"response"']
+    assert not (tmp_path / "out").exists()  # the next run starts clean
