@@ -52,8 +52,8 @@ def start_up_fingerprint(cfg: config_lib.RunConfig, lowered) -> dict[str, str]:
 def main(argv: list[str] | None = None) -> int:
     # A size limit on files (disk quota) must fail the write, not kill the process.
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    cfg, args = parse(argv)
     try:
+        cfg, args = parse(argv)
         distributed.initialize(cfg.distributed)  # before anything asks for devices
         corpus = data_lib.load(cfg.data.source)
         build, model_line = models.for_run(cfg.model, corpus.vocab_size)

@@ -81,6 +81,9 @@ def test_toml_file_then_flags(tmp_path):
     ("[train]\nstepz = 3\n", r"\[train\]: unknown key\(s\) \['stepz'\]"),
     ("[trian]\nsteps = 3\n", r"unknown table\(s\) \['trian'\]"),
     ('[train]\nsteps = "3"\n', r"\[train\].steps = '3': expected int"),
+    ("[model\nname = 'gpt-tiny'\n", r"run.toml: not valid TOML \(Expected ']'"),
+    ("[optim]\nlr = nan\n", r"\[optim\]: --lr nan: must be a finite number in \(0, inf\)"),
+    ("[optim]\nb2 = 1.5\n", r"\[optim\]: --b2 1.5: must be a finite number in \[0, 1\)"),
 ])
 def test_bad_toml_is_a_clear_error(tmp_path, text, message):
     path = tmp_path / "run.toml"
@@ -102,3 +105,23 @@ def test_every_field_has_a_flag():
             run.train.microbatches, run.data.seq_len, run.train.steps, run.optim.lr,
             run.train.seed, run.data.source, run.train.metrics_out, run.optim.name) == (
         "gpt-small", "data=8", 2, 64, 4, 256, 9, 0.01, 3, "x.bin", "m.jsonl", "sgd")
+
+
+def test_train_py_reports_a_bad_config_in_one_line(tmp_path):
+    """Config errors end the script with one line on stderr and status 2,
+    never a traceback."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    bad = tmp_path / "run.toml"
+    bad.write_text("[model\n")
+    root = Path(__file__).resolve().parent.parent
+    for args, message in [(["--config", str(bad)], f"error: --config {bad}: not valid TOML"),
+                          (["--lr", "nan"], "error: [optim]: --lr nan: must be a finite number"),
+                          (["--config", str(tmp_path / "none.toml")],
+                           f"error: --config {tmp_path / 'none.toml'}: no such file")]:
+        p = subprocess.run([sys.executable, "scripts/train.py", *args], cwd=root,
+                           capture_output=True, text=True, timeout=120)
+        lines = p.stderr.strip().splitlines()
+        assert p.returncode == 2 and len(lines) == 1 and lines[0].startswith(message), p.stderr

@@ -189,8 +189,13 @@ def build(file: str | None = None, overrides: dict[str, Any] | None = None) -> R
     """Defaults, then the TOML file, then `{"section.field": value}` overrides."""
     tables: dict[str, dict[str, Any]] = {s: {} for s in _SECTION_TYPES}
     if file:
-        with open(file, "rb") as fh:
-            raw = tomllib.load(fh)
+        try:
+            with open(file, "rb") as fh:
+                raw = tomllib.load(fh)
+        except FileNotFoundError:
+            raise ConfigError(f"--config {file}: no such file") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"--config {file}: not valid TOML ({e})") from None
         unknown = set(raw) - set(_SECTION_TYPES)
         if unknown:
             raise ConfigError(f"{file}: unknown table(s) {sorted(unknown)}; "

@@ -8,6 +8,7 @@ builds the common ones from flags.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import optax
@@ -35,10 +36,23 @@ class OptimConfig:
             raise ValueError(f"optimizer {self.name!r}: choose from {', '.join(OPTIMIZERS)}")
         if self.decay not in DECAYS:
             raise ValueError(f"lr decay {self.decay!r}: choose from {', '.join(DECAYS)}")
-        if self.lr <= 0:
-            raise ValueError(f"lr = {self.lr}: the learning rate must be positive")
-        if self.warmup_steps < 0 or self.clip_norm < 0:
-            raise ValueError("warmup_steps and clip_norm must be >= 0")
+        # (lowest, highest, highest allowed) per float field; NaN and
+        # infinity fail every comparison and are named too.
+        ranges = {"lr": (0, math.inf, False), "min_lr_ratio": (0, 1, True),
+                  "weight_decay": (0, math.inf, False), "b1": (0, 1, False),
+                  "b2": (0, 1, False), "eps": (0, math.inf, False), "momentum": (0, 1, False),
+                  "clip_norm": (0, math.inf, False)}
+        for name, (low, high, closed) in ranges.items():
+            value = getattr(self, name)
+            inside = math.isfinite(value) and value >= low and (value <= high if closed
+                                                                 else value < high)
+            if not inside or (name in ("lr", "eps") and value == 0):
+                bound = f"({low}, {high})" if name in ("lr", "eps") else \
+                    f"[{low}, {high}{']' if closed else ')'}"
+                raise ValueError(f"--{name.replace('_', '-')} {value}: must be a finite number "
+                                 f"in {bound}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"--warmup-steps {self.warmup_steps}: must be >= 0")
 
 
 def schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
