@@ -53,3 +53,24 @@ def test_after_step_sees_each_state_and_can_stop(corpus):
                                 after_step=after_step)
     assert seen == [(n, n) for n in range(1, 8)]
     assert int(state.step) == 7 and len(history) == 7
+
+
+def test_metrics_are_strict_json_and_a_resume_writes_each_step_once(tmp_path):
+    import json
+    import math
+
+    path = str(tmp_path / "m.jsonl")
+    first = loop.MetricsWriter(path)
+    for step in range(1, 6):
+        first.write({"step": step, "loss": math.nan if step == 3 else 1.0 / step})
+    first.close()
+    with open(path, "a") as f:
+        f.write('{"step": 6, "lo')  # cut short by a crash
+    records = [json.loads(line) for line in open(path).read().splitlines()[:5]]
+    assert records[2] == {"step": 3, "loss": None, "non_finite": ["loss"]}
+    resumed = loop.MetricsWriter(path, start=4)  # the checkpoint was at step 4
+    for step in range(5, 8):
+        resumed.write({"step": step, "loss": 0.1})
+    resumed.close()
+    steps = [json.loads(line)["step"] for line in open(path)]
+    assert steps == [1, 2, 3, 4, 5, 6, 7]

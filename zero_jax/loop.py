@@ -11,6 +11,8 @@ overlap a training loop needs.
 from __future__ import annotations
 
 import json
+import math
+import os
 import sys
 import time
 from typing import Any, Callable, TextIO
@@ -28,19 +30,51 @@ class TrainingHalted(RuntimeError):
 
 
 class MetricsWriter:
-    """One JSON object per line; flushed so a crashed run keeps its history."""
+    """One JSON object per line; flushed so a crashed run keeps its history.
 
-    def __init__(self, path: str, append: bool):
-        self._file = open(path, "a" if append else "w") if path else None
+    Strict JSON: a non-finite value is written as null and its key listed
+    under "non_finite". A run resumed at step `start` first cuts the file
+    back to the records of steps up to `start` (those after it, written
+    before a crash, are trained again), so each step appears once.
+    """
+
+    def __init__(self, path: str, start: int = 0):
+        self._file = None
+        if not path:
+            return
+        kept = [line.rstrip("\n") + "\n" for line in _lines(path) if _step(line) <= start] \
+            if start else []
+        with open(path + ".tmp", "w") as f:
+            f.writelines(kept)
+        os.replace(path + ".tmp", path)
+        self._file = open(path, "a")
 
     def write(self, record: dict[str, Any]) -> None:
         if self._file:
-            self._file.write(json.dumps(record) + "\n")
+            bad = [k for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)]
+            out = {**record, **{k: None for k in bad}, **({"non_finite": bad} if bad else {})}
+            self._file.write(json.dumps(out, allow_nan=False) + "\n")
             self._file.flush()
 
     def close(self) -> None:
         if self._file:
             self._file.close()
+
+
+def _lines(path: str) -> list[str]:
+    try:
+        with open(path) as f:
+            return f.readlines()
+    except FileNotFoundError:
+        return []
+
+
+def _step(line: str) -> float:
+    """A record's step; a line cut short by a crash sorts after every step."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return math.inf
 
 
 def evaluate(eval_step: Callable, params: Any, batches: Callable[[int], Any], n: int,
@@ -72,7 +106,7 @@ def train(state: TrainState, train_step: Callable, batch_at: Callable[[int], jax
     the loop starts and stops waiting on each step.
     """
     start = int(local(state.step))
-    writer = MetricsWriter(metrics_path, append=start > 0)
+    writer = MetricsWriter(metrics_path, start)
     bar = tqdm(total=steps, initial=start, file=out, disable=not progress, dynamic_ncols=True,
                mininterval=1.0, unit="step")
     history: list[dict[str, Any]] = []
