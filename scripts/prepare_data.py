@@ -61,7 +61,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--tokenizer", default=tok_lib.BYTES,
                    help="'bytes', or a directory (or file) with a Hugging Face tokenizer.json")
     p.add_argument("--out", required=True,
-                   help="directory to create (a file for --format flat); must not exist or be empty")
+                   help="directory to create (a file for --format flat); must not exist or be "
+                        "empty")
     p.add_argument("--format", choices=FORMATS, default="text",
                    help="text: a file per document, JSON lines for .jsonl files; jsonl: every "
                         "input is JSON lines; chat: conversations with a loss mask; flat: one "

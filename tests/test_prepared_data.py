@@ -5,6 +5,7 @@ a masked loss that any microbatching gives alike."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -81,7 +82,8 @@ def test_the_order_is_a_fixed_bijection():
         [1, 7, 3, 6, 0, 2, 8, 4, 9, 5]
     for n in (1, 2, 3, 17, 1000, 4097):
         for seed in (0, 1):
-            assert sorted(sampler.permute(np.arange(n), n, sampler.key(seed, 0, 0))) == list(range(n))
+            image = sampler.permute(np.arange(n), n, sampler.key(seed, 0, 0))
+            assert sorted(image) == list(range(n))
     # Each epoch reads every window once, in a new order.
     w = sampler.windows(50, 3, "train", 0, 100, np.arange(100))
     assert sorted(w[:50]) == sorted(w[50:]) == list(range(50)) and (w[:50] != w[50:]).any()
@@ -204,8 +206,6 @@ def _corrupt(root: Path, how: str) -> None:
     ("docs", r"train-00000.docs: document offsets are not increasing"),
 ])
 def test_damaged_data_is_refused_naming_the_file(text_data, tmp_path, how, message):
-    import shutil
-
     root = tmp_path / "copy"
     shutil.copytree(text_data, root)
     _corrupt(root, how)
@@ -213,13 +213,14 @@ def test_damaged_data_is_refused_naming_the_file(text_data, tmp_path, how, messa
         data_lib.load(str(root))
 
 
-def test_data_that_does_not_fit_the_model_is_refused(text_data, bpe, tmp_path):
+def test_data_that_does_not_fit_the_model_is_refused(texts, text_data, bpe, tmp_path):
     data = data_lib.load(str(text_data))
-    with pytest.raises(shards.DataError, match="its tokenizer has 257 ids, the model's vocabulary 200"):
+    with pytest.raises(shards.DataError,
+                       match="its tokenizer has 257 ids, the model's vocabulary 200"):
         data_lib.check(data, 200, 16)
     with pytest.raises(shards.DataError, match="a sequence needs seq_len \\+ 1 = 1000001"):
         data_lib.check(data, 257, 1_000_000)
-    prepare("--input", f"{text_data.parent.parent}/texts*/00*.txt", "--tokenizer", bpe,
+    prepare("--input", f"{texts}/00*.txt", "--tokenizer", bpe,
             "--out", tmp_path / "bpe", "--val-fraction", 0.2, "--workers", 1)
     tokenized = data_lib.load(str(tmp_path / "bpe"))
     other = tmp_path / "model"
@@ -232,8 +233,6 @@ def test_data_that_does_not_fit_the_model_is_refused(text_data, bpe, tmp_path):
 
 
 def test_an_id_outside_the_vocabulary_stops_the_run_before_any_step(text_data, tmp_path):
-    import shutil
-
     root = tmp_path / "bad"
     shutil.copytree(text_data, root)
     shard = root / "val-00000.tokens"

@@ -23,7 +23,6 @@ number of processes, on exactly the same data.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import sysconfig
@@ -35,7 +34,7 @@ import jax
 import numpy as np
 
 from zero_jax import sampler
-from zero_jax.shards import DataError, Shard, check_ids, open_split, read_meta
+from zero_jax.shards import DataError, Shard, check_ids, file_sha256, open_split, read_meta
 
 STDLIB = "stdlib"
 
@@ -130,14 +129,6 @@ def load(source: str) -> TokenData:
     return prepared(source) if Path(source).is_dir() else token_file(source)
 
 
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def check(data: TokenData, vocab_size: int, seq_len: int, model_dirs: list[str] = ()) -> None:
     """What must hold before a run compiles, each a DataError naming the file:
     the data's tokenizer is the model's (where a model directory has a
@@ -146,7 +137,8 @@ def check(data: TokenData, vocab_size: int, seq_len: int, model_dirs: list[str] 
     made_with = data.meta.get("tokenizer", {})
     for d in model_dirs:
         theirs = Path(d) / "tokenizer.json"
-        if made_with.get("sha256") and theirs.exists() and sha256(theirs) != made_with["sha256"]:
+        if (made_with.get("sha256") and theirs.exists()
+                and file_sha256(theirs) != made_with["sha256"]):
             raise DataError(f"--data {data.name}: tokenized with {made_with.get('name')}, not with "
                             f"{theirs} (SHA-256 differs); prepare the data with --tokenizer {d}")
     if data.vocab_size > vocab_size:
@@ -182,20 +174,22 @@ def _windows(data: TokenData, split: str, seq_len: int, global_batch: int, seed:
 
 
 def batch_rows(data: TokenData, split: str, seq_len: int, global_batch: int, seed: int,
-               step: int, rows: np.ndarray) -> dict[str, np.ndarray]:
+               step: int, rows: np.ndarray, segments: bool = True) -> dict[str, np.ndarray]:
     """Rows `rows` of the global (global_batch, seq_len + 1) batch of `step`:
     int32 "tokens", uint8 "loss_mask" (1 where a token is a target), and
-    int32 "segment_ids" (each token's document, numbered from 0 in its row)."""
+    with `segments` int32 "segment_ids" (each token's document, numbered
+    from 0 in its row)."""
     shape = (len(rows), seq_len + 1)
     out = {"tokens": np.empty(shape, np.int32), "loss_mask": np.ones(shape, np.uint8),
-           "segment_ids": np.empty(shape, np.int32)}
+           **({"segment_ids": np.empty(shape, np.int32)} if segments else {})}
     for i, (shard, start) in enumerate(_windows(data, split, seq_len, global_batch, seed, step,
                                                 rows)):
         out["tokens"][i] = shard.tokens[start:start + seq_len + 1]
         if shard.mask is not None:
             out["loss_mask"][i] = shard.mask[start:start + seq_len + 1]
-        doc = np.searchsorted(shard.docs, np.arange(start, start + seq_len + 1), side="right")
-        out["segment_ids"][i] = doc - doc[0]
+        if segments:
+            doc = np.searchsorted(shard.docs, np.arange(start, start + seq_len + 1), side="right")
+            out["segment_ids"][i] = doc - doc[0]
     return out
 
 
@@ -230,7 +224,7 @@ def global_batch(data: TokenData, split: str, seq_len: int, batch_size: int, see
     step needs no collective to normalise the loss."""
     shape = (batch_size, seq_len + 1)
     rows = device_rows(sharding, shape)
-    local = batch_rows(data, split, seq_len, batch_size, seed, step, rows)
+    local = batch_rows(data, split, seq_len, batch_size, seed, step, rows, segments)
     count = targets(data, split, seq_len, batch_size, seed, step)
     local["weights"] = local["loss_mask"][:, 1:].astype(np.float32) / np.float32(max(count, 1))
 

@@ -12,11 +12,11 @@ import jax
 import jax.numpy as jnp
 
 
-def cross_entropy(logits_BxTxV: jax.Array, targets_BxT: jax.Array,
-                  vocab_axis: str | None = None, weights_BxT: jax.Array | None = None
-                  ) -> jax.Array:
-    """Mean negative log-likelihood in nats, computed in float32; with
-    `weights_BxT`, the sum of each target's weighted by its weight instead.
+def cross_entropy(logits_BxTxV: jax.Array, targets_BxT: jax.Array, weights_BxT: jax.Array,
+                  vocab_axis: str | None = None) -> jax.Array:
+    """Negative log-likelihood in nats, computed in float32: each target's
+    weighted by its weight and summed (step.weighted: the weights of a
+    whole batch sum to one, so the sum over all its parts is the mean).
 
     `vocab_axis`: inside `shard_map`, the manual mesh axis over which the
     vocabulary is split in contiguous blocks (hooks.RowSplit): the logits
@@ -37,4 +37,4 @@ def cross_entropy(logits_BxTxV: jax.Array, targets_BxT: jax.Array,
     if vocab_axis is not None:
         picked_BxT = jax.lax.psum(picked_BxT, vocab_axis)
     nll_BxT = logz_BxT - picked_BxT
-    return jnp.mean(nll_BxT) if weights_BxT is None else jnp.sum(nll_BxT * weights_BxT)
+    return jnp.sum(nll_BxT * weights_BxT)

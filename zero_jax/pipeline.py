@@ -430,8 +430,7 @@ class _Steps:
             # Each shard's weighted sum (step.weighted): the shards' and
             # microbatches' sum is the batch's mean.
             logits = fns.head(outer, y, self.shard_hooks)
-            return cross_entropy(logits, mb["tokens"][:, 1:],
-                                 weights_BxT=mb["weights"]) * self.loss_scale
+            return cross_entropy(logits, mb["tokens"][:, 1:], mb["weights"]) * self.loss_scale
 
         def ends():
             loss, (g_o, dy) = self.per_shard(
@@ -457,7 +456,7 @@ class _Steps:
         y = self.act(self.run(chunk, x, h, row["layers"]))
         part = jax.lax.cond(row["last"],
                             lambda: cross_entropy(fns.head(self.outer, y, h), mb["tokens"][:, 1:],
-                                                  weights_BxT=mb["weights"]),
+                                                  mb["weights"]),
                             lambda: jnp.zeros((), jnp.float32))
         return jnp.where(row["last"], self.x_zero, y), part
 
@@ -484,7 +483,7 @@ class _Steps:
             out = self.act(ends.rows.sum(jnp.where(row["last"], y, self.x_zero)))
             mb = self.microbatch(leaves)
             return cross_entropy(fns.head(self.outer, out, ends), mb["tokens"][:, 1:],
-                                 ends.rows.axis, mb["weights"])
+                                 mb["weights"], ends.rows.axis)
 
         part = jax.lax.cond(leaves >= 0, head_loss, lambda: jnp.zeros((), jnp.float32))
         return jnp.where(row["last"], self.x_zero, y), part

@@ -51,12 +51,7 @@ def checkpoint_meta(job: Job, step: int, corpus: data_lib.TokenData | None = Non
                   **(dataclasses.asdict(job.model.config) if job.model.config else {})},
         "logical_axes": {jax.tree_util.keystr(p, simple=True, separator="."): list(spec)
                          for p, spec in names},
-        # Batches are a pure function of (seed, split, step) in sampler.ORDER:
-        # the position is the step.
-        "data": {"source": run.data.source, "seed": t.seed, "next_step": step,
-                 "batch_size": t.batch_size, "seq_len": run.data.seq_len, "order": sampler.ORDER,
-                 **({"tokens": {s: corpus.tokens(s) for s in ("train", "val")},
-                     "tokenizer": corpus.meta.get("tokenizer", {})} if corpus else {})},
+        "data": data_meta(job, step, corpus),
         # No other randomness than the seed (initialisation, data order).
         "prng": {"seed": t.seed, "impl": str(jax.config.jax_default_prng_impl)},
         # The resolved policy ("auto" depends on the platform): a resume under
@@ -66,6 +61,16 @@ def checkpoint_meta(job: Job, step: int, corpus: data_lib.TokenData | None = Non
                    "rules": job.layout.rules.name, "processes": jax.process_count()},
         "versions": {"jax": jax.__version__},
     }
+
+
+def data_meta(job: Job, step: int, corpus: data_lib.TokenData | None) -> dict[str, Any]:
+    """Where the data stands: batches are a pure function of (seed, split,
+    step) in sampler.ORDER, so the position is the step."""
+    run, t = job.run, job.run.train
+    return {"source": run.data.source, "seed": t.seed, "next_step": step,
+            "batch_size": t.batch_size, "seq_len": run.data.seq_len, "order": sampler.ORDER,
+            **({"tokens": {s: corpus.tokens(s) for s in ("train", "val")},
+                "tokenizer": corpus.meta.get("tokenizer", {})} if corpus else {})}
 
 
 def load_params(source: str, job: Job, loaders: list[ParamLoader] = ()) -> Any:
@@ -123,8 +128,7 @@ def initial_state(job: Job, checkpointer: ckpt_lib.Checkpointer | None,
             _log_config_changes(meta.get("run", {}), job.run.to_dict(), log)
             _log_precision_change(meta.get("precision"), job, log)
             if corpus is not None:
-                _log_data_change(meta.get("data", {}), checkpoint_meta(job, step, corpus)["data"],
-                                 log)
+                _log_data_change(meta.get("data", {}), data_meta(job, step, corpus), log)
             return state, step
         log(f"--resume: no complete checkpoint in {checkpointer.directory}; starting fresh")
     if c.init_from:

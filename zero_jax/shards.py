@@ -18,6 +18,7 @@ truncated or extra shard is refused at load (`open_split`).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -37,6 +38,15 @@ class DataError(ValueError):
 def dtype_for(vocab_size: int) -> np.dtype:
     """The narrowest unsigned dtype that holds every id below `vocab_size`."""
     return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
+
+
+def file_sha256(path: Path) -> str:
+    """The SHA-256 of a file (a tokenizer.json), read a megabyte at a time."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def shard_name(split: str, index: int, kind: str) -> str:
@@ -171,7 +181,7 @@ def check_ids(shards: list[Shard], vocab_size: int, chunk: int = 1 << 24) -> Non
             if block.size and int(block.max()) >= vocab_size:
                 at = int(np.argmax(block >= vocab_size))
                 raise DataError(
-                    f"--data {shard.path}: token offset {shard.start + start + at:,} is id {int(block[at])}, "
-                    f"not below the model's vocabulary of {vocab_size:,}; the data was "
-                    "tokenized for another vocabulary: prepare it with the model's tokenizer, "
-                    "or give the model a vocabulary that covers it (--vocab-size)")
+                    f"--data {shard.path}: token offset {shard.start + start + at:,} is id "
+                    f"{int(block[at])}, not below the model's vocabulary of {vocab_size:,}; the "
+                    "data was tokenized for another vocabulary: prepare it with the model's "
+                    "tokenizer, or give the model a vocabulary that covers it (--vocab-size)")

@@ -57,7 +57,7 @@ def lm_loss(model: ModelFns, hooks: Hooks, params: Any, batch: dict[str, jax.Arr
     # With segment ids, each document in a row attends to itself only.
     segments = ({"segments_BxT": batch["segment_ids"][:, :-1]} if "segment_ids" in batch else {})
     logits = model.apply(params, tokens[:, :-1], hooks, **segments)
-    return cross_entropy(logits, tokens[:, 1:], weights_BxT=batch["weights"])
+    return cross_entropy(logits, tokens[:, 1:], batch["weights"])
 
 
 def train_step(state: TrainState, batch: Any, *, loss_and_grads: Callable,

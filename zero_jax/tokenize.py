@@ -19,12 +19,13 @@ Nothing here imports JAX: the tokenizer runs in worker processes.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from zero_jax import shards
 
 BYTES = "bytes"
 # Names Hugging Face tokenizers give their end-of-document token, tried in order
@@ -89,7 +90,7 @@ def resolve(name: str, eos_token: str = "") -> Spec:
                              f"{eos or ', '.join(EOS_NAMES)}); name one with --eos-token")
     return Spec(str(file), tok.get_vocab_size(with_added_tokens=True), eos_id, eos,
                 _token_text(cfg.get("bos_token")), template,
-                hashlib.sha256(file.read_bytes()).hexdigest())
+                shards.file_sha256(file))
 
 
 class Encoder:
@@ -167,7 +168,8 @@ class Encoder:
         for i, m in enumerate(messages):
             if m["role"] != "assistant":
                 continue
-            before, through = self._render(messages[:i], True), self._render(messages[:i + 1], False)
+            before = self._render(messages[:i], True)
+            through = self._render(messages[:i + 1], False)
             if not (through.startswith(before) and text.startswith(through)):
                 raise TokenizerError(
                     "the chat template does not render a conversation's beginning as the "
