@@ -19,8 +19,12 @@ def scanned(block: type[nn.Module], cfg: Any, hooks: Hooks) -> nn.Module:
     """cfg.n_layer `block`s as one scanned, stacked layer (remat per block),
     called as `(x, segments or None)`: every layer sees the same segments."""
     remat = nn.remat(block, policy=hooks.remat.jax_policy(), prevent_cse=False)
+    # Unrolled, the parameters keep their stacked layout (checkpoints are the
+    # same); the program holds every layer, so it compiles longer, and the
+    # compiler's cost analysis counts every layer (a loop body counts once).
+    unroll = 1 if hooks.scan_layers else cfg.n_layer
     return nn.scan(remat, variable_axes={"params": 0}, split_rngs={"params": True},
-                   in_axes=nn.broadcast, length=cfg.n_layer,
+                   in_axes=nn.broadcast, length=cfg.n_layer, unroll=unroll,
                    metadata_params={nn.PARTITION_NAME: "layers"})(cfg, hooks)
 
 

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from models import decoder, layers
+from zero_jax.flops import Op
 from zero_jax.hooks import Hooks
 from zero_jax.model import ModelFns
 from zero_jax.remat import Remat
@@ -78,6 +79,22 @@ class GPTConfig:
         D, F, L = self.d_model, self.d_mlp, self.n_layer
         n_matmul = L * (4 * D * D + 2 * D * F) + self.padded_vocab * D
         return 6 * n_matmul + 12 * L * self.n_head * self.head_dim * seq_len
+
+    def block_ops(self, seq_len: int) -> list[Op]:
+        """One block as the tensors `Block` computes, named as it names them
+        (flops.Op): what a remat policy recomputes."""
+        D, F, H, Q, T = self.d_model, self.d_mlp, self.n_head, self.head_dim, seq_len
+        return [Op("ln_1", "ln_out", 0, ("x",)),
+                Op("qkv", "qkv", 2 * D * 3 * H * Q, ("ln_1",), dot=True),
+                Op("scores", None, 2 * T * H * Q, ("qkv",), dot=True),
+                Op("probs", "attn_probs", 0, ("scores",), needs=("self",)),
+                Op("ctx", "attn_ctx", 2 * T * H * Q, ("probs", "qkv"), dot=True),
+                Op("out", None, 2 * H * Q * D, ("ctx",), dot=True),
+                Op("mid", "resid_mid", 0, ("x", "out"), needs=()),
+                Op("ln_2", "ln_out", 0, ("mid",)),
+                Op("fc", "mlp_hidden", 2 * D * F, ("ln_2",), dot=True),
+                Op("gelu", "mlp_act", 0, ("fc",)),
+                Op("proj", None, 2 * F * D, ("gelu",), dot=True)]
 
     def head_cost(self, seq_len: int) -> float:
         """The head's forward FLOPs in units of one block's forward (a pipeline
@@ -336,5 +353,6 @@ def model_fns(cfg: GPTConfig) -> ModelFns:
     """The GPT as the zero_jax train step sees it."""
     return ModelFns(**decoder.fns(GPT, Block, cfg), vocab_size=cfg.vocab_size,
                     max_seq_len=cfg.max_seq_len, layers=cfg.n_layer, flops_per_token=cfg.flops_per_token,
+                    block_ops=cfg.block_ops,
                     activation_bytes=cfg.activation_bytes, config=cfg, gathered_once=("wte",),
                     head_cost=cfg.head_cost)

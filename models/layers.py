@@ -63,7 +63,7 @@ def attention(q_BxTxHxQ, k_BxSxKxQ, v_BxSxKxQ, implementation: str = "xla", wind
     if segments_BxT is not None:
         visible = visible & (segments_BxT[:, None, :, None] == segments_BxT[:, None, None, :])
     scores = jnp.where(visible, scores, jnp.finfo(jnp.float32).min)
-    probs = keep(softmax(scores, v.dtype))
+    probs = softmax(scores, v.dtype, keep)
     return jnp.einsum("bhts,bshq->bthq", probs, v)
 
 
@@ -135,21 +135,32 @@ def gelu(x):
     return jax.nn.gelu(x, approximate=True)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def softmax(x, dtype):
-    """Softmax over the last axis computed in float32, returned in `dtype`."""
-    return jax.nn.softmax(x.astype(jnp.float32), axis=-1).astype(dtype)
+def softmax(x, dtype, keep: Callable = lambda p: p):
+    """Softmax over the last axis computed in float32, returned in `dtype`
+    through `keep` (a model names the probabilities with it for the remat
+    policy). The backward reads those kept probabilities: they enter
+    `_softmax_grad` as an input, so a policy that keeps them by name keeps
+    the backward's residual too, instead of recomputing the scores and the
+    softmax to rebuild it."""
+    p = keep(jax.lax.stop_gradient(jax.nn.softmax(x.astype(jnp.float32), axis=-1)).astype(dtype))
+    return _softmax_grad(x, p)
 
 
-def _softmax_fwd(x, dtype):
-    p = softmax(x, dtype)
+@jax.custom_vjp
+def _softmax_grad(x, p):
+    """`p`, whose gradient flows to `x` as softmax's, in float32."""
+    return p
+
+
+def _softmax_grad_fwd(x, p):
     return p, (p, jnp.zeros((0,), x.dtype))
 
 
-def _softmax_bwd(dtype, res, g):
+def _softmax_grad_bwd(res, g):
     p, like = res
     p32, g32 = p.astype(jnp.float32), g.astype(jnp.float32)
-    return ((p32 * (g32 - jnp.sum(g32 * p32, axis=-1, keepdims=True))).astype(like.dtype),)
+    dx = p32 * (g32 - jnp.sum(g32 * p32, axis=-1, keepdims=True))
+    return dx.astype(like.dtype), jnp.zeros_like(p)
 
 
-softmax.defvjp(_softmax_fwd, _softmax_bwd)
+_softmax_grad.defvjp(_softmax_grad_fwd, _softmax_grad_bwd)

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 
 from models import decoder, layers
 from models.gpt import ActivationParts
+from zero_jax.flops import Op
 from zero_jax.hooks import Hooks
 from zero_jax.model import ModelFns
 from zero_jax.remat import Remat
@@ -86,6 +87,23 @@ class LlamaConfig:
         H, K = self.n_head, self.n_kv_head
         n_matmul = L * (2 * D * H * Q + 2 * D * K * Q + 3 * D * F) + self.padded_vocab * D
         return 6 * n_matmul + 12 * L * H * Q * seq_len
+
+    def block_ops(self, seq_len: int) -> list[Op]:
+        """One block as the tensors `Block` computes, named as it names them
+        (flops.Op): what a remat policy recomputes."""
+        D, F, H, K, Q, T = self.d_model, self.d_mlp, self.n_head, self.n_kv_head, self.q_dim, seq_len
+        return [Op("attn_norm", "ln_out", 0, ("x",)),
+                Op("qkv", "qkv", 2 * D * (H + 2 * K) * Q, ("attn_norm",), dot=True),
+                Op("scores", None, 2 * T * H * Q, ("qkv",), dot=True),
+                Op("probs", "attn_probs", 0, ("scores",), needs=("self",)),
+                Op("ctx", "attn_ctx", 2 * T * H * Q, ("probs", "qkv"), dot=True),
+                Op("out", None, 2 * H * Q * D, ("ctx",), dot=True),
+                Op("mid", "resid_mid", 0, ("x", "out"), needs=()),
+                Op("mlp_norm", "ln_out", 0, ("mid",)),
+                Op("gate", "mlp_hidden", 2 * D * F, ("mlp_norm",), dot=True),
+                Op("up", "mlp_hidden", 2 * D * F, ("mlp_norm",), dot=True),
+                Op("act", "mlp_act", 0, ("gate", "up")),
+                Op("down", None, 2 * F * D, ("act",), dot=True)]
 
     def head_cost(self, seq_len: int) -> float:
         """The head's forward FLOPs in units of one block's forward."""
@@ -299,6 +317,7 @@ def model_fns(cfg: LlamaConfig) -> ModelFns:
     return ModelFns(**decoder.fns(Llama, Block, cfg), vocab_size=cfg.vocab_size,
                     max_seq_len=cfg.max_seq_len,
                     layers=cfg.n_layer, flops_per_token=cfg.flops_per_token,
+                    block_ops=cfg.block_ops,
                     activation_bytes=cfg.activation_bytes, config=cfg,
                     gathered_once=("wte",) if cfg.tie_embeddings else (),
                     head_cost=cfg.head_cost, replicable={"kv_heads": cfg.n_kv_head})

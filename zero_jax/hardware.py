@@ -24,6 +24,8 @@ class Device:
     inter_node_bw: float  # bytes/s per device, one direction, across nodes (InfiniBand, DCN)
     efficiency: float  # fraction of peak a large dense model reaches (published)
     ici_domain: int = 0  # devices the fast links join, if more than a node (a TPU slice)
+    peak_flops_fp32: float = 0.0  # float32 matmul FLOP/s at JAX's default precision (TF32 on GPUs)
+    device_kinds: tuple[str, ...] = ()  # jax.Device.device_kind strings of this kind (MFU)
     # Host offload (offload.py); 0 where not known: no offload layouts are planned.
     host_bytes_per_node: int = 0  # host memory of one node
     host_link_bw: float = 0.0  # bytes/s per device, one direction, host <-> device (PCIe, C2C)
@@ -49,10 +51,24 @@ def load(kind: str) -> Device:
     if not path.exists():
         raise ValueError(f"no device kind {kind!r}: choose from {', '.join(kinds())}, "
                          f"or give a TOML path")
-    with open(path, "rb") as f:
-        raw = tomllib.load(f)
+    try:
+        with open(path, "rb") as f:
+            raw = tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"{path}: not valid TOML ({e})") from None
     fields = {f.name for f in dataclasses.fields(Device)}
     unknown = set(raw) - fields
     if unknown:
         raise ValueError(f"{path}: unknown keys {sorted(unknown)}; known: {sorted(fields)}")
+    if "device_kinds" in raw:
+        raw["device_kinds"] = tuple(raw["device_kinds"])
     return Device(**raw)
+
+
+def for_device_kind(device_kind: str) -> Device | None:
+    """The kind whose `device_kinds` names this `jax.Device.device_kind`
+    (exactly, else as a prefix), or None."""
+    known = [load(k) for k in kinds()]
+    exact = [d for d in known if device_kind in d.device_kinds]
+    prefix = [d for d in known if any(device_kind.startswith(k) for k in d.device_kinds)]
+    return (exact or prefix or [None])[0]

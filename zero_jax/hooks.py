@@ -243,6 +243,7 @@ class Hooks:
     rows: RowSplit | None = None  # tables are row blocks over a manual axis (lookup, vocab_ids)
     host_params: bool = False  # stored parameters are in host memory, fetched at each use
     attention: str = "xla"  # jax.nn.dot_product_attention's implementation: xla | cudnn
+    scan_layers: bool = True  # False: the layer stack is unrolled (one copy of each layer in the program)
 
     def per_shard(self, axes: Sequence[str]) -> "Hooks":
         """These hooks for one shard of the batch over the data-parallel mesh

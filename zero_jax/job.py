@@ -227,7 +227,8 @@ def prepare_on(run: config_lib.RunConfig, build_model: Callable[[int], ModelFns]
                                host_opt=run.offload.optimizer, host_params=run.offload.params)
     stored = layout.placement if zero_lib.stage(zero_stage).params else None
     hooks = Hooks(mesh, axis_rules, policy.compute, policy.grads, remat_policy, stored,
-                  host_params=run.offload.params, attention=attention)
+                  host_params=run.offload.params, attention=attention,
+                  scan_layers=run.model.scan_layers)
     return Job(run, model, layout, tx, lr, policy, hooks, scale_cfg, schedule, notes)
 
 

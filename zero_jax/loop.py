@@ -10,9 +10,6 @@ overlap a training loop needs.
 
 from __future__ import annotations
 
-import json
-import math
-import os
 import sys
 import time
 from typing import Any, Callable, TextIO
@@ -20,61 +17,17 @@ from typing import Any, Callable, TextIO
 import jax
 from tqdm import tqdm
 
+from zero_jax import metrics as metrics_lib
 from zero_jax.distributed import local
+from zero_jax.flops import Throughput
+from zero_jax.metrics import MetricsWriter, TensorBoardWriter
+from zero_jax.profile import Tracer
 from zero_jax.state import TrainState
 from zero_jax.watchdog import StepWatchdog
 
 
 class TrainingHalted(RuntimeError):
     """Training stopped because too many steps in a row had non-finite gradients."""
-
-
-class MetricsWriter:
-    """One JSON object per line; flushed so a crashed run keeps its history.
-
-    Strict JSON: a non-finite value is written as null and its key listed
-    under "non_finite". A run resumed at step `start` first cuts the file
-    back to the records of steps up to `start` (those after it, written
-    before a crash, are trained again), so each step appears once.
-    """
-
-    def __init__(self, path: str, start: int = 0):
-        self._file = None
-        if not path:
-            return
-        kept = [line.rstrip("\n") + "\n" for line in _lines(path) if _step(line) <= start] \
-            if start else []
-        with open(path + ".tmp", "w") as f:
-            f.writelines(kept)
-        os.replace(path + ".tmp", path)
-        self._file = open(path, "a")
-
-    def write(self, record: dict[str, Any]) -> None:
-        if self._file:
-            bad = [k for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)]
-            out = {**record, **{k: None for k in bad}, **({"non_finite": bad} if bad else {})}
-            self._file.write(json.dumps(out, allow_nan=False) + "\n")
-            self._file.flush()
-
-    def close(self) -> None:
-        if self._file:
-            self._file.close()
-
-
-def _lines(path: str) -> list[str]:
-    try:
-        with open(path) as f:
-            return f.readlines()
-    except FileNotFoundError:
-        return []
-
-
-def _step(line: str) -> float:
-    """A record's step; a line cut short by a crash sorts after every step."""
-    try:
-        return json.loads(line)["step"]
-    except (ValueError, KeyError, TypeError):
-        return math.inf
 
 
 def evaluate(eval_step: Callable, params: Any, batches: Callable[[int], Any], n: int,
@@ -93,7 +46,8 @@ def train(state: TrainState, train_step: Callable, batch_at: Callable[[int], jax
           metrics_path: str = "", out: TextIO = sys.stdout, progress: bool = True,
           max_consecutive_skips: int = 20,
           after_step: Callable[[int, TrainState], bool] | None = None,
-          watchdog: StepWatchdog | None = None,
+          watchdog: StepWatchdog | None = None, throughput: Throughput | None = None,
+          tensorboard_dir: str = "", tracer: Tracer | None = None,
           ) -> tuple[TrainState, list[dict[str, Any]]]:
     """Run `train_step` from `state.step` to `steps`; returns the state and per-step records.
 
@@ -103,10 +57,12 @@ def train(state: TrainState, train_step: Callable, batch_at: Callable[[int], jax
     next step is dispatched (and may donate it), so it can save that state;
     it returns True to stop there. Raises TrainingHalted after
     `max_consecutive_skips` skipped steps in a row. `watchdog` is told when
-    the loop starts and stops waiting on each step.
+    the loop starts and stops waiting on each step. `throughput` adds
+    FLOP/s per device and MFU to each record; `tensorboard_dir` writes the
+    records' scalars there too; `tracer` profiles its window of steps.
     """
     start = int(local(state.step))
-    writer = MetricsWriter(metrics_path, start)
+    writers = (MetricsWriter(metrics_path, start), TensorBoardWriter(tensorboard_dir, start))
     bar = tqdm(total=steps, initial=start, file=out, disable=not progress, dynamic_ncols=True,
                mininterval=1.0, unit="step")
     history: list[dict[str, Any]] = []
@@ -128,13 +84,17 @@ def train(state: TrainState, train_step: Callable, batch_at: Callable[[int], jax
                   "tokens_per_s": float(values["tokens"]) / (now - last_done),
                   "step_time_s": now - last_done, "loss_scale": float(values["loss_scale"]),
                   "skipped": bool(values["skipped"])}
+        if throughput is not None:
+            record.update(throughput.fields(record["tokens_per_s"]))
+        record.update(metrics_lib.memory())
         if record["skipped"]:
             run = int(values["consecutive_skips"])
             bar.write(f"step {record['step']}: non-finite gradients (norm {record['grad_norm']}), "
                       f"update skipped, {run} in a row; loss scale was {record['loss_scale']:g}")
             if run >= max_consecutive_skips:
                 history.append(record)
-                writer.write(record)
+                for writer in writers:
+                    writer.write(record)
                 raise TrainingHalted(
                     f"stopped at step {record['step']}: {run} steps in a row had non-finite "
                     f"gradients (limit --max-consecutive-skips {max_consecutive_skips}); the "
@@ -145,18 +105,27 @@ def train(state: TrainState, train_step: Callable, batch_at: Callable[[int], jax
             record["val_loss"] = eval_fn(eval_params)
             bar.write(f"step {record['step']}: val_loss {record['val_loss']:.4f}")
             now = time.perf_counter()  # eval time is not step time
-        last_done = now
         history.append(record)
-        writer.write(record)
+        for writer in writers:
+            writer.write(record)
+        mfu = {"mfu": f"{record['mfu']:.1%}"} if "mfu" in record else {}
         bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:,.0f}",
-                        step_s=f"{record['step_time_s']:.3f}", refresh=False)
+                        **mfu, step_s=f"{record['step_time_s']:.3f}", refresh=False)
         bar.update(1)
+        last_done = now
 
     def eval_after(n: int) -> bool:
         return eval_fn is not None and (n == steps or (eval_every > 0 and n % eval_every == 0))
 
     try:
         for step in range(start, steps):
+            if tracer is not None and tracer.at_edge(step):
+                # Nothing in flight at either edge: the trace holds its steps only.
+                if pending is not None:
+                    finish(*pending)
+                    pending = None
+                tracer.toggle()
+                last_done = time.perf_counter()  # writing the trace is not step time
             state, metrics = train_step(state, batch_at(step))
             if pending is not None:
                 finish(*pending)
@@ -169,6 +138,9 @@ def train(state: TrainState, train_step: Callable, batch_at: Callable[[int], jax
         if pending is not None:
             finish(*pending)
     finally:
+        if tracer is not None:
+            tracer.stop()
         bar.close()
-        writer.close()
+        for writer in writers:
+            writer.close()
     return state, history

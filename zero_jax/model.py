@@ -25,6 +25,8 @@ class ModelFns:
     vocab_size: int  # token ids are < vocab_size (logits may be padded beyond it)
     max_seq_len: int | None  # longest sequence the model takes (None: any)
     flops_per_token: Callable[[int], float]  # seq_len -> training FLOPs per token
+    # seq_len -> one block as flops.Op's (what remat recomputes, for hardware FLOPs)
+    block_ops: Callable[[int], Any] | None = None
     decay_mask: Callable[[Any], Any] | None = None  # params -> tree of bools: weight decay applies
     # (rows, seq_len, dtype_bytes, remat, tensor, sequence_parallel) -> activation bytes per device
     activation_bytes: Callable[..., float] | None = None

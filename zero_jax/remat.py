@@ -37,11 +37,22 @@ class Remat:
 
     def __post_init__(self):
         if self.policy not in POLICIES:
-            raise ValueError(f"remat policy {self.policy!r}: choose from {', '.join(POLICIES)}")
+            raise ValueError(f"--remat {self.policy!r}: no such remat policy; choose from {', '.join(POLICIES)}")
         if self.policy in ("save_names", "offload") and not self.names:
-            raise ValueError(f"remat policy {self.policy} needs activation names (--save-names)")
+            raise ValueError(f"--remat {self.policy} needs activation names (--save-names)")
         if {WEIGHT, DOT} & set(self.names):
             raise ValueError(f"{WEIGHT!r} and {DOT!r} are reserved names, not activations")
+
+    def keeps(self, op) -> bool:
+        """Whether the backward pass finds `op` (a flops.Op of a block) kept
+        rather than recomputing it: the FLOPs side of `jax_policy`."""
+        if self.policy == "none":
+            return op.name is not None
+        if self.policy == "full":
+            return False
+        if self.policy == "dots_saveable":
+            return op.dot
+        return op.name in self.names
 
     def jax_policy(self):
         """The `jax.checkpoint` policy for the scanned block."""

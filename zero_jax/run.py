@@ -17,10 +17,11 @@ from typing import Any, Callable
 
 import jax
 import numpy as np
+from tqdm import tqdm
 
 from zero_jax import checkpoint as ckpt_lib
 from zero_jax import data as data_lib
-from zero_jax import distributed, export, integrity, loop, sampler
+from zero_jax import distributed, export, flops, integrity, loop, profile, sampler
 from zero_jax.job import Job
 from zero_jax.preempt import Preemption
 from zero_jax.state import TrainState
@@ -28,6 +29,10 @@ from zero_jax.watchdog import StepWatchdog
 
 # (path, job) -> the parameters placed in the job's layout (None: not this format)
 ParamLoader = Callable[[str, Job], Any]
+
+
+class InitFromError(ValueError):
+    """--init-from names something that does not load into the model."""
 
 
 @dataclasses.dataclass
@@ -133,7 +138,11 @@ def initial_state(job: Job, checkpointer: ckpt_lib.Checkpointer | None,
         log(f"--resume: no complete checkpoint in {checkpointer.directory}; starting fresh")
     if c.init_from:
         log(f"parameters from {c.init_from}; new optimizer state, step 0")
-        return job.state_from_params(load_params(c.init_from, job, loaders)), None
+        try:
+            params = load_params(c.init_from, job, loaders)
+        except (ValueError, FileNotFoundError) as e:
+            raise InitFromError(f"--init-from {c.init_from}: {e}") from None
+        return job.state_from_params(params), None
     return job.init_state(), None
 
 
@@ -170,11 +179,14 @@ def _log_config_changes(saved: dict, now: dict, log) -> None:
 
 def train(job: Job, corpus: data_lib.TokenData, train_step, eval_step, *,
           loaders: list[ParamLoader] = (), progress: bool = True,
-          log: Callable[[str], None] = print) -> Outcome:
+          log: Callable[[str], None] = print,
+          throughput: flops.Throughput | None = None) -> Outcome:
     run, t, c = job.run, job.run.train, job.run.checkpoint
     d = run.distributed
+    # Save lines go above the progress bar, not through it.
     checkpointer = (ckpt_lib.Checkpointer(c, job.layout.names, writer=True,
-                                          barrier_timeout_s=d.barrier_timeout_s) if c.dir else None)
+                                          barrier_timeout_s=d.barrier_timeout_s,
+                                          log=tqdm.write) if c.dir else None)
     state, resumed = initial_state(job, checkpointer, loaders, log, corpus)
     # Every process has its state before any starts stepping; bounded, so a
     # process that died while restoring ends the run instead of holding it.
@@ -204,6 +216,13 @@ def train(job: Job, corpus: data_lib.TokenData, train_step, eval_step, *,
     watchdog = StepWatchdog(d.watchdog_warn, d.watchdog_stop, d.watchdog_min_s,
                             who=f"process {jax.process_index()}: " if jax.process_count() > 1 else "")
     lead = jax.process_index() == 0  # one metrics file and progress bar per run
+    # Every process traces its own devices, each in its own directory (the
+    # profiler names its files after the host, which processes may share).
+    trace_dir = t.profile_dir or t.tensorboard_dir or "profile"
+    if jax.process_count() > 1:
+        trace_dir = str(Path(trace_dir) / f"process-{jax.process_index()}")
+    tracer = profile.Tracer(profile.Window.parse(t.profile_steps), trace_dir,
+                            log if lead else lambda line: None)
     try:
         state, history = loop.train(
             state, train_step, lambda step: batch(step=step), steps=t.steps,
@@ -211,7 +230,8 @@ def train(job: Job, corpus: data_lib.TokenData, train_step, eval_step, *,
                                                  val_targets),
             eval_every=t.eval_every, metrics_path=t.metrics_out if lead else "",
             progress=progress and lead, max_consecutive_skips=run.precision.max_consecutive_skips,
-            after_step=after_step, watchdog=watchdog)
+            after_step=after_step, watchdog=watchdog, throughput=throughput,
+            tensorboard_dir=t.tensorboard_dir if lead else "", tracer=tracer)
         if checkpointer is not None:
             checkpointer.wait()
     except ckpt_lib.SaveFailed:

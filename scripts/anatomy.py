@@ -1,0 +1,164 @@
+"""Where a train step spends its time: profile a few steps, sum by op.
+
+    python scripts/anatomy.py --devices 2 --mesh fsdp=2 [any train.py flag] \
+        [--steps 6] [--top 25] [--json]
+
+Compiles the run's train step as scripts/train.py does, runs two warm-up
+steps, traces the next `--steps` with jax.profiler, and adds up the time of
+each compiled op on every device's thread (the trace's events name their HLO
+op). Each op is put in a category from the op's own metadata (the JAX
+operation it came from): matmuls, attention, the loss head (logits and
+cross-entropy over the padded vocabulary), normalisation and activations,
+the scan's per-layer slicing and stacking, collectives, and the optimizer
+update; forward and backward apart. Prints the categories, then the top ops.
+
+Times are device-thread milliseconds per step, summed over the devices: on
+CPU the simulated devices share the cores, so the step's wall time is about
+this sum divided by the cores in use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import jax  # noqa: E402
+
+import models  # noqa: E402
+from zero_jax import config as config_lib, cpu, data as data_lib, job as job_lib  # noqa: E402
+
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "collective-permute", "all-to-all")
+# Model ops, by their JAX op_name (first match wins). The layer stack is a
+# scan: its per-layer slicing of stacked weights and activations, stacking of
+# what the backward keeps, and the loop itself are bookkeeping, not compute.
+MODEL_CATEGORIES = [
+    ("scan slicing/stacking", re.compile(r"dynamic_index_in_dim|dynamic_update_index_in_dim|"
+                                         r"dynamic_update_slice|dynamic_slice|/while$|"
+                                         r"stack/broadcast_in_dim$")),
+    ("attention", re.compile(r"bhts|softmax|attention|/blocks/(jit\(_where\)/)?(select_n|le)$")),
+    ("loss head", re.compile(r"\.head/|jvp\(\)/|cross_entropy|logsumexp")),
+    ("embedding", re.compile(r"\.embed/")),
+    ("matmuls", re.compile(r"dot_general$")),
+    ("norms, activations, residuals", re.compile(r".")),
+]
+
+
+def category(opcode: str, op_name: str) -> str:
+    """An op's category: collectives by opcode; the optimizer update and step
+    bookkeeping are the ops outside the model's forward and backward (no jvp
+    in their op_name); the model's ops by MODEL_CATEGORIES, forward or backward."""
+    if opcode.removesuffix("-start").removesuffix("-done") in COLLECTIVES:
+        return "collectives"
+    if "jvp(" not in op_name:
+        return "optimizer, gradient norm, step" if op_name else "other"
+    phase = "backward" if "transpose(jvp(" in op_name else "forward"
+    name = next(n for n, pattern in MODEL_CATEGORIES if pattern.search(op_name))
+    return name if name == "scan slicing/stacking" else f"{name} ({phase})"
+
+
+def parse(argv):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", help="TOML run config; flags override it")
+    parser.add_argument("--top", type=int, default=25, help="ops listed (default 25)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    parser.add_argument("--trace-steps", type=int, default=6, help="steps traced (default 6)")
+    cpu.add_devices_flag(parser)
+    config_lib.add_flags(parser)
+    args = parser.parse_args(argv)
+    return config_lib.from_args(args, args.config), args
+
+
+def op_table(hlo_text: str) -> dict[str, tuple[str, str]]:
+    """HLO op name -> (opcode, JAX op_name) from the compiled module's text."""
+    table = {}
+    for m in re.finditer(r"^\s*(?:ROOT )?%?([\w.\-]+) = [^\n]*?\b([a-z][\w\-]*)\(([^\n]*)$",
+                         hlo_text, re.M):
+        name, opcode, rest = m.groups()
+        op_name = re.search(r'op_name="([^"]*)"', rest)
+        table[name] = (opcode, op_name.group(1) if op_name else "")
+    return table
+
+
+def op_times(trace_dir: Path, module: str) -> tuple[collections.Counter, collections.Counter]:
+    """Summed duration (µs) and count of each HLO op of `module` in the trace."""
+    trace = max(trace_dir.glob("plugins/profile/*/perfetto_trace.json.gz"))
+    events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
+    total, count = collections.Counter(), collections.Counter()
+    for e in events:
+        args = e.get("args", {})
+        if e.get("ph") == "X" and args.get("hlo_module") == module and "hlo_op" in args:
+            total[args["hlo_op"]] += e.get("dur", 0)
+            count[args["hlo_op"]] += 1
+    return total, count
+
+
+def main(argv=None) -> int:
+    try:
+        cfg, args = parse(argv)
+        cpu.simulate(args.devices)
+        corpus = data_lib.load(cfg.data.source)
+        build, _ = models.for_run(cfg.model, corpus.vocab_size)
+        job = job_lib.prepare(cfg, build)
+    except (config_lib.ConfigError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    compiled = job.compile_train_step()
+    table = op_table(compiled.as_text())
+    t = cfg.train
+    state = job.init_state()
+    batch = lambda i: data_lib.global_batch(corpus, "train", cfg.data.seq_len, t.batch_size, t.seed,
+                                            step=i, sharding=job.layout.batch_sharding)
+    for i in range(2):  # warm-up
+        state, metrics = compiled(state, batch(i))
+    jax.block_until_ready(metrics)
+    n = args.trace_steps
+    with tempfile.TemporaryDirectory() as tmp:
+        jax.profiler.start_trace(tmp, create_perfetto_trace=True)
+        start = time.perf_counter()
+        for i in range(2, 2 + n):
+            state, metrics = compiled(state, batch(i))
+            jax.block_until_ready(metrics)  # one step at a time: each step's ops are its own
+        wall = (time.perf_counter() - start) / n
+        jax.profiler.stop_trace()
+        total, count = op_times(Path(tmp), "jit_train_step")
+    by_category = collections.Counter()
+    for op, us in total.items():
+        by_category[category(*table.get(op, ("", "")))] += us
+    tokens = t.batch_size * cfg.data.seq_len
+    report = {
+        "step_wall_ms": wall * 1e3, "tokens_per_s": tokens / wall,
+        "device_thread_ms_per_step": sum(total.values()) / n / 1e3,
+        "categories": {c: us / n / 1e3 for c, us in by_category.most_common()},
+        "top_ops": [{"op": op, "ms_per_step": us / n / 1e3, "calls_per_step": count[op] / n,
+                     "category": category(*table.get(op, ("", ""))),
+                     "jax_op": table.get(op, ("", ""))[1]}
+                    for op, us in total.most_common(args.top)],
+    }
+    if args.json:
+        print(json.dumps(report, indent=1))
+        return 0
+    print(f"step {report['step_wall_ms']:.1f} ms wall ({report['tokens_per_s']:,.0f} tokens/s); "
+          f"{report['device_thread_ms_per_step']:.1f} ms of device-thread time per step over "
+          f"{jax.device_count()} devices, traced over {n} steps")
+    all_ms = report["device_thread_ms_per_step"]
+    for c, ms in report["categories"].items():
+        print(f"  {c:<34}{ms:>9.1f} ms {ms / all_ms:>6.1%}")
+    print(f"\n{'op':<42}{'ms/step':>9}{'calls':>7}  category / JAX op")
+    for row in report["top_ops"]:
+        print(f"{row['op'][:41]:<42}{row['ms_per_step']:>9.1f}{row['calls_per_step']:>7.0f}  "
+              f"{row['category']} / {row['jax_op'][-70:]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

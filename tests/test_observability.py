@@ -1,0 +1,133 @@
+"""What a run shows while it trains: FLOPs and MFU, TensorBoard scalars,
+profiler traces, and metrics that survive a crash and a resume."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import pytest
+
+import models
+from zero_jax import config as config_lib, flops, job as job_lib
+from zero_jax.remat import Remat
+
+ROOT = Path(__file__).resolve().parent.parent
+FULL = os.environ.get("ZERO_JAX_FULL_GRID") == "1"
+
+# (model, remat): CI compiles two unrolled programs, one per family and
+# policy; the full grid every pair.
+COST_CASES = [("gpt-small", "none"), ("llama-tiny", "full")]
+if FULL:
+    COST_CASES = [(m, r) for m in ("gpt-small", "llama-tiny")
+                  for r in ("none", "full", "dots_saveable", "save_names")]
+
+
+@pytest.mark.parametrize("model,remat", COST_CASES)
+def test_flops_per_token_agree_with_the_compilers_count(model, remat):
+    """The FLOPs MFU is computed from (model FLOPs, and with remat hardware
+    FLOPs) against the compiled step's own count, divided by its tokens. The
+    layer stack is unrolled for this: XLA's cost analysis counts a loop body
+    once, so a scanned stack of 12 layers counts as one (ratio 0.37 for
+    gpt-small)."""
+    seq, rows = 256, 2
+    run = config_lib.build(None, {"model.name": model, "parallel.mesh": "fsdp=1",
+                                  "data.seq_len": seq, "train.batch_size": rows,
+                                  "activations.remat": remat, "model.scan_layers": False})
+    build, _ = models.for_run(run.model, 50257 if model.startswith("gpt") else 32000)
+    job = job_lib.prepare(run, build, jax.devices()[:1])
+    cost = job.compile_train_step().cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    counted = cost["flops"] / (rows * seq)
+    ours = flops.StepFlops.of(job.model, seq, job.hooks.remat)
+    assert ours.hardware == pytest.approx(counted, rel=0.05)
+    if remat == "full":  # the recompute is counted: the model figure alone would be off
+        assert ours.hardware > 1.05 * ours.model
+
+
+def test_recompute_follows_what_the_policy_keeps():
+    """gpt-small's block under each policy: full rebuilds every matmul but
+    the last (its output only feeds the residual); save_names rebuilds the
+    scores (the probabilities are not kept) and the output projection (the
+    residual sum before the second norm needs it)."""
+    cfg = models.config("gpt-small", 50257)
+    ops, D, F, T = cfg.block_ops(1024), cfg.d_model, cfg.d_mlp, 1024
+    assert flops.recomputed(ops, Remat("none").keeps) == 0
+    assert flops.recomputed(ops, Remat("dots_saveable").keeps) == 0
+    assert flops.recomputed(ops, Remat("full").keeps) == 2 * (3 * D * D + D * D + D * F) + 4 * T * D
+    saved = Remat("save_names", ("qkv", "attn_ctx", "mlp_hidden"))
+    assert flops.recomputed(ops, saved.keeps) == 2 * D * D + 2 * T * D
+
+
+def test_the_cpu_peak_is_measured_once_and_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("ZERO_JAX_CACHE", str(tmp_path))
+    first = flops.cpu_peak("float32", 8)
+    cached = json.loads((tmp_path / "cpu_peak.json").read_text())
+    assert len(cached) == 1 and list(cached.values())[0] == pytest.approx(first.flops * 8)
+    (tmp_path / "cpu_peak.json").write_text(json.dumps({k: 8e12 for k in cached}))
+    assert flops.cpu_peak("float32", 8).flops == 1e12  # read back, not measured again
+
+
+def _train(tmp_path: Path, *flags: str) -> subprocess.Popen:
+    env = {**os.environ, "ZERO_JAX_CACHE": str(tmp_path / "cache")}
+    return subprocess.Popen(
+        [sys.executable, str(ROOT / "scripts" / "train.py"), "--seq-len", "32", "--batch-size",
+         "8", "--steps", "20", "--eval-every", "0", "--eval-batches", "1", "--no-progress",
+         "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "5",
+         "--metrics-out", str(tmp_path / "m.jsonl"), "--tensorboard-dir", str(tmp_path / "tb"),
+         *flags], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True)
+
+
+def _steps(path: Path) -> list[int]:
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    return [json.loads(line)["step"] for line in lines if line.endswith("}")]
+
+
+def test_sigkill_at_step_13_then_resume_records_each_step_once(tmp_path):
+    """Checkpoints every 5 steps, SIGKILL once step 13 is in the metrics,
+    --resume: steps 11-13 (trained again from the step-10 checkpoint) are cut
+    from the metrics file and purged from the TensorBoard events, so each of
+    the 20 steps is recorded once in both. The first run also profiles steps
+    3-5 and every record carries MFU."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    first = _train(tmp_path, "--profile-steps", "3:6")
+    deadline = time.monotonic() + 240
+    while max(_steps(tmp_path / "m.jsonl"), default=0) < 13:
+        assert first.poll() is None and time.monotonic() < deadline, first.stdout.read()
+        time.sleep(0.01)
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    killed_at = max(_steps(tmp_path / "m.jsonl"))
+    assert 13 <= killed_at < 20
+    traces = list(tmp_path.glob("tb/plugins/profile/*/perfetto_trace.json.gz"))
+    assert traces and json.loads(gzip.decompress(traces[0].read_bytes()))["traceEvents"]
+
+    second = _train(tmp_path, "--resume")
+    out, _ = second.communicate(timeout=240)
+    assert second.returncode == 0, out
+    assert "resumed from" in out and "MFU" in out.splitlines()[-1]
+    records = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 21))
+    assert all(r["mfu"] > 0 and r["model_tflops_per_device"] > 0 for r in records)
+
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"train/loss", "val/loss", "train/grad_norm", "train/lr", "perf/tokens_per_s",
+            "perf/mfu", "train/loss_scale", "train/skipped",
+            "memory/host_resident_bytes"} <= tags
+    assert [e.step for e in events.Scalars("train/loss")] == list(range(1, 21))
+    assert [e.value for e in events.Scalars("train/loss")] == pytest.approx(
+        [r["loss"] for r in records])

@@ -1,0 +1,214 @@
+"""FLOPs per token, the peak they are measured against, and MFU.
+
+Model FLOPs per token are the model's own formula, 6 N + 12 L H Q T (PaLM,
+appendix B; the attention term is the full T x T product, not halved for
+the causal mask, as XLA computes it). Hardware FLOPs add what the
+activation-checkpointing policy recomputes in the backward pass: each model
+describes one block as a small graph of `Op`s, and `recomputed` walks it
+under the policy (what the backward needs that was not kept is rebuilt from
+the nearest kept tensor). MFU = tokens/s x model FLOPs per token / (devices x
+peak); HFU the same with hardware FLOPs.
+
+The peak is the device's, from meshes/devices/ (datasheet figures with their
+sources), in the dtype the matmuls run in; on CPU it is measured once by a
+matmul probe and cached.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from zero_jax import hardware
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    """One tensor a block computes, per token.
+
+    `name`: its checkpoint name (what remat policies select), None if
+    unnamed. `flops`: forward FLOPs per token to compute it from its
+    `inputs`. `needs`: the tensors its own backward reads (default: its
+    inputs; a residual add needs none; a softmax its own output, "self").
+    "x" is the block's input, always kept.
+    """
+
+    key: str
+    name: str | None
+    flops: float
+    inputs: tuple[str, ...]
+    dot: bool = False  # a matrix product (what dots_saveable keeps)
+    needs: tuple[str, ...] | None = None
+
+    def backward_reads(self) -> tuple[str, ...]:
+        needs = self.inputs if self.needs is None else self.needs
+        return tuple(self.key if n == "self" else n for n in needs)
+
+
+def recomputed(ops: Sequence[Op], kept: Callable[[Op], bool]) -> float:
+    """Forward FLOPs per token one block recomputes in its backward pass
+    when only the tensors `kept` selects (and the block input) are kept."""
+    by_key = {op.key: op for op in ops}
+    rebuilt: set[str] = set()
+
+    def need(key: str) -> None:
+        if key == "x" or key in rebuilt or kept(by_key[key]):
+            return
+        rebuilt.add(key)
+        for k in by_key[key].inputs:
+            need(k)
+
+    for op in ops:
+        for key in op.backward_reads():
+            need(key)
+    return float(sum(by_key[k].flops for k in rebuilt))
+
+
+@dataclasses.dataclass(frozen=True)
+class StepFlops:
+    """Training FLOPs per token of one run: the model's, and with recompute."""
+
+    model: float  # 6 N + attention, per token
+    hardware: float  # model + what remat recomputes, per token
+
+    @classmethod
+    def of(cls, model_fns, seq_len: int, remat) -> "StepFlops":
+        model = model_fns.flops_per_token(seq_len)
+        if model_fns.block_ops is None or remat.policy == "none":
+            return cls(model, model)
+        extra = model_fns.layers * recomputed(model_fns.block_ops(seq_len), remat.keeps)
+        return cls(model, model + extra)
+
+
+@dataclasses.dataclass(frozen=True)
+class Peak:
+    """Dense matmul FLOP/s of one device in one dtype, and where it is from."""
+
+    flops: float
+    source: str
+
+
+def device_peak(device: jax.Device, compute_dtype: str) -> Peak | None:
+    """The peak of `device` for matmuls in `compute_dtype`: the datasheet's
+    for a known accelerator, the probe's on CPU, None if unknown."""
+    if device.platform == "cpu":
+        return cpu_peak(compute_dtype, jax.local_device_count())
+    kind = hardware.for_device_kind(device.device_kind)
+    if kind is None:
+        return None
+    if jnp.dtype(compute_dtype).itemsize == 2:
+        return Peak(kind.peak_flops, f"{kind.name} dense 16-bit peak (meshes/devices)")
+    return Peak(kind.peak_flops_fp32, f"{kind.name} float32 matmul peak as JAX runs it by "
+                                      "default (meshes/devices)")
+
+
+# The probe: a square matmul large enough to keep every core busy, timed
+# best of several runs (the peak the machine reaches, not its average).
+PROBE_N = 2048
+PROBE_RUNS = 8
+
+
+def cpu_peak(dtype: str, local_devices: int) -> Peak:
+    """Per-device peak on CPU: this host's matmul FLOP/s, measured once (and
+    cached), shared by its `local_devices` simulated devices, which run on
+    the same cores."""
+    host = _host_key(dtype)
+    cache = _cache_path()
+    table = _read_json(cache)
+    if host not in table:
+        table[host] = _probe(dtype)
+        _write_json(cache, table)
+    return Peak(table[host] / local_devices,
+                f"{table[host] / 1e9:.0f} GFLOP/s measured by a {PROBE_N}^3 {dtype} matmul on "
+                f"this host (cached in {cache}), shared by {local_devices} device(s)")
+
+
+def _probe(dtype: str) -> float:
+    a = jnp.ones((PROBE_N, PROBE_N), dtype)
+    matmul = jax.jit(lambda x, y: x @ y)
+    matmul(a, a).block_until_ready()
+    best = float("inf")
+    for _ in range(PROBE_RUNS):
+        start = time.perf_counter()
+        matmul(a, a).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    return 2 * PROBE_N ** 3 / best
+
+
+def _host_key(dtype: str) -> str:
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f
+                          if line.startswith("model name")), "")
+    except OSError:
+        pass
+    return f"{model or platform.processor()} | {os.cpu_count()} cores | jax {jax.__version__} | {dtype}"
+
+
+def _cache_path() -> Path:
+    root = os.environ.get("ZERO_JAX_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "zero_jax")
+    return Path(root) / "cpu_peak.json"
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_json(path: Path, table: dict) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(table, indent=1))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only home: the probe runs again next time
+
+
+@dataclasses.dataclass(frozen=True)
+class Throughput:
+    """Turns tokens/s into FLOP/s per device and utilisation."""
+
+    flops: StepFlops
+    devices: int
+    peak: Peak | None
+
+    def fields(self, tokens_per_s: float) -> dict[str, float]:
+        model = tokens_per_s * self.flops.model / self.devices
+        hardware_ = tokens_per_s * self.flops.hardware / self.devices
+        out = {"model_tflops_per_device": model / 1e12,
+               "hardware_tflops_per_device": hardware_ / 1e12}
+        if self.peak is not None and self.peak.flops > 0:
+            out.update(mfu=model / self.peak.flops, hfu=hardware_ / self.peak.flops)
+        return out
+
+
+def throughput(job) -> Throughput:
+    """The throughput figures of `job`'s train step on this process's devices."""
+    flops = StepFlops.of(job.model, job.run.data.seq_len, job.hooks.remat)
+    return Throughput(flops, jax.device_count(),
+                      device_peak(jax.devices()[0], job.policy.compute))
+
+
+def describe(t: Throughput) -> str:
+    """One line for the plan: FLOPs per token and the peak MFU is taken against."""
+    f = t.flops
+    line = f"FLOPs/token: model {f.model / 1e6:,.1f} M"
+    if f.hardware != f.model:
+        line += f", hardware {f.hardware / 1e6:,.1f} M (with recompute)"
+    if t.peak is None:
+        return line + "; no peak known for this device: MFU not reported"
+    return line + f"; MFU against {t.peak.flops / 1e12:,.3g} TFLOP/s per device ({t.peak.source})"
+

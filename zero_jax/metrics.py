@@ -1,0 +1,120 @@
+"""Where per-step metrics go: the JSON-lines file (always on), TensorBoard
+(`--tensorboard-dir`), and the memory figures added to each record.
+
+Both writers take the step a run resumes at and drop what was written after
+it (records of steps the resumed run trains again), so each step appears
+once in either.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any
+
+import jax
+
+class MetricsWriter:
+    """One JSON object per line; flushed so a crashed run keeps its history.
+
+    Strict JSON: a non-finite value is written as null and its key listed
+    under "non_finite". A run resumed at step `start` first cuts the file
+    back to the records of steps up to `start` (those after it, written
+    before a crash, are trained again), so each step appears once.
+    """
+
+    def __init__(self, path: str, start: int = 0):
+        self._file = None
+        if not path:
+            return
+        kept = [line.rstrip("\n") + "\n" for line in _lines(path) if _step(line) <= start] \
+            if start else []
+        with open(path + ".tmp", "w") as f:
+            f.writelines(kept)
+        os.replace(path + ".tmp", path)
+        self._file = open(path, "a")
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self._file:
+            bad = [k for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)]
+            out = {**record, **{k: None for k in bad}, **({"non_finite": bad} if bad else {})}
+            self._file.write(json.dumps(out, allow_nan=False) + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file:
+            self._file.close()
+
+
+def _lines(path: str) -> list[str]:
+    try:
+        with open(path) as f:
+            return f.readlines()
+    except FileNotFoundError:
+        return []
+
+
+def _step(line: str) -> float:
+    """A record's step; a line cut short by a crash sorts after every step."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return math.inf
+
+
+# Record keys -> TensorBoard tags: grouped so the curves that belong together
+# share a panel.
+TAGS = {"loss": "train/loss", "val_loss": "val/loss", "grad_norm": "train/grad_norm",
+        "lr": "train/lr", "loss_scale": "train/loss_scale", "skipped": "train/skipped",
+        "tokens_per_s": "perf/tokens_per_s", "step_time_s": "perf/step_time_s",
+        "mfu": "perf/mfu", "hfu": "perf/hfu",
+        "model_tflops_per_device": "perf/model_tflops_per_device",
+        "hardware_tflops_per_device": "perf/hardware_tflops_per_device",
+        "device_bytes_in_use": "memory/device_bytes_in_use",
+        "device_peak_bytes": "memory/device_peak_bytes",
+        "host_resident_bytes": "memory/host_resident_bytes"}
+
+
+class TensorBoardWriter:
+    """Scalars of each record in a TensorBoard event file (tensorboardX).
+
+    A run resumed at step `start` purges the events after it (tensorboardX's
+    `purge_step`), as MetricsWriter cuts its file back.
+    """
+
+    def __init__(self, logdir: str, start: int = 0):
+        self._writer = None
+        if not logdir:
+            return
+        from tensorboardX import SummaryWriter  # imported here: only runs that ask need it
+        self._writer = SummaryWriter(logdir, purge_step=start + 1 if start else None,
+                                     flush_secs=10)
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self._writer is None:
+            return
+        for key, tag in TAGS.items():
+            value = record.get(key)
+            if isinstance(value, (int, float)) and not isinstance(value, str):
+                self._writer.add_scalar(tag, float(value), record["step"])
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+
+
+def memory() -> dict[str, int]:
+    """This process's memory now: the first local device's bytes in use and
+    peak where the backend reports them (GPU, TPU), else (CPU) the process's
+    resident bytes, which hold the CPU devices' buffers."""
+    stats = jax.local_devices()[0].memory_stats()
+    if stats and "bytes_in_use" in stats:
+        return {"device_bytes_in_use": int(stats["bytes_in_use"]),
+                "device_peak_bytes": int(stats.get("peak_bytes_in_use", stats["bytes_in_use"]))}
+    try:
+        with open("/proc/self/status") as f:
+            kb = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+        return {"host_resident_bytes": kb * 1024}
+    except (OSError, StopIteration):
+        return {}
