@@ -26,7 +26,7 @@ def _resolve(name: str, overrides: dict) -> tuple[str, str, dict]:
     if name in llama.PRESETS:
         return "llama", name, given
     if name and name not in gpt.PRESETS:
-        raise ValueError(f"unknown model {name!r}; choose from {', '.join(gpt.PRESETS)}, "
+        raise ValueError(f"--model {name!r}: no such preset; choose from {', '.join(gpt.PRESETS)}, "
                          f"{', '.join(llama.PRESETS)}, hf:DIR (a Hugging Face config.json), or "
                          "give every shape (--model '' --n-layer .. --n-head .. --d-model ..)")
     other = sorted(set(given) - set(GPT_FIELDS))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -42,17 +43,17 @@ def main(argv=None) -> int:
     parser.add_argument("--report-memory", action="store_true",
                         help="print the peak resident memory the export added, as JSON")
     args = parser.parse_args(argv)
-    if not (args.out or args.hf_dir):
-        parser.error("give --out and/or --hf-dir")
-
     directory = Path(args.checkpoint_dir)
-    steps = ckpt_lib.complete_steps(directory)
-    step = args.step if args.step is not None else (steps[-1] if steps else None)
-    if step not in steps:
-        print(f"error: no complete checkpoint {'' if step is None else step} in {directory} "
-              f"(complete steps: {steps})", file=sys.stderr)
+    try:
+        check_outputs(args.out, args.hf_dir, args.max_shard_size)
+        step = choose_step(directory, args.step)
+        reader = export.ParamReader(directory / str(step))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
-    reader = export.ParamReader(directory / str(step))
+    except export.CorruptCheckpoint as e:
+        print(f"error: {e}; nothing written", file=sys.stderr)
+        return 4
 
     baseline = procmem.reset_peak()  # measure from here
     written = []
@@ -64,16 +65,63 @@ def main(argv=None) -> int:
         if args.hf_dir:
             cfg = models.config_from(reader.meta["model"])
             written += hf.save(Path(args.hf_dir), cfg, reader.read, int(args.max_shard_size))
-    except export.CorruptCheckpoint as e:
+    except (export.CorruptCheckpoint, OSError) as e:  # OSError: no space, no permission
         for path in written + [Path(p) for p in (args.out,) if p]:
             path.unlink(missing_ok=True)
-        print(f"error: {e}; nothing written", file=sys.stderr)
-        return 4
+        corrupt = isinstance(e, export.CorruptCheckpoint)
+        what = e if corrupt else f"writing {e.filename}: {e.strerror}"
+        print(f"error: {what}; nothing written", file=sys.stderr)
+        return 4 if corrupt else 2
+    print(describe(written, step, directory))
     if args.report_memory:
         print(json.dumps({"peak_added_bytes": procmem.resident("VmHWM") - baseline,
                           "largest_piece_bytes": reader.largest_piece_bytes(),
                           "param_bytes": reader.total_bytes()}))
     return 0
+
+
+def check_outputs(out: str | None, hf_dir: str | None, max_shard_size: float) -> None:
+    """What the export would write, checked before anything is read."""
+    if not (out or hf_dir):
+        raise ValueError("nothing to write: give --out FILE (one .safetensors file) and/or "
+                         "--hf-dir DIR (the Hugging Face layout)")
+    if out and not Path(out).parent.is_dir():
+        raise ValueError(f"--out {out}: the directory {Path(out).parent} does not exist; "
+                         "create it first")
+    if out and Path(out).is_dir():
+        raise ValueError(f"--out {out}: is a directory; give a file name (model.safetensors)")
+    if hf_dir and Path(hf_dir).exists() and not Path(hf_dir).is_dir():
+        raise ValueError(f"--hf-dir {hf_dir}: exists and is not a directory")
+    if hf_dir and not (max_shard_size >= 1 and math.isfinite(max_shard_size)):
+        raise ValueError(f"--max-shard-size {max_shard_size:g}: must be a number of bytes >= 1 "
+                         f"(default {hf.MAX_SHARD_BYTES:g}, as save_pretrained)")
+
+
+def choose_step(directory: Path, step: int | None) -> int:
+    """The checkpoint step to export: `step`, else the newest complete one."""
+    if not directory.is_dir():
+        raise ValueError(f"--checkpoint-dir {directory}: no such directory")
+    steps = ckpt_lib.complete_steps(directory)
+    if not steps:
+        never = ckpt_lib.incomplete(directory)
+        raise ValueError(f"--checkpoint-dir {directory}: no complete checkpoint there"
+                         + (f" (saves that never committed: {', '.join(never)})" if never else "")
+                         + "; give the directory a run saved into (train.py --checkpoint-dir)")
+    if step is None:
+        return steps[-1]
+    if step not in steps:
+        raise ValueError(f"--step {step}: no complete checkpoint of that step in {directory}; "
+                         f"complete steps: {', '.join(map(str, steps))}")
+    return step
+
+
+def describe(written: list[Path], step: int, directory: Path) -> str:
+    """One line: the files written, their tensors and bytes, and the source."""
+    files = [p for p in written if p.suffix == ".safetensors"]
+    tensors = sum(len(export.SafetensorsFile(p).keys()) for p in files)
+    size = sum(p.stat().st_size for p in files)
+    return (f"wrote {', '.join(map(str, written))}: {tensors} tensors, {size:,} bytes, from "
+            f"checkpoint step {step} of {directory}")
 
 
 if __name__ == "__main__":

@@ -6,10 +6,12 @@ Each process gets the coordinator address (127.0.0.1 and a free port), the
 process count and its index (ZERO_JAX_COORDINATOR, ZERO_JAX_NUM_PROCESSES,
 ZERO_JAX_PROCESS_ID, read by `zero_jax.distributed.initialize`) and K
 simulated CPU devices. Every line a process prints is prefixed with its
-index. When one process fails, the others are killed and the launcher exits
-with that process's status, naming it: a dead peer never leaves the rest
-waiting in a collective. SIGTERM and SIGINT are passed on to every process
-(a preemption: they save at the same step and exit 0).
+index. The launcher decides the device count: a `--devices` given to the
+program is ignored, with a note, where it differs. When one process fails,
+the others are killed and the launcher exits with that process's status,
+naming it: a dead peer never leaves the rest waiting in a collective.
+SIGTERM and SIGINT are passed on to every process (a preemption: they save
+at the same step and exit 0).
 
 On a real cluster the scheduler starts the processes instead (see README):
 the program is the same.
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -31,7 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from zero_jax import distributed  # noqa: E402
+from zero_jax import cpu, distributed  # noqa: E402
 
 
 def free_port() -> int:
@@ -46,6 +49,7 @@ def process_env(base: dict[str, str], index: int, n: int, port: int, devices: in
     return {**base, distributed.ENV_COORDINATOR: f"127.0.0.1:{port}",
             distributed.ENV_NUM_PROCESSES: str(n), distributed.ENV_PROCESS_ID: str(index),
             "XLA_FLAGS": " ".join(flags + [f"--xla_force_host_platform_device_count={devices}"]),
+            cpu.ENV_LAUNCHED: str(devices),  # wins over the program's own --devices
             "JAX_PLATFORMS": base.get("JAX_PLATFORMS", "cpu"), "PYTHONUNBUFFERED": "1"}
 
 
@@ -55,20 +59,42 @@ def describe_status(code: int) -> str:
     return f"exit status {code}"
 
 
+def checked_command(args: argparse.Namespace) -> list[str]:
+    """The command each process runs, after checking the launch's arguments:
+    a mistake here would otherwise surface N times, once per process."""
+    for flag, value in (("-n", args.num_processes),
+                        ("--devices-per-process", args.devices_per_process)):
+        if value < 1:
+            raise ValueError(f"{flag} {value}: must be at least 1")
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port {args.port}: a TCP port is 1-65535 (0: a free one)")
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        raise ValueError("no program to run: give it after --, e.g. "
+                         "-- scripts/train.py --mesh fsdp=8")
+    program = command[0]
+    if program.endswith(".py"):
+        if not Path(program).is_file():
+            raise ValueError(f"-- {program}: no such script (relative to {Path.cwd()})")
+        return [sys.executable, *command]
+    if shutil.which(program) is None:
+        raise ValueError(f"-- {program}: no such program on PATH, and not a .py script")
+    return command
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("-n", "--num-processes", type=int, required=True)
-    parser.add_argument("--devices-per-process", type=int, default=1)
+    parser.add_argument("--devices-per-process", type=int, default=1,
+                        help="simulated CPU devices per process (wins over the program's --devices)")
     parser.add_argument("--port", type=int, default=0, help="coordinator port (0: a free one)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- program [args]")
     args = parser.parse_args(argv)
-    command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    if not command:
-        parser.error("give the program after --, e.g. -- scripts/train.py --mesh fsdp=8")
-    if args.num_processes < 1 or args.devices_per_process < 1:
-        parser.error("-n and --devices-per-process must be >= 1")
-    if command[0].endswith(".py"):
-        command = [sys.executable, *command]
+    try:
+        command = checked_command(args)
+    except ValueError as e:  # before any process starts
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     port = args.port or free_port()
     n = args.num_processes
 

@@ -27,7 +27,7 @@ import sys
 import jax
 
 import models
-from zero_jax import config as config_lib, data as data_lib, job as job_lib, memory, plan, remat
+from zero_jax import config as config_lib, cpu, data as data_lib, job as job_lib, memory, plan, remat
 from zero_jax.mesh import MeshError
 from zero_jax.rules import ShardingError
 
@@ -35,7 +35,7 @@ from zero_jax.rules import ShardingError
 def parse(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", help="TOML run config; flags override it")
-    parser.add_argument("--devices", type=int, help="simulated CPU devices (default: the mesh's)")
+    cpu.add_devices_flag(parser, default_help="the mesh's size")
     parser.add_argument("--no-compile", action="store_true", help="skip the compiled figures")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--remat-table", action="store_true",
@@ -48,19 +48,21 @@ def parse(argv):
 def main(argv=None) -> int:
     try:
         run, args = parse(argv)
-        mesh_cfg = job_lib.mesh_config(run)
-        devices = args.devices or (mesh_cfg.fixed_devices if -1 not in mesh_cfg.ici + mesh_cfg.dcn
-                                   else 8)
+        devices, note = devices_for(job_lib.mesh_config(run), args.devices)
+        if note:
+            print(f"note: {note}", file=sys.stderr)
         # Before the backend starts: simulate the devices the mesh needs.
-        jax.config.update("jax_num_cpu_devices", devices)
+        cpu.simulate(devices)
         vocab = data_vocab(run)
         build, model_line = models.for_run(run.model, vocab)
         job = job_lib.prepare(run, build)
+        # Every policy's job is checked before the first of them compiles.
+        policy_jobs = remat_jobs(run, vocab) if args.remat_table else None
     except (config_lib.ConfigError, MeshError, ShardingError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if args.remat_table:
-        return remat_table(run, vocab, args.json)
+    if policy_jobs is not None:
+        return remat_table(policy_jobs, args.json)
     compiled, text = (None, None) if args.no_compile else job.compile_with_text()
     report = job.memory_report(compiled, text)
     if args.json:
@@ -71,6 +73,27 @@ def main(argv=None) -> int:
     return 0
 
 
+def devices_for(mesh_cfg, given: int | None, guess: int = 8) -> tuple[int, str]:
+    """The devices to simulate for a mesh, and a note when the count is a
+    guess: a -1 fills from the device count, which a report of shapes has
+    to choose (`guess`, or the next multiple of the mesh's fixed sizes)."""
+    if given is not None:
+        if given < 1:
+            raise MeshError(f"--devices {given}: give a device count of at least 1")
+        try:
+            mesh_cfg.resolve(given)
+        except MeshError as e:
+            raise MeshError(f"--devices {given}: {e}") from None
+        return given, ""
+    if -1 not in mesh_cfg.ici + mesh_cfg.dcn:
+        return mesh_cfg.fixed_devices, ""
+    fixed = mesh_cfg.fixed_devices
+    n = -(-guess // fixed) * fixed
+    name = "" if mesh_cfg.name == "inline" else f" {mesh_cfg.name}"
+    return n, (f"the mesh{name} fills -1 from the device count: reporting for {n} simulated "
+               "devices; give --devices N for the cluster's count")
+
+
 def data_vocab(run) -> int:
     """The data's vocabulary, read only when the model names none."""
     if run.model.vocab_size or models.preset_vocab(run.model.name):
@@ -78,12 +101,19 @@ def data_vocab(run) -> int:
     return data_lib.load(run.data.source).vocab_size
 
 
-def remat_table(run, vocab: int, as_json: bool) -> int:
-    """Activation bytes per device for every policy: analytic and compiled."""
-    rows = {}
+def remat_jobs(run, vocab: int) -> dict:
+    """The run's job under every activation policy."""
+    jobs = {}
     for policy in remat.POLICIES:
         r = dataclasses.replace(run, activations=dataclasses.replace(run.activations, remat=policy))
-        job = job_lib.prepare(r, models.for_run(r.model, vocab)[0])
+        jobs[policy] = job_lib.prepare(r, models.for_run(r.model, vocab)[0])
+    return jobs
+
+
+def remat_table(jobs: dict, as_json: bool) -> int:
+    """Activation bytes per device for every policy: analytic and compiled."""
+    rows = {}
+    for policy, job in jobs.items():
         compiled = memory.compiled(job.compile_train_step())
         rows[policy] = {"analytic_activation_bytes": job.activation_estimate(),
                         "compiled_temp_bytes": compiled["temp_bytes"]}

@@ -112,28 +112,31 @@ def _code_version() -> str:
 def main(argv=None) -> int:
     args = parse(argv)
     import models
-    from zero_jax import config as config_lib, hardware, planner
+    from zero_jax import config as config_lib, hardware, planner, precision, remat
     try:
-        device = hardware.load(args.cluster)
+        check_counts(args)
+        try:
+            device = hardware.load(args.cluster)
+        except ValueError as e:
+            raise ValueError(f"--cluster {args.cluster}: {e}") from None
         cluster = planner.Cluster(device, args.nodes, args.gpus_per_node or device.devices_per_node)
         base = base_config(args)
         run = config_lib.build(None, base)
+        precision.resolve(args.precision, "gpu")  # each layout's job would refuse it, unsaid
         build, model_line = models.for_run(run.model, args.vocab_size)
         cfg = build(1).config
-        stages = tuple(int(s) for s in args.stages.split(","))
-        remats = tuple(args.remat.split(","))
-        micros = tuple(int(s) for s in args.micro.split(","))
-        offloads = tuple("" if o == "none" else o for o in args.offload.split(","))
-        if unknown := set(offloads) - set(planner.OFFLOADS):
-            raise ValueError(f"--offload {args.offload}: unknown {sorted(unknown)}; choose from "
-                             "none, opt, opt+params")
-    except (ValueError, config_lib.ConfigError) as e:
+        stages = int_list("--stages", args.stages, allowed=range(4))
+        remats = names("--remat", args.remat, remat.POLICIES)
+        micros = int_list("--micro", args.micro)
+        offloads = tuple("" if o == "none" else o
+                         for o in names("--offload", args.offload, ("none", "opt", "opt+params")))
+    except (ValueError, config_lib.ConfigError, FileNotFoundError) as e:  # hf:DIR, no config.json
         print(f"error: {e}", file=sys.stderr)
         return 2
     all_choices = planner.choices(cfg, cluster, args.global_batch, stages=stages, remats=remats,
                                   micros=micros, offloads=offloads)
     if not all_choices:
-        print("error: no layout divides this model, cluster and batch", file=sys.stderr)
+        print(f"error: {no_layout(planner.mesh_shapes(cfg, cluster), args)}", file=sys.stderr)
         return 2
     n = cluster.size
     print(f"{model_line}\n{n} x {device.name} ({args.nodes} nodes x {cluster.per_node}), global "
@@ -196,6 +199,54 @@ def main(argv=None) -> int:
         print(f"wrote {args.write_config}/mesh.toml and run.toml: "
               f"python scripts/train.py --config {args.write_config}/run.toml", file=sys.stderr)
     return 0
+
+
+def check_counts(args) -> None:
+    """The counts given on the command line: each a whole number in range."""
+    for flag, value, low in (("--nodes", args.nodes, 1), ("--gpus-per-node", args.gpus_per_node, 0),
+                             ("--global-batch", args.global_batch, 1),
+                             ("--vocab-size", args.vocab_size, 1), ("--top", args.top, 1),
+                             ("--compile", args.compile, 0), ("--workers", args.workers, 1)):
+        if value < low:
+            raise ValueError(f"{flag} {value}: must be at least {low}")
+
+
+def int_list(flag: str, text: str, allowed=None) -> tuple[int, ...]:
+    """"1,2,4" -> (1, 2, 4): positive whole numbers (or those `allowed`)."""
+    try:
+        values = tuple(int(s) for s in text.split(","))
+    except ValueError:
+        raise ValueError(f"{flag} {text}: expected whole numbers separated by commas, "
+                         "e.g. 1,2,4") from None
+    bad = [v for v in values if (v not in allowed if allowed is not None else v < 1)]
+    if bad:
+        raise ValueError(f"{flag} {text}: {', '.join(map(str, bad))} not allowed; choose from "
+                         + (", ".join(map(str, allowed)) if allowed is not None
+                            else "numbers >= 1"))
+    return values
+
+
+def names(flag: str, text: str, known) -> tuple[str, ...]:
+    """"full,none" -> ("full", "none"), each one of `known`."""
+    values = tuple(text.split(","))
+    if unknown := [v for v in values if v not in known]:
+        raise ValueError(f"{flag} {text}: unknown {', '.join(unknown)}; choose from "
+                         f"{', '.join(known)}")
+    return values
+
+
+def no_layout(shapes: list[tuple[int, int, int]], args) -> str:
+    """Why no layout fits the batch, and what to change."""
+    sizes = sorted({data for _, _, data in shapes})
+    if not any(args.global_batch % d == 0 for d in sizes):
+        least = sizes[0]
+        return (f"--global-batch {args.global_batch}: divisible by none of the data-parallel "
+                f"sizes this model and cluster allow ({', '.join(map(str, sizes))}: the devices "
+                f"left over by tensor inside a node and pipe up to the layer count); use a "
+                f"multiple of {least}, e.g. {-(-args.global_batch // least) * least}")
+    return (f"--global-batch {args.global_batch} with --micro {args.micro}: no microbatch size "
+            "divides a data-parallel replica's rows (with at least as many microbatches as "
+            "pipeline stages); add smaller sizes to --micro, e.g. 1")
 
 
 def _compiled_as(choice):

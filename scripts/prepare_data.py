@@ -226,8 +226,9 @@ def main(argv=None) -> int:
     try:
         if not 0 < args.val_fraction < 1 and not flat:
             raise ValueError(f"--val-fraction {args.val_fraction}: must lie between 0 and 1")
-        if args.shard_tokens < 1 or args.workers < 1:
-            raise ValueError("--shard-tokens and --workers must be at least 1")
+        for flag, value in (("--shard-tokens", args.shard_tokens), ("--workers", args.workers)):
+            if value < 1:
+                raise ValueError(f"{flag} {value}: must be at least 1")
         check_out(out, flat)
         files = expand(args.input)
         if not files:

@@ -26,7 +26,7 @@ import jax
 
 import models
 from zero_jax import checkpoint as ckpt_lib
-from zero_jax import config as config_lib, data as data_lib, distributed, hlo, job as job_lib, loop, plan, run
+from zero_jax import config as config_lib, cpu, data as data_lib, distributed, flops, hlo, job as job_lib, loop, plan, run
 from zero_jax.mesh import MeshError
 from zero_jax.rules import ShardingError
 
@@ -35,6 +35,7 @@ def parse(argv: list[str] | None = None) -> tuple[config_lib.RunConfig, argparse
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", help="TOML run config; flags override it")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    cpu.add_devices_flag(parser)
     config_lib.add_flags(parser)
     args = parser.parse_args(argv)
     return config_lib.from_args(args, args.config), args
@@ -54,7 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     try:
         cfg, args = parse(argv)
-        distributed.initialize(cfg.distributed)  # before anything asks for devices
+        # Both before anything asks JAX for devices.
+        cpu.simulate(args.devices)
+        distributed.initialize(cfg.distributed)
         corpus = data_lib.load(cfg.data.source)
         build, model_line = models.for_run(cfg.model, corpus.vocab_size)
         job = job_lib.prepare(cfg, build)
@@ -84,29 +87,38 @@ def main(argv: list[str] | None = None) -> int:
     data_line = (f"{corpus.name}: {corpus.tokens('train'):,} train / {corpus.tokens('val'):,} "
                  f"validation tokens, vocab {corpus.vocab_size}"
                  + (", loss on masked targets only" if corpus.masked else ""))
+    throughput = flops.throughput(job)  # on CPU, the first run measures the peak (seconds)
     if lead:
         print(plan.describe(job, data_line, model_line, train_step, partitioned), flush=True)
+        print(flops.describe(throughput), flush=True)
 
     try:
         outcome = run.train(job, corpus, train_step, eval_step, loaders=[models.hf_loader],
-                            progress=not args.no_progress)
+                            progress=not args.no_progress, throughput=throughput)
     except loop.TrainingHalted as e:
         print(f"error: {e}", file=sys.stderr)
         return 3
     except ckpt_lib.CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 4
+    except run.InitFromError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     history = outcome.history
     if not history:
         print(f"nothing to do: the state is already at step {int(distributed.local(outcome.state.step))}")
         return 0
     last = history[-1]
+    # The first step compiles nothing (compiled ahead) but warms caches: left out.
     tokens_per_s = sorted(r["tokens_per_s"] for r in history[1:] or history)
+    median = tokens_per_s[len(tokens_per_s) // 2]
+    rate = throughput.fields(median)
     val = f", validation loss {last['val_loss']:.4f} nats/token" if "val_loss" in last else ""
+    mfu = f", MFU {rate['mfu']:.1%}" if "mfu" in rate else ""
     print(f"{outcome.stopped or 'done'}: step {last['step']}, train loss {last['loss']:.4f}{val}, "
-          f"median {tokens_per_s[len(tokens_per_s) // 2]:,.0f} tokens/s on "
-          f"{jax.device_count()} devices"
-          + (f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""))
+          f"median {median:,.0f} tokens/s on {jax.device_count()} devices"
+          + (f" in {jax.process_count()} processes" if jax.process_count() > 1 else "")
+          + f" ({rate['model_tflops_per_device'] * 1e3:,.1f} model GFLOP/s per device{mfu})")
     return 0
 
 

@@ -16,7 +16,7 @@ from zero_jax.rules import ShardingError
     ({"mesh": "fsdp=4,tensor=2", "layout": "fsdp"}, ShardingError, "splits nothing over the mesh's tensor=2"),
     ({"layout": "megatron"}, ShardingError, "unknown layout 'megatron'"),
     ({"precision": "fp8"}, config_lib.ConfigError, "precision 'fp8': choose auto or one of fp32, bf16, fp16"),
-    ({"remat": "some"}, config_lib.ConfigError, "remat policy 'some'"),
+    ({"remat": "some"}, config_lib.ConfigError, "--remat 'some': no such remat policy"),
     ({"seq_len": 512}, config_lib.ConfigError, "--seq-len 512 exceeds the model's 256 positions"),
     ({"batch_size": 12}, config_lib.ConfigError, "--batch-size 12 is not divisible by the data-parallel size 8"),
     ({"batch_size": 32, "microbatches": 3}, config_lib.ConfigError, "--microbatches 3 does not divide --batch-size 32"),
@@ -90,6 +90,20 @@ def test_bad_toml_is_a_clear_error(tmp_path, text, message):
     path.write_text(text)
     with pytest.raises(config_lib.ConfigError, match=message):
         config_lib.build(str(path))
+
+
+def test_flags_are_described_by_the_fields_comments():
+    import argparse
+    assert config_lib.field_comments(config_lib.TrainConfig)["steps"] == \
+        "optimizer steps (the schedule's length)"
+    assert config_lib.field_comments(config_lib.ModelConfig)["name"].startswith(
+        "a preset in models/ (gpt-tiny")  # the comment above the field
+    parser = argparse.ArgumentParser()
+    config_lib.add_flags(parser)
+    text = " ".join(parser.format_help().split())
+    assert "--steps INT optimizer steps (the schedule's length) (default: 300)" in text
+    assert "--remat STR none | full | dots_saveable | save_names | offload (default: 'none')" in text
+    assert "--keep-last INT keep the newest K complete checkpoints (default: 3)" in text  # checkpoint.py
 
 
 def test_every_field_has_a_flag():

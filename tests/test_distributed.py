@@ -81,3 +81,17 @@ def test_plan_says_which_axes_cross_hosts():
         "data: across hosts (dcn 4); fsdp: inside each host (ici 8)"
     assert plan.placement(mesh.load("fsdp=4,tensor=2").resolve(8)) == \
         "fsdp: inside each host (ici 4); tensor: inside each host (ici 2)"
+
+
+def test_plan_reads_which_axes_cross_processes_from_the_devices():
+    """Over several processes the devices say where an axis runs: an inline
+    fsdp=8 (all [ici] as written) on 4 processes of 2 devices spans them."""
+    import numpy as np
+
+    from zero_jax import mesh, plan
+    four_by_two = np.repeat(np.arange(4), 2).reshape(1, 1, 8, 1)  # process of each device
+    assert plan.placement(mesh.load("fsdp=8").resolve(8), four_by_two) == \
+        "fsdp: across processes (dcn 4 x ici 2)"
+    two_by_four = np.repeat(np.arange(2), 4).reshape(1, 2, 4, 1)
+    assert plan.placement(mesh.load("cpu-2x4").resolve(8), two_by_four) == \
+        "data: across processes (dcn 2); fsdp: inside each process (ici 4)"

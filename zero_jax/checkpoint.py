@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -112,8 +113,11 @@ class CheckpointConfig:
     async_save: bool = True  # commit in the background while training continues
 
     def __post_init__(self):
-        if self.every < 0 or self.keep_last < 1 or self.keep_every < 0:
-            raise ValueError("checkpoint every >= 0, keep_last >= 1 and keep_every >= 0")
+        for flag, value, low in (("--checkpoint-every", self.every, 0),
+                                 ("--keep-last", self.keep_last, 1),
+                                 ("--keep-every", self.keep_every, 0)):
+            if value < low:
+                raise ValueError(f"{flag} {value}: must be a whole number >= {low}")
 
 
 def layer_chunks(names: Any) -> Any:
@@ -157,20 +161,19 @@ class Checkpointer:
     """
 
     def __init__(self, cfg: CheckpointConfig, param_names: Any = None, writer: bool = False,
-                 barrier_timeout_s: int = 600):
+                 barrier_timeout_s: int = 600, log: Callable[[str], None] = print):
         self.cfg = cfg
+        self.log = log
+        self._saving: list[tuple[int, float]] = []  # (step, its start time) not yet logged
         self._param_save_args = None if param_names is None else layer_chunks(param_names)
         self.directory = Path(cfg.dir).absolute()
         # A writer's manager deletes what interrupted saves left as it starts
         # (sometimes before, sometimes after it returns): note them first, so
         # that a resume can always say which save never committed.
         self.interrupted = self.incomplete()
-        options = ocp.CheckpointManagerOptions(
-            max_to_keep=cfg.keep_last, keep_period=cfg.keep_every or None,
-            enable_async_checkpointing=cfg.async_save, cleanup_tmp_directories=writer,
-            create=writer, read_only=not writer,
-            # Orbax's own barriers between processes give up after this.
-            async_options=ocp.AsyncOptions(timeout_secs=barrier_timeout_s))
+        options = _manager_options(cfg, writer, barrier_timeout_s)
+        if not writer:  # a reader's manager is read-only by design: orbax's warning says only that
+            _absl_logger().addFilter(_quiet_read_only)
         self.manager = ocp.CheckpointManager(self.directory, options=options)
 
     # -- listing -----------------------------------------------------------
@@ -190,6 +193,7 @@ class Checkpointer:
         `state` is in its saved form (`Layout.saved_form`: a pipeline's layer
         stacks in layer order), or a state without a pipeline's cut."""
         self.check()
+        started = time.time()
         items = items_of(state)
         record = {"format": FORMAT, "step": step, "manifest": manifest(items), **meta}
         args = {name: ocp.args.PyTreeSave(tree) for name, tree in items.items()}
@@ -200,19 +204,35 @@ class Checkpointer:
         except Exception as e:  # noqa: BLE001 - orbax re-raises a failed commit here
             raise self._failed(e, step) from e
         self._in_flight = step
+        self._saving.append((step, started))
+        self._log_committed()  # a synchronous save has committed already
 
     def check(self) -> None:
-        """Raise SaveFailed if a background commit failed."""
+        """Raise SaveFailed if a background commit failed; log those that committed."""
         try:
             self.manager.check_for_errors()
         except Exception as e:  # noqa: BLE001
             raise self._failed(e) from e
+        self._log_committed()
 
     def wait(self) -> None:
         try:
             self.manager.wait_until_finished()
         except Exception as e:  # noqa: BLE001
             raise self._failed(e) from e
+        self._log_committed()
+
+    def _log_committed(self) -> None:
+        """One line per save whose commit marker has appeared since the last
+        call (saves commit in the background), from the first process only."""
+        for step, started in list(self._saving):
+            marker = self.directory / str(step) / COMMIT_MARKER
+            if not marker.exists():
+                continue
+            self._saving.remove((step, started))
+            if jax.process_index() == 0:
+                self.log(describe_save(self.directory / str(step),
+                                       marker.stat().st_mtime - started))
 
     _in_flight: int | None = None
 
@@ -322,6 +342,43 @@ class Checkpointer:
 
     def close(self) -> None:
         self.manager.close()
+
+
+def _manager_options(cfg: CheckpointConfig, writer: bool,
+                     barrier_timeout_s: int) -> ocp.CheckpointManagerOptions:
+    """A writer's options, or a reader's: read-only, and without the saving
+    settings, which orbax would otherwise drop with a warning for each."""
+    # Orbax's own barriers between processes give up after barrier_timeout_s.
+    timeouts = ocp.AsyncOptions(timeout_secs=barrier_timeout_s)
+    if not writer:
+        return ocp.CheckpointManagerOptions(read_only=True, save_interval_steps=0,
+                                            max_to_keep=None, create=False,
+                                            cleanup_tmp_directories=False,
+                                            async_options=timeouts)
+    return ocp.CheckpointManagerOptions(
+        max_to_keep=cfg.keep_last, keep_period=cfg.keep_every or None,
+        enable_async_checkpointing=cfg.async_save, cleanup_tmp_directories=True, create=True,
+        async_options=timeouts)
+
+
+def describe_save(step_dir: Path, seconds: float) -> str:
+    """The line a committed save is logged with: where, its bytes on disk, how long."""
+    size = sum(f.stat().st_size for f in step_dir.rglob("*") if f.is_file())
+    return (f"checkpoint step {step_dir.name} saved in {step_dir} ({size / 2**20:,.1f} MiB, "
+            f"committed {max(seconds, 0):.1f} s after the save began)")
+
+
+def _absl_logger():
+    from absl import logging as absl_logging  # orbax logs through absl
+
+    return absl_logging.get_absl_logger()
+
+
+def _quiet_read_only(record) -> bool:
+    """A logging filter: drops orbax's "Given directory is read only" warning,
+    which every checkpoint opened for reading (restores, --init-from,
+    exports) would print; every other record passes."""
+    return not str(record.msg).startswith("Given directory is read only")
 
 
 def _only(tree: Any, path: str) -> Any:

@@ -10,14 +10,22 @@ job: gpt-tiny on the standard library's source, ZeRO-3 on 8 CPU devices.
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
+import functools
+import inspect
+import io
 import math
+import textwrap
+import tokenize
 import tomllib
 import types
 import typing
+from pathlib import Path
 from typing import Any
 
-from zero_jax.checkpoint import CheckpointConfig
+from zero_jax import profile
+from zero_jax.checkpoint import CheckpointConfig, complete_steps
 from zero_jax.distributed import DistributedConfig
 from zero_jax.mesh import MeshShape
 from zero_jax.optim import OptimConfig
@@ -25,6 +33,21 @@ from zero_jax.optim import OptimConfig
 
 class ConfigError(ValueError):
     """A run config that cannot run; raised before anything is compiled."""
+
+
+def _require(cfg, section: str, minimum: dict[str, float], positive: tuple[str, ...] = ()) -> None:
+    """Range checks of one section's numbers, each error naming the flag and
+    the value. NaN and infinity are refused too: they are no count or size."""
+    for field, low in minimum.items():
+        value = getattr(cfg, field)
+        if not (math.isfinite(value) and value >= low):
+            raise ValueError(f"{flag_of(section, field)} {value}: must be a whole number >= {low}"
+                             if isinstance(value, int) else
+                             f"{flag_of(section, field)} {value}: must be a finite number >= {low}")
+    for field in positive:
+        value = getattr(cfg, field)
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{flag_of(section, field)} {value}: must be a finite number > 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,9 +67,18 @@ class ModelConfig:
     rope_theta: float = 0.0  # Llama family: rotary base (0: the preset's)
     tie_embeddings: str = ""  # Llama family: "true" or "false" ("": the preset's)
     attention: str = "auto"  # xla | cudnn (jax.nn.dot_product_attention); auto: cudnn on GPU in 16 bits
+    scan_layers: bool = True  # false: unroll the layer stack (longer compiles; the compiler then sees, and counts, every layer)
 
     SHAPE_FIELDS = ("n_layer", "n_head", "d_model", "d_mlp", "vocab_size", "max_seq_len",
                     "n_kv_head", "head_dim", "rope_theta", "tie_embeddings")
+
+    def __post_init__(self):
+        for f in self.SHAPE_FIELDS:
+            value = getattr(self, f)
+            if not isinstance(value, str) and not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{flag_of('model', f)} {value}: shape fields must be positive, "
+                                 "or 0 for the preset's")
+        _require(self, "model", {"vocab_multiple": 1})
 
     def shape(self) -> dict[str, Any]:
         """The shape fields given (non-zero), to override the preset's."""
@@ -65,6 +97,13 @@ class ParallelConfig:
     pipeline_gather_once: bool = False  # ZeRO-3: gather a stage's weights once per step, not per microbatch
     grad_reduce: str = "auto"  # step | microbatch: when accumulated gradients are reduced; auto: microbatch at stage 3
 
+    def __post_init__(self):
+        if self.zero_stage not in (None, 0, 1, 2, 3):
+            raise ValueError(f"--zero-stage {self.zero_stage}: choose 0 (DDP), 1 (optimizer "
+                             "state), 2 (+ gradients) or 3 (+ parameters), or leave it out for "
+                             "the layout's")
+        _require(self, "parallel", {"min_shard_elements": 0, "virtual_stages": 0})
+
 
 @dataclasses.dataclass(frozen=True)
 class PrecisionConfig:
@@ -79,6 +118,10 @@ class PrecisionConfig:
     min_loss_scale: float = 1.0  # the loss scale never goes below this
     max_consecutive_skips: int = 20  # stop after this many non-finite steps in a row
 
+    def __post_init__(self):
+        _require(self, "precision", {"loss_scale_window": 1, "hysteresis": 1,
+                                     "max_consecutive_skips": 1}, positive=("min_loss_scale",))
+
 
 @dataclasses.dataclass(frozen=True)
 class ActivationConfig:
@@ -92,6 +135,9 @@ class DataConfig:
     seq_len: int = 128  # tokens per row fed to the model
     segment_ids: bool = False  # attend within each document only; positions restart at each
 
+    def __post_init__(self):
+        _require(self, "data", {"seq_len": 1})
+
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
@@ -103,6 +149,13 @@ class TrainConfig:
     eval_every: int = 100  # steps between validation passes (0: only at the end)
     eval_batches: int = 8  # validation batches per pass
     metrics_out: str = ""  # JSON-lines file of per-step metrics ("" for none)
+    tensorboard_dir: str = ""  # also write the metrics as TensorBoard scalars here ("" for none)
+    profile_steps: str = ""  # A:B: a jax.profiler trace of steps A to B - 1 ("" for none)
+    profile_dir: str = ""  # where the trace goes ("": --tensorboard-dir, else ./profile)
+
+    def __post_init__(self):
+        _require(self, "train", {"steps": 1, "stop_at": 0, "batch_size": 1, "microbatches": 1,
+                                 "eval_every": 0, "eval_batches": 1})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,6 +197,47 @@ def _flag(section: str, field: str) -> str:
     return _FLAG_NAMES.get((section, field), field)
 
 
+def flag_of(section: str, field: str) -> str:
+    """The command-line flag of a config field: ("train", "batch_size") -> --batch-size."""
+    return f"--{_flag(section, field).replace('_', '-')}"
+
+
+@functools.cache
+def field_comments(cls) -> dict[str, str]:
+    """{field: its comment} read from the class's source: the comment after the
+    field on its line, else the comment lines right above it. The comments are
+    the one place each field is described, so --help reads them from there."""
+    try:
+        lines = textwrap.dedent(inspect.getsource(cls)).splitlines(keepends=True)
+    except (OSError, TypeError):  # no source to read (a frozen build): no texts
+        return {}
+    source = "".join(lines)
+    comments = {t.start[0]: t.string.lstrip("#").strip()
+                for t in tokenize.generate_tokens(io.StringIO(source).readline)
+                if t.type == tokenize.COMMENT}
+    alone = {row for row in comments if lines[row - 1].lstrip().startswith("#")}
+    out = {}
+    for node in ast.parse(source).body[0].body:
+        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
+            continue
+        if node.end_lineno in comments:
+            out[node.target.id] = comments[node.end_lineno]
+            continue
+        row, above = node.lineno - 1, []
+        while row in alone:
+            above.insert(0, comments[row])
+            row -= 1
+        if above:
+            out[node.target.id] = " ".join(above)
+    return out
+
+
+def _help(cls, field: dataclasses.Field) -> str:
+    """A flag's help: the field's comment and its default (argparse reads % as a format)."""
+    text = field_comments(cls).get(field.name, "")
+    return f"{text} (default: {field.default!r})".strip().replace("%", "%%")
+
+
 def _field_type(cls, field: dataclasses.Field) -> type:
     hint = typing.get_type_hints(cls)[field.name]
     if isinstance(hint, types.UnionType):
@@ -157,14 +251,13 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         group = parser.add_argument_group(f"[{section}]")
         for f in dataclasses.fields(cls):
             kind = _field_type(cls, f)
-            flag = f"--{_flag(section, f.name).replace('_', '-')}"
+            flag = flag_of(section, f.name)
             if kind is bool:
                 group.add_argument(flag, dest=f"{section}.{f.name}", default=None,
-                                   action=argparse.BooleanOptionalAction,
-                                   help=f"(default {f.default!r})")
+                                   action=argparse.BooleanOptionalAction, help=_help(cls, f))
             else:
                 group.add_argument(flag, dest=f"{section}.{f.name}", type=kind, default=None,
-                                   metavar=kind.__name__.upper(), help=f"(default {f.default!r})")
+                                   metavar=kind.__name__.upper(), help=_help(cls, f))
 
 
 def _section(cls, values: dict[str, Any], where: str):
@@ -194,6 +287,8 @@ def build(file: str | None = None, overrides: dict[str, Any] | None = None) -> R
                 raw = tomllib.load(fh)
         except FileNotFoundError:
             raise ConfigError(f"--config {file}: no such file") from None
+        except OSError as e:  # a directory, no permission
+            raise ConfigError(f"--config {file}: cannot be read ({e.strerror})") from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"--config {file}: not valid TOML ({e})") from None
         unknown = set(raw) - set(_SECTION_TYPES)
@@ -217,8 +312,7 @@ def from_args(args: argparse.Namespace, config_file: str | None) -> RunConfig:
 def validate(run: RunConfig, mesh: MeshShape) -> None:
     """Checks that need the mesh; each error names the sizes and the fix."""
     t, dp = run.train, mesh.sizes["data"] * mesh.sizes["fsdp"]
-    if t.steps < 1 or t.batch_size < 1 or t.microbatches < 1 or run.data.seq_len < 1:
-        raise ConfigError("steps, batch_size, microbatches and seq_len must all be >= 1")
+    # (Ranges of single fields are checked as each section is built.)
     if t.batch_size % dp:
         raise ConfigError(
             f"--batch-size {t.batch_size} is not divisible by the data-parallel size {dp} "
@@ -235,24 +329,46 @@ def validate(run: RunConfig, mesh: MeshShape) -> None:
             f"data-parallel size {dp}; each microbatch is split over every data-parallel "
             f"device, so use a batch size that is a multiple of {t.microbatches * dp}")
     m = run.model
-    negative = {k: v for k, v in m.shape().items() if not isinstance(v, str) and v < 0}
-    if negative:
-        raise ConfigError(f"[model] {negative}: shape fields must be positive (0: the preset's)")
     if m.tie_embeddings not in ("", "true", "false"):
         raise ConfigError(f"--tie-embeddings {m.tie_embeddings!r}: true or false")
     if m.attention not in ("auto", "xla", "cudnn"):
         raise ConfigError(f"--attention {m.attention!r}: choose auto, xla or cudnn")
-    if run.parallel.min_shard_elements < 0:
-        raise ConfigError("min_shard_elements must be >= 0")
-    if run.model.vocab_multiple < 1:
-        raise ConfigError(f"--vocab-multiple {run.model.vocab_multiple}: must be >= 1")
-    p = run.precision
-    if p.loss_scale_window < 1 or p.hysteresis < 1 or p.max_consecutive_skips < 1:
-        raise ConfigError("loss_scale_window, hysteresis and max_consecutive_skips must be >= 1")
-    if p.min_loss_scale <= 0:
-        raise ConfigError(f"--min-loss-scale {p.min_loss_scale}: must be > 0")
     c = run.checkpoint
     if (c.resume or c.every) and not c.dir:
         raise ConfigError("--resume and --checkpoint-every need --checkpoint-dir")
+    try:
+        window = profile.Window.parse(t.profile_steps)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if window is not None and window.first > t.steps:
+        raise ConfigError(f"--profile-steps {t.profile_steps}: the run has only --steps "
+                          f"{t.steps}; choose a window within it")
     if t.stop_at < 0 or t.stop_at > t.steps:
         raise ConfigError(f"--stop-at {t.stop_at}: must be between 1 and --steps {t.steps} (0: off)")
+    check_paths(run)
+
+
+def _check_init_from(path: Path) -> None:
+    """--init-from names one of the three sources its loaders read (their
+    own errors then say what inside it is wrong)."""
+    what = ("give a checkpoint directory (train.py --checkpoint-dir), a .safetensors file or a "
+            "Hugging Face model directory")
+    if not path.exists():
+        raise ConfigError(f"--init-from {path}: no such file or directory; {what}")
+    if path.is_file() and path.suffix != ".safetensors":
+        raise ConfigError(f"--init-from {path}: a file, but not .safetensors; {what}")
+    if path.is_dir() and not (complete_steps(path) or (path / "config.json").exists()):
+        raise ConfigError(f"--init-from {path}: holds no complete checkpoint and no Hugging "
+                          f"Face config.json; {what}")
+
+
+def check_paths(run: RunConfig) -> None:
+    """Paths the run reads or writes only after compiling: checked now, so
+    that a typo costs no compile."""
+    c, t = run.checkpoint, run.train
+    if c.init_from:
+        _check_init_from(Path(c.init_from))
+    parent = Path(t.metrics_out).parent
+    if t.metrics_out and not parent.is_dir():
+        raise ConfigError(f"--metrics-out {t.metrics_out}: the directory {parent} does not "
+                          "exist; create it, or write the metrics elsewhere")

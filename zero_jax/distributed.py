@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 from typing import Any
 
@@ -47,6 +48,15 @@ class DistributedConfig:
     watchdog_warn: float = 5.0  # report a step taking this many times the recent median
     watchdog_stop: float = 50.0  # stop the run past this many times (0: never)
     watchdog_min_s: float = 30.0  # never report a step shorter than this
+
+    def __post_init__(self):
+        # A timeout of 0 would fail every wait at once; NaN would never fire.
+        for field, low in (("heartbeat_timeout_s", 1), ("barrier_timeout_s", 1),
+                           ("watchdog_warn", 0), ("watchdog_stop", 0), ("watchdog_min_s", 0)):
+            value = getattr(self, field)
+            if not (math.isfinite(value) and value >= low):
+                raise ValueError(f"--{field.replace('_', '-')} {value}: must be a finite "
+                                 f"number >= {low}")
 
 
 class DistributedError(RuntimeError):

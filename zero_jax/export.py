@@ -44,7 +44,7 @@ class ParamReader:
 
     def __init__(self, step_dir: str | Path):
         self.step_dir = Path(step_dir)
-        meta = json.loads((self.step_dir / "meta" / "metadata").read_text())
+        meta = _read_meta(self.step_dir)
         self.meta = meta
         self.arrays = meta["manifest"]["params"]  # path -> {shape, dtype, checksum}
         self.logical = meta.get("logical_axes", {})  # path -> logical names
@@ -56,8 +56,9 @@ class ParamReader:
                                     "file_io_concurrency": {"limit": 1}})
 
     def _open(self, path: str):
-        spec = {"driver": "zarr", "kvstore": {"driver": "ocdbt",
-                                              "base": f"file://{self.step_dir / 'params'}",
+        # A file:// URL takes an absolute path: "file://ckpt/3" would name a host "ckpt".
+        base = (self.step_dir / "params").absolute()
+        spec = {"driver": "zarr", "kvstore": {"driver": "ocdbt", "base": f"file://{base}",
                                               "path": path}}
         return ts.open(spec, read=True, context=self._context).result()
 
@@ -110,7 +111,22 @@ class ParamReader:
 
 
 class CorruptCheckpoint(RuntimeError):
-    """A parameter whose data does not match the checksum saved with it."""
+    """A parameter whose data does not match the checksum saved with it, or a
+    step whose record of its arrays is missing or unreadable."""
+
+
+def _read_meta(step_dir: Path) -> dict[str, Any]:
+    """A step's meta item, which lists its arrays; a committed step without a
+    readable one is damaged, not a different format."""
+    path = step_dir / "meta" / "metadata"
+    try:
+        meta = json.loads(path.read_text())
+        meta["manifest"]["params"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        reason = e.strerror if isinstance(e, OSError) else f"{type(e).__name__}: {e}"
+        raise CorruptCheckpoint(f"checkpoint step {step_dir.name} in {step_dir.parent}: its "
+                                f"meta item {path} is unreadable ({reason})") from None
+    return meta
 
 
 def _read_by_chunk(store) -> np.ndarray:

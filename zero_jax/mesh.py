@@ -31,6 +31,8 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
+from zero_jax import cpu
+
 # Outermost to innermost: the innermost axis gets the closest devices, so the
 # axis with the most traffic (tensor) is last and the lightest (pipe) first.
 AXES: tuple[str, ...] = ("pipe", "data", "fsdp", "tensor")
@@ -100,7 +102,7 @@ class MeshConfig:
             raise MeshError(
                 f"mesh {self.name}: {self._describe(ici, dcn)} needs {fixed} devices but "
                 f"{num_devices} are present; change the sizes so they multiply to "
-                f"{num_devices}, or put -1 on one axis to fill it")
+                f"{num_devices}, or put -1 on one axis to fill it; {cpu.fix_hint(fixed)}")
         return MeshShape(tuple(ici), tuple(dcn), self.zero_shard_axes, self.name)
 
     @staticmethod
@@ -161,8 +163,13 @@ def parse_inline(spec: str) -> MeshConfig:
 def load_file(path: str | Path) -> MeshConfig:
     """Read a mesh TOML file (format in the module docstring)."""
     path = Path(path)
-    with open(path, "rb") as f:
-        raw = tomllib.load(f)
+    try:
+        with open(path, "rb") as f:
+            raw = tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise MeshError(f"mesh file {path}: not valid TOML ({e})") from None
+    except OSError as e:  # a directory, no permission
+        raise MeshError(f"mesh file {path}: cannot be read ({e.strerror})") from None
     known_keys = {"description", "zero_shard_axes", "ici", "dcn"}
     extra = set(raw) - known_keys
     if extra:
@@ -179,6 +186,8 @@ def load_file(path: str | Path) -> MeshConfig:
         return tuple(entries.get(a, 1) for a in AXES)
 
     shard_axes = raw.get("zero_shard_axes")
+    if isinstance(shard_axes, str):  # "fsdp" for ["fsdp"], not four one-letter axes
+        shard_axes = [shard_axes]
     return MeshConfig(
         ici=table("ici"), dcn=table("dcn"),
         zero_shard_axes=None if shard_axes is None else tuple(shard_axes),
@@ -191,12 +200,16 @@ def load(spec: str) -> MeshConfig:
         return parse_inline(spec)
     path = Path(spec)
     if not path.exists():
-        candidate = Path(__file__).resolve().parent.parent / "meshes" / f"{spec}.toml"
+        directory = Path(__file__).resolve().parent.parent / "meshes"
+        candidate = directory / f"{spec}.toml"
         if candidate.exists():
             path = candidate
+        elif "/" in spec or spec.endswith(".toml"):
+            raise MeshError(f"--mesh {spec}: no such mesh file")
         else:
-            raise MeshError(f"mesh {spec!r}: no such file, no meshes/{spec}.toml, and not an "
-                            "inline spec like data=2,fsdp=4")
+            known = ", ".join(sorted(p.stem for p in directory.glob("*.toml")))
+            raise MeshError(f"--mesh {spec}: no such file, and no meshes/{spec}.toml (there: "
+                            f"{known}); or write the mesh inline, like data=2,fsdp=4")
     return load_file(path)
 
 

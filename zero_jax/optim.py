@@ -33,9 +33,9 @@ class OptimConfig:
 
     def __post_init__(self):
         if self.name not in OPTIMIZERS:
-            raise ValueError(f"optimizer {self.name!r}: choose from {', '.join(OPTIMIZERS)}")
+            raise ValueError(f"--optimizer {self.name!r}: choose from {', '.join(OPTIMIZERS)}")
         if self.decay not in DECAYS:
-            raise ValueError(f"lr decay {self.decay!r}: choose from {', '.join(DECAYS)}")
+            raise ValueError(f"--decay {self.decay!r}: choose from {', '.join(DECAYS)}")
         # (lowest, highest, highest allowed) per float field; NaN and
         # infinity fail every comparison and are named too.
         ranges = {"lr": (0, math.inf, False), "min_lr_ratio": (0, 1, True),

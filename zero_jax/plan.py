@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+
 import jax
+import numpy as np
 from jax.sharding import PartitionSpec
 
 from zero_jax import pipeline as pipeline_lib, schedule as sched_lib, zero as zero_lib
@@ -21,18 +23,44 @@ def shaped(shape, spec: PartitionSpec) -> str:
     return " x ".join(dims) or "scalar"
 
 
-def placement(shape) -> str:
-    """Per mesh axis: whether its collectives cross hosts (dcn) or stay inside one (ici)."""
-    unit, units = ("process", "processes") if jax.process_count() > 1 else ("host", "hosts")
+def placement(shape, processes: np.ndarray | None = None) -> str:
+    """Per mesh axis: whether its collectives cross hosts (dcn) or stay inside one (ici).
+
+    With `processes`, each mesh device's process index (a run of several
+    processes), an axis's split is read from where its devices are, not
+    from the config's [ici] and [dcn] sizes: `--mesh fsdp=8` written inline
+    (all ici) over 4 processes of 2 devices runs fsdp across processes."""
+    if processes is None:
+        unit, units = ("process", "processes") if jax.process_count() > 1 else ("host", "hosts")
+        splits = [(shape.ici[k], shape.dcn[k]) for k in range(len(AXES))]
+    else:
+        unit, units = "process", "processes"
+        splits = [_split_by_process(processes, k) for k in range(len(AXES))]
     parts = []
-    for a in AXES:
-        i, d = shape.ici[AXES.index(a)], shape.dcn[AXES.index(a)]
+    for a, (i, d) in zip(AXES, splits):
         if i * d == 1:
             continue
         where = (f"across {units} (dcn {d})" if i == 1 else f"across {units} (dcn {d} x ici {i})"
                  ) if d > 1 else f"inside each {unit} (ici {i})"
         parts.append(f"{a}: {where}")
     return "; ".join(parts) or "one device"
+
+
+def _split_by_process(processes: np.ndarray, axis: int) -> tuple[int, int]:
+    """(devices inside one process, processes) along mesh axis `axis` of a
+    grid of process indices."""
+    size = processes.shape[axis]
+    rows = np.moveaxis(processes, axis, -1).reshape(-1, size)
+    spanned = max(len(np.unique(row)) for row in rows)
+    return size // spanned, spanned
+
+
+def process_grid(mesh) -> np.ndarray | None:
+    """Each device's process index, in the mesh's shape; None for an abstract mesh."""
+    devices = getattr(mesh, "devices", None)
+    if not isinstance(devices, np.ndarray):
+        return None
+    return np.vectorize(lambda d: d.process_index, otypes=[int])(devices)
 
 
 def _mib(n: float) -> str:
@@ -88,7 +116,8 @@ def summary_rows(job: Job, data_line: str, model_line: str, report: dict) -> lis
         ("mesh", f"{shape.name}: {shape.num_devices} devices, "
                  + " ".join(f"{a}={sizes[a]}" for a in AXES)
                  + (f"; {jax.process_count()} processes" if jax.process_count() > 1 else "")),
-        ("placement", placement(shape)),
+        ("placement", placement(shape, process_grid(layout.mesh) if jax.process_count() > 1
+                                else None)),
         ("layout", f"{layout.rules.name}: tensor splits "
                    + (", ".join(tp) if tp and sizes["tensor"] > 1 else "nothing")
                    + ("; sequence split over tensor between blocks"

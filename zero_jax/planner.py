@@ -115,35 +115,39 @@ def choices(model_cfg, cluster: Cluster, global_batch: int, *, stages=(0, 1, 2, 
     and up, the parameters too at ZeRO-3 without a pipeline (job.py)."""
     if not cluster.device.can_offload:
         offloads = tuple(o for o in offloads if not o)
-    n = cluster.size
     out = []
-    for tensor in _divisors(min(cluster.per_node, n)):
-        if model_cfg.n_head % tensor or model_cfg.d_mlp % tensor or n % tensor:
+    for tensor, pipe, data in mesh_shapes(model_cfg, cluster):
+        if global_batch % data:
             continue
-        for pipe in _divisors(n // tensor):
-            if pipe > model_cfg.n_layer:
+        rows = global_batch // data
+        for micro in micros:
+            if rows % micro:
                 continue
-            data = n // (tensor * pipe)
-            if global_batch % data:
+            m = rows // micro
+            if pipe > 1 and m < pipe:
                 continue
-            rows = global_batch // data
-            for micro in micros:
-                if rows % micro:
-                    continue
-                m = rows // micro
-                if pipe > 1 and m < pipe:
-                    continue
-                plans = [("", 1)] if pipe == 1 else [
-                    (s, v) for s in schedules for v in ((2,) if s == "interleaved" else (1,))
-                    if not (s == "interleaved" and (m % pipe or model_cfg.n_layer < pipe * v))]
-                for zero in stages:
-                    kept = [o for o in offloads if not o or (zero >= 1 and (
-                        o == "opt" or (zero == 3 and pipe == 1)))]
-                    for remat in remats:
-                        for schedule, v in plans:
-                            out += [Choice(pipe, tensor, data, zero, remat, micro, m, schedule, v, o)
-                                    for o in kept]
+            plans = [("", 1)] if pipe == 1 else [
+                (s, v) for s in schedules for v in ((2,) if s == "interleaved" else (1,))
+                if not (s == "interleaved" and (m % pipe or model_cfg.n_layer < pipe * v))]
+            for zero in stages:
+                kept = [o for o in offloads if not o or (zero >= 1 and (
+                    o == "opt" or (zero == 3 and pipe == 1)))]
+                for remat in remats:
+                    for schedule, v in plans:
+                        out += [Choice(pipe, tensor, data, zero, remat, micro, m, schedule, v, o)
+                                for o in kept]
     return out
+
+
+def mesh_shapes(model_cfg, cluster: Cluster) -> list[tuple[int, int, int]]:
+    """(tensor, pipe, data) of every mesh the model fits on the cluster:
+    tensor inside a node and dividing the heads and the MLP, pipe up to the
+    layer count, data the rest of the devices."""
+    n = cluster.size
+    return [(tensor, pipe, n // (tensor * pipe))
+            for tensor in _divisors(min(cluster.per_node, n))
+            if not (model_cfg.n_head % tensor or model_cfg.d_mlp % tensor or n % tensor)
+            for pipe in _divisors(n // tensor) if pipe <= model_cfg.n_layer]
 
 
 def _divisors(n: int) -> list[int]:

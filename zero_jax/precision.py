@@ -63,7 +63,7 @@ def resolve(name: str, platform: str, **overrides: str) -> Policy:
     if name == "auto":
         name = "fp32" if platform == "cpu" else "bf16"
     if name not in PRESETS:
-        raise ValueError(f"precision {name!r}: choose auto or one of {', '.join(PRESETS)}")
+        raise ValueError(f"--precision {name!r}: choose auto or one of {', '.join(PRESETS)}")
     fields = dict(zip(("params", "compute", "grads", "opt_state"), PRESETS[name]))
     fields.update({k: v for k, v in overrides.items() if v})
     return Policy(**fields)

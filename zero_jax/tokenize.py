@@ -76,7 +76,11 @@ def resolve(name: str, eos_token: str = "") -> Spec:
     if not file.exists():
         raise TokenizerError(f"--tokenizer {name}: no tokenizer.json there; give a model "
                              "directory with one, a tokenizer.json, or 'bytes'")
-    tok = Tokenizer.from_file(str(file))
+    try:
+        tok = Tokenizer.from_file(str(file))
+    except Exception as e:  # noqa: BLE001 - the tokenizers library raises bare Exceptions
+        raise TokenizerError(f"--tokenizer {name}: {file} is not a Hugging Face tokenizer.json "
+                             f"({str(e).splitlines()[0][:200]})") from None
     cfg = _config(file.parent)
     template = cfg.get("chat_template") or ""
     if isinstance(template, list):  # named templates: the default one

@@ -51,7 +51,7 @@ UNSHARDABLE_LOGICAL = frozenset({"layers"})
 
 def stage(n: int) -> ZeroStage:
     if n not in STAGES:
-        raise ValueError(f"zero_stage = {n!r}: choose 0 (DDP), 1 (optimizer state), "
+        raise ValueError(f"--zero-stage {n!r}: choose 0 (DDP), 1 (optimizer state), "
                          "2 (+ gradients) or 3 (+ parameters)")
     return STAGES[n]
 

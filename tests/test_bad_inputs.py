@@ -1,0 +1,299 @@
+"""Every user error of every script: exit status 2 and one line on stderr,
+`error: ...`, naming the parameter or value at fault; never a traceback.
+
+Each script's `main(argv)` runs in this process (8 simulated CPU devices,
+conftest.py), and every case fails before anything is compiled or spawned.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = ROOT / "scripts"
+sys.path.insert(0, str(SCRIPTS))  # the scripts import their neighbours (procmem)
+
+
+@functools.cache
+def script(name: str):
+    """scripts/<name>.py as a module, loaded once."""
+    spec = importlib.util.spec_from_file_location(f"scripts_{name}", SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# -- what each case finds in its directory ({d} in its arguments) ----------
+
+def tokens(d: Path, n: int = 20_000) -> None:
+    """A flat uint16 token file with its vocabulary sidecar: enough for a run."""
+    np.random.default_rng(0).integers(0, 256, n, dtype=np.uint16).tofile(d / "tokens.bin")
+    (d / "tokens.bin.json").write_text('{"vocab_size": 256}')
+
+
+def tiny_tokens(d: Path) -> None:
+    tokens(d, 50)
+
+
+def write(name: str, text: str):
+    def setup(d: Path) -> None:
+        tokens(d)
+        (d / name).parent.mkdir(parents=True, exist_ok=True)
+        (d / name).write_text(text)
+    return setup
+
+
+def mkdir(*names: str):
+    def setup(d: Path) -> None:
+        for name in names:
+            (d / name).mkdir(parents=True)
+    return setup
+
+
+def checkpoint_steps(*steps: int, meta: bool = True):
+    """A checkpoint directory whose steps are committed (no arrays: every
+    case here fails before reading one)."""
+    def setup(d: Path) -> None:
+        for step in steps:
+            (d / "ckpt" / str(step) / "meta").mkdir(parents=True)
+            (d / "ckpt" / str(step) / "commit_success.txt").write_text("ok")
+            if meta:
+                (d / "ckpt" / str(step) / "meta" / "metadata").write_text(json.dumps(
+                    {"manifest": {"params": {}}, "model": {"name": "gpt-tiny"}}))
+    return setup
+
+
+def text_input(d: Path) -> None:
+    (d / "in.txt").write_text("a document\n")
+
+
+def text_input_and_out(d: Path) -> None:
+    text_input(d)
+    (d / "out").mkdir()
+    (d / "out" / "meta.json").write_text("{}")
+
+
+def text_input_and_flat_out(d: Path) -> None:
+    text_input(d)
+    (d / "tokens.bin").write_bytes(b"\0\0")
+
+
+def text_input_and_bad_tokenizer(d: Path) -> None:
+    text_input(d)
+    (d / "tokenizer.json").write_text('{"not": "a tokenizer"}')
+
+
+TRAIN = ["--data", "{d}/tokens.bin"]  # a run's data, read in milliseconds
+
+# (id, script, setup or None, argv, a substring of the message naming the
+# parameter or value). A case in USAGE is argparse's own error: its usage
+# lines, then the error line, exit 2.
+CASES = [
+    # scripts/train.py: the run config
+    ("train-toml-syntax", "train", write("run.toml", "[train\nsteps = 3\n"),
+     [*TRAIN, "--config", "{d}/run.toml"], "not valid TOML"),
+    ("train-toml-unknown-key", "train", write("run.toml", "[train]\nstepz = 3\n"),
+     [*TRAIN, "--config", "{d}/run.toml"], "stepz"),
+    ("train-toml-unknown-table", "train", write("run.toml", "[trian]\nsteps = 3\n"),
+     [*TRAIN, "--config", "{d}/run.toml"], "trian"),
+    ("train-toml-wrong-type", "train", write("run.toml", '[train]\nsteps = "ten"\n'),
+     [*TRAIN, "--config", "{d}/run.toml"], "steps"),
+    ("train-config-missing", "train", tokens, [*TRAIN, "--config", "{d}/nope.toml"], "nope.toml"),
+    ("train-config-is-a-directory", "train", tokens, [*TRAIN, "--config", "{d}"], "--config"),
+    ("train-lr-nan", "train", tokens, [*TRAIN, "--lr", "nan"], "--lr nan"),
+    ("train-lr-negative", "train", tokens, [*TRAIN, "--lr", "-1"], "--lr -1"),
+    ("train-b2-above-one", "train", tokens, [*TRAIN, "--b2", "1.5"], "--b2 1.5"),
+    ("train-weight-decay-negative", "train", tokens, [*TRAIN, "--weight-decay", "-0.1"],
+     "--weight-decay -0.1"),
+    ("train-clip-norm-negative", "train", tokens, [*TRAIN, "--clip-norm", "-1"], "--clip-norm -1"),
+    ("train-min-loss-scale-nan", "train", tokens, [*TRAIN, "--min-loss-scale", "nan"],
+     "--min-loss-scale nan"),
+    ("train-steps-zero", "train", tokens, [*TRAIN, "--steps", "0"], "--steps 0"),
+    ("train-batch-size-zero", "train", tokens, [*TRAIN, "--batch-size", "0"], "--batch-size 0"),
+    ("train-checkpoint-every-negative", "train", tokens,
+     [*TRAIN, "--checkpoint-dir", "{d}/ckpt", "--checkpoint-every", "-1"], "--checkpoint-every -1"),
+    ("train-unknown-optimizer", "train", tokens, [*TRAIN, "--optimizer", "adam"],
+     "--optimizer 'adam'"),
+    ("train-unknown-model", "train", tokens, [*TRAIN, "--model", "gpt-huge"], "--model 'gpt-huge'"),
+    ("train-unknown-precision", "train", tokens, [*TRAIN, "--precision", "fp8"],
+     "--precision 'fp8'"),
+    ("train-unknown-remat", "train", tokens, [*TRAIN, "--remat", "some"], "--remat 'some'"),
+    ("train-zero-stage-4", "train", tokens, [*TRAIN, "--zero-stage", "4"], "--zero-stage 4"),
+    # the data
+    ("train-data-missing", "train", tokens, ["--data", "{d}/none.bin"], "--data"),
+    ("train-data-shorter-than-seq-len", "train", tiny_tokens, [*TRAIN, "--seq-len", "128"],
+     "--seq-len"),
+    ("train-init-from-missing", "train", tokens, [*TRAIN, "--init-from", "{d}/weights"],
+     "--init-from"),
+    ("train-init-from-empty-directory", "train", write("weights/notes.txt", ""),
+     [*TRAIN, "--init-from", "{d}/weights"], "holds no complete checkpoint"),
+    ("train-metrics-out-no-directory", "train", tokens, [*TRAIN, "--metrics-out", "{d}/no/m.jsonl"],
+     "--metrics-out"),
+    # the mesh
+    ("train-mesh-unknown-name", "train", tokens, [*TRAIN, "--mesh", "gpu-9x9"], "gpu-9x9"),
+    ("train-mesh-file-missing", "train", tokens, [*TRAIN, "--mesh", "{d}/mesh.toml"], "mesh.toml"),
+    ("train-mesh-file-bad-toml", "train", write("mesh.toml", "[ici\nfsdp = 8\n"),
+     [*TRAIN, "--mesh", "{d}/mesh.toml"], "mesh.toml"),
+    ("train-mesh-needs-more-devices", "train", tokens, [*TRAIN, "--mesh", "fsdp=16"],
+     "needs 16 devices but 8 are present"),
+    ("train-mesh-needs-fewer-devices", "train", tokens, [*TRAIN, "--mesh", "data=2,fsdp=2"],
+     "needs 4 devices but 8 are present"),
+    ("train-batch-not-divisible", "train", tokens, [*TRAIN, "--batch-size", "12"],
+     "--batch-size 12 is not divisible by the data-parallel size 8"),
+    ("train-microbatches-not-divisor", "train", tokens, [*TRAIN, "--microbatches", "3"],
+     "--microbatches 3"),
+    # scripts/memory_report.py
+    ("memory-unknown-model", "memory_report", None, ["--model", "gpt-huge", "--no-compile"],
+     "--model 'gpt-huge'"),
+    ("memory-unknown-mesh", "memory_report", None, ["--mesh", "tpu-v9", "--no-compile"], "tpu-v9"),
+    ("memory-devices-too-few", "memory_report", None,
+     ["--mesh", "fsdp=8", "--devices", "4", "--no-compile"], "--devices 4"),
+    ("memory-devices-zero", "memory_report", None, ["--devices", "0", "--no-compile"],
+     "--devices 0"),
+    ("memory-lr-nan", "memory_report", None, ["--lr", "nan", "--no-compile"], "--lr nan"),
+    ("memory-remat-table-without-names", "memory_report", None,
+     ["--remat-table", "--save-names", ""], "--save-names"),
+    ("memory-batch-not-divisible", "memory_report", None,
+     ["--mesh", "fsdp=8", "--batch-size", "12", "--no-compile"], "--batch-size 12"),
+    # scripts/export.py
+    ("export-checkpoint-dir-missing", "export", None,
+     ["--checkpoint-dir", "{d}/ckpt", "--out", "{d}/m.safetensors"], "--checkpoint-dir"),
+    ("export-checkpoint-dir-empty", "export", mkdir("ckpt"),
+     ["--checkpoint-dir", "{d}/ckpt", "--out", "{d}/m.safetensors"], "no complete checkpoint"),
+    ("export-unknown-step", "export", checkpoint_steps(4, 8),
+     ["--checkpoint-dir", "{d}/ckpt", "--step", "7", "--out", "{d}/m.safetensors"], "--step 7"),
+    ("export-out-directory-missing", "export", checkpoint_steps(4),
+     ["--checkpoint-dir", "{d}/ckpt", "--out", "{d}/no/m.safetensors"], "--out"),
+    ("export-max-shard-size-zero", "export", checkpoint_steps(4),
+     ["--checkpoint-dir", "{d}/ckpt", "--hf-dir", "{d}/hf", "--max-shard-size", "0"],
+     "--max-shard-size 0"),
+    ("export-nothing-to-write", "export", checkpoint_steps(4), ["--checkpoint-dir", "{d}/ckpt"],
+     "--out"),
+    # scripts/launch.py
+    ("launch-no-processes", "launch", None, ["-n", "0", "--", "scripts/train.py"], "-n 0"),
+    ("launch-no-devices", "launch", None,
+     ["-n", "2", "--devices-per-process", "0", "--", "scripts/train.py"],
+     "--devices-per-process 0"),
+    ("launch-script-missing", "launch", None, ["-n", "2", "--", "{d}/nosuch.py"], "nosuch.py"),
+    ("launch-program-missing", "launch", None, ["-n", "2", "--", "no-such-program-zj"],
+     "no-such-program-zj"),
+    ("launch-no-program", "launch", None, ["-n", "2"], "--"),
+    ("launch-bad-port", "launch", None, ["-n", "2", "--port", "70000", "--", "scripts/train.py"],
+     "--port 70000"),
+    # scripts/plan.py
+    ("plan-unknown-cluster", "plan", None,
+     ["--model", "gpt-tiny", "--cluster", "b300", "--nodes", "1", "--global-batch", "8",
+      "--seq-len", "128"], "--cluster b300"),
+    ("plan-unknown-model", "plan", None,
+     ["--model", "gpt-huge", "--cluster", "a100-80gb", "--nodes", "1", "--global-batch", "8",
+      "--seq-len", "128"], "--model 'gpt-huge'"),
+    ("plan-batch-cannot-split", "plan", None,
+     ["--model", "gpt-tiny", "--cluster", "a100-80gb", "--nodes", "8", "--gpus-per-node", "1",
+      "--global-batch", "7", "--seq-len", "128"], "--global-batch 7: divisible by none"),
+    ("plan-no-nodes", "plan", None,
+     ["--model", "gpt-tiny", "--cluster", "a100-80gb", "--nodes", "0", "--global-batch", "8",
+      "--seq-len", "128"], "--nodes 0"),
+    ("plan-bad-stages", "plan", None,
+     ["--model", "gpt-tiny", "--cluster", "a100-80gb", "--nodes", "1", "--global-batch", "8",
+      "--seq-len", "128", "--stages", "1,x"], "--stages 1,x"),
+    ("plan-unknown-stage", "plan", None,
+     ["--model", "gpt-tiny", "--cluster", "a100-80gb", "--nodes", "1", "--global-batch", "8",
+      "--seq-len", "128", "--stages", "5"], "--stages 5"),
+    ("plan-unknown-precision", "plan", None,
+     ["--model", "gpt-tiny", "--cluster", "a100-80gb", "--nodes", "1", "--global-batch", "8",
+      "--seq-len", "128", "--precision", "fp8"], "--precision 'fp8'"),
+    ("plan-seq-len-zero", "plan", None,
+     ["--model", "gpt-tiny", "--cluster", "a100-80gb", "--nodes", "1", "--global-batch", "8",
+      "--seq-len", "0"], "--seq-len 0"),
+    # scripts/prepare_data.py
+    ("prepare-input-missing", "prepare_data", None,
+     ["--input", "{d}/none.txt", "--out", "{d}/out"], "--input"),
+    ("prepare-input-only-directories", "prepare_data", mkdir("corpus/a"),
+     ["--input", "{d}/corpus/*", "--out", "{d}/out"], "--input"),
+    ("prepare-out-not-empty", "prepare_data", text_input_and_out,
+     ["--input", "{d}/in.txt", "--out", "{d}/out"], "--out"),
+    ("prepare-flat-out-exists", "prepare_data", text_input_and_flat_out,
+     ["--format", "flat", "--input", "{d}/in.txt", "--out", "{d}/tokens.bin"], "--out"),
+    ("prepare-unknown-format", "prepare_data", text_input,
+     ["--format", "xml", "--input", "{d}/in.txt", "--out", "{d}/out"], "--format"),
+    ("prepare-tokenizer-missing", "prepare_data", text_input,
+     ["--input", "{d}/in.txt", "--tokenizer", "{d}/tok", "--out", "{d}/out"], "--tokenizer"),
+    ("prepare-tokenizer-not-one", "prepare_data", text_input_and_bad_tokenizer,
+     ["--input", "{d}/in.txt", "--tokenizer", "{d}/tokenizer.json", "--out", "{d}/out"],
+     "--tokenizer"),
+    ("prepare-val-fraction", "prepare_data", text_input,
+     ["--input", "{d}/in.txt", "--val-fraction", "1.5", "--out", "{d}/out"], "--val-fraction 1.5"),
+    ("prepare-workers-zero", "prepare_data", text_input,
+     ["--input", "{d}/in.txt", "--workers", "0", "--out", "{d}/out"], "--workers 0"),
+]
+USAGE = {"prepare-unknown-format"}  # argparse's choices: its usage line, then the error
+
+
+class Compiled(AssertionError):
+    """A case got past every check."""
+
+
+@pytest.fixture(autouse=True)
+def nothing_compiles_or_spawns(monkeypatch):
+    """A case that gets past the checks fails at once, instead of training."""
+    from zero_jax import job as job_lib
+
+    def refuse(*args, **kwargs):
+        raise Compiled("reached a compile or a process start: the input was not refused")
+    for name in ("lower_train_step", "compile_with_text", "compile_train_step"):
+        monkeypatch.setattr(job_lib.Job, name, refuse)
+    monkeypatch.setattr(script("launch").subprocess, "Popen", refuse)
+
+
+@pytest.mark.parametrize("name,script_name,setup,argv,needle", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_one_line_and_exit_2(name, script_name, setup, argv, needle, tmp_path,
+                                          capsys):
+    if setup is not None:
+        setup(tmp_path)
+    argv = [a.replace("{d}", str(tmp_path)) for a in argv]
+    main = script(script_name).main
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse
+        code = e.code
+    out, err = capsys.readouterr()
+    lines = err.strip("\n").splitlines()
+    assert code == 2, f"exit {code}; stderr:\n{err}"
+    if name in USAGE:
+        assert lines[0].startswith("usage:") and ": error: " in lines[-1], err
+    else:
+        assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert needle in lines[-1], err
+    assert "Traceback" not in err + out
+
+
+def test_a_committed_step_without_its_meta_is_a_damaged_checkpoint(tmp_path, capsys):
+    """Exit 4 (a checkpoint that cannot be used), in one line naming the file."""
+    checkpoint_steps(4, meta=False)(tmp_path)
+    code = script("export").main(["--checkpoint-dir", str(tmp_path / "ckpt"),
+                                  "--out", str(tmp_path / "m.safetensors")])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 4 and len(lines) == 1, lines
+    assert lines[0].startswith("error: checkpoint step 4 in ") and "meta/metadata" in lines[0]
+    assert "nothing written" in lines[0]
+
+
+@pytest.mark.parametrize("mesh,given,devices,note", [
+    ("tpu-v5p-64", None, 32, False),  # the slice's 32 chips, as its file says
+    ("gpu-4x8", None, 32, False),
+    ("data=2,fsdp=-1", None, 8, True),  # -1 has no count to fill from: a guess, said
+    ("data=3,fsdp=-1", None, 9, True),
+    ("data=2,fsdp=-1", 16, 16, False),
+])
+def test_memory_report_simulates_the_mesh_as_configured(mesh, given, devices, note):
+    from zero_jax import mesh as mesh_lib
+    count, said = script("memory_report").devices_for(mesh_lib.load(mesh), given)
+    assert count == devices and bool(said) == note
+    assert not note or f"reporting for {devices} simulated devices" in said
