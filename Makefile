@@ -15,13 +15,12 @@ CHECK_PYTHON = @$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' 
 # The tests compile hundreds of small programs, one compile per core at a
 # time: one worker per core, each test file on one worker (its fixtures once).
 TEST_WORKERS ?= 2
-# The default job and the tests run on 8 simulated CPU devices.
-CPU8   := XLA_FLAGS=--xla_force_host_platform_device_count=8
 
 .PHONY: train test test-interop venv clean
 
+# The default job runs on 8 simulated CPU devices (the tests: tests/conftest.py).
 train: $(STAMP)
-	$(CPU8) $(PY) scripts/train.py
+	$(PY) scripts/train.py --devices 8
 
 test: $(STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests --ignore=tests/interop

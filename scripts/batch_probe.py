@@ -23,7 +23,7 @@ import jax
 import numpy as np
 
 import models
-from zero_jax import config as config_lib, data as data_lib, distributed, job as job_lib
+from zero_jax import config as config_lib, cpu, data as data_lib, distributed, job as job_lib
 
 
 def main(argv=None) -> int:
@@ -31,10 +31,12 @@ def main(argv=None) -> int:
     parser.add_argument("--config", help="TOML run config; flags override it")
     parser.add_argument("--steps-to-probe", default="0", help="comma-separated steps")
     parser.add_argument("--probe-out", required=True, help="directory for process-<i>.npz")
+    cpu.add_devices_flag(parser)
     config_lib.add_flags(parser)
     args = parser.parse_args(argv)
     try:
         cfg = config_lib.from_args(args, args.config)
+        cpu.simulate(args.devices)  # both before anything asks JAX for devices
         distributed.initialize(cfg.distributed)
         corpus = data_lib.load(cfg.data.source)
         job = job_lib.prepare(cfg, models.for_run(cfg.model, corpus.vocab_size)[0])

@@ -1,7 +1,6 @@
 """Step time with and without an asynchronous checkpoint commit in flight.
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 \\
-        python scripts/bench_checkpoint.py --model gpt-small --steps 6
+    python scripts/bench_checkpoint.py --devices 8 --model gpt-small --steps 6
 
 Measures, in one process: the step time with no save, the time `save()`
 blocks (copying the arrays off the devices), and the step time while the
@@ -22,7 +21,7 @@ import jax
 
 import models
 from zero_jax import checkpoint as ckpt_lib
-from zero_jax import config as config_lib, data as data_lib, job as job_lib, run
+from zero_jax import config as config_lib, cpu, data as data_lib, job as job_lib, run
 
 
 def main(argv=None) -> int:
@@ -32,7 +31,12 @@ def main(argv=None) -> int:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--steps", type=int, default=6, help="timed steps per phase")
+    cpu.add_devices_flag(parser)
     args = parser.parse_args(argv)
+    try:
+        cpu.simulate(args.devices)  # before anything asks JAX for devices
+    except cpu.DevicesError as e:
+        parser.error(str(e))
 
     corpus = data_lib.load("stdlib")
     cfg = config_lib.build(None, {"model.name": args.model, "parallel.mesh": args.mesh,

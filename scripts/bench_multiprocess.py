@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -44,16 +43,14 @@ def main(argv=None) -> int:
               "--no-progress", "--mesh", f"fsdp={devices}", *extra]
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, prefix, env in (
-                ("1 process", [sys.executable, "scripts/train.py"],
-                 {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}),
+        for name, prefix in (
+                ("1 process", [sys.executable, "scripts/train.py", "--devices", str(devices)]),
                 (f"{args.num_processes} processes",
                  [sys.executable, "scripts/launch.py", "-n", str(args.num_processes),
-                  "--devices-per-process", str(args.devices_per_process), "--", "scripts/train.py"],
-                 {})):
+                  "--devices-per-process", str(args.devices_per_process), "--", "scripts/train.py"])):
             metrics = Path(tmp) / f"{len(results)}.jsonl"
             p = subprocess.run([*prefix, *common, "--metrics-out", str(metrics)], cwd=ROOT,
-                               env={**os.environ, **env}, capture_output=True, text=True)
+                               capture_output=True, text=True)
             if p.returncode != 0:
                 print(p.stdout[-3000:], p.stderr[-3000:], file=sys.stderr)
                 return p.returncode

@@ -1,9 +1,9 @@
 """Step time with the optimizer state (and at ZeRO-3 the parameters) offloaded
 to host memory, against the same step without offload.
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 \\
-        python scripts/bench_offload.py --model gpt-small --zero-stage 2
-    python scripts/bench_offload.py --model gpt-small --zero-stage 3 --variants none,opt,opt+params
+    python scripts/bench_offload.py --devices 8 --model gpt-small --zero-stage 2
+    python scripts/bench_offload.py --devices 8 --model gpt-small --zero-stage 3 \\
+        --variants none,opt,opt+params
 
 Runs both in one process on the same devices, their steps interleaved round
 by round so that load on a shared machine hits them alike, and prints the
@@ -27,7 +27,7 @@ import json
 import jax
 
 import models
-from zero_jax import config as config_lib, data as data_lib, job as job_lib, memory
+from zero_jax import config as config_lib, cpu, data as data_lib, job as job_lib, memory
 from timing import interleaved_medians
 
 
@@ -44,7 +44,12 @@ def main(argv=None) -> int:
                         help="none, opt (optimizer state), opt+params (ZeRO-3)")
     parser.add_argument("--remat", default="none")
     parser.add_argument("--json", action="store_true")
+    cpu.add_devices_flag(parser)
     args = parser.parse_args(argv)
+    try:
+        cpu.simulate(args.devices)  # before anything asks JAX for devices
+    except cpu.DevicesError as e:
+        parser.error(str(e))
 
     corpus = data_lib.load("stdlib")
     runs, failed = {}, {}

@@ -1,14 +1,13 @@
 """Step time of each pipeline schedule against the non-pipelined step.
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 \\
-        python scripts/bench_pipeline.py --mesh pipe=2,fsdp=4 --microbatches 8
+    python scripts/bench_pipeline.py --devices 8 --mesh pipe=2,fsdp=4 --microbatches 8
 
 Runs, in one process and on the same devices: the non-pipelined step (the
 `pipe` axis folded into `fsdp`, the same microbatches accumulated) and each
-schedule on the given mesh. Steps of the variants are interleaved, round by
-round, so that load on a shared machine hits them alike; the table gives
-the median step time of each and its ratio to the non-pipelined one. A
-benchmark, not a test.
+schedule (or those `--schedules` names) on the given mesh. Steps of the
+variants are interleaved, round by round, so that load on a shared machine
+hits them alike; the table gives the median step time of each and its ratio
+to the non-pipelined one. A benchmark, not a test.
 """
 
 from __future__ import annotations
@@ -16,9 +15,10 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import sys
 
 import models
-from zero_jax import config as config_lib, data as data_lib, job as job_lib
+from zero_jax import config as config_lib, cpu, data as data_lib, job as job_lib
 from zero_jax import mesh as mesh_lib
 from zero_jax.schedule import SCHEDULES
 from timing import interleaved_medians
@@ -31,6 +31,14 @@ def _without_pipe(mesh: str) -> str:
     return ",".join(f"{a}={s}" for a, s in sizes.items() if s != 1) or "fsdp=1"
 
 
+def prepare(args, corpus, mesh: str, schedule: str) -> job_lib.Job:
+    cfg = config_lib.build(None, {
+        "model.name": args.model, "parallel.mesh": mesh, "parallel.zero_stage": args.zero_stage,
+        "parallel.pipeline_schedule": schedule, "train.microbatches": args.microbatches,
+        "data.seq_len": args.seq_len, "train.batch_size": args.batch_size})
+    return job_lib.prepare(cfg, models.builder(args.model, corpus.vocab_size))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="gpt-tiny")
@@ -40,24 +48,41 @@ def main(argv=None) -> int:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per variant")
+    parser.add_argument("--schedules", default=",".join(SCHEDULES),
+                        help=f"comma-separated, from {', '.join(SCHEDULES)}")
     parser.add_argument("--json", action="store_true")
+    cpu.add_devices_flag(parser)
     args = parser.parse_args(argv)
-    config = mesh_lib.load(args.mesh)
+    try:
+        cpu.simulate(args.devices)
+        config = mesh_lib.load(args.mesh)
+    except (ValueError, FileNotFoundError) as e:  # MeshError is a ValueError
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if (config.dcn != (1,) * len(mesh_lib.AXES) or -1 in config.ici
             or config.ici[mesh_lib.AXES.index("pipe")] < 2):
         parser.error(f"--mesh {args.mesh}: give a one-host mesh with a pipe axis and every size "
                      "fixed, like pipe=2,fsdp=4")
 
+    schedules = args.schedules.split(",")
+    if unknown := set(schedules) - set(SCHEDULES):
+        parser.error(f"--schedules {args.schedules}: unknown {sorted(unknown)}; choose from "
+                     f"{', '.join(SCHEDULES)}")
+
     corpus = data_lib.load("stdlib")
     variants = {"no pipeline": (_without_pipe(args.mesh), "1f1b")}
-    variants.update({name: (args.mesh, name) for name in SCHEDULES})
+    variants.update({name: (args.mesh, name) for name in schedules})
+    # Every variant checked before any compiles, the given mesh first, so
+    # that an error names it rather than its pipe-free twin.
+    try:
+        jobs = {name: prepare(args, corpus, *variants[name])
+                for name in sorted(variants, key=lambda name: name == "no pipeline")}
+    except ValueError as e:  # a mesh the devices do not cover, a batch that does not split
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     runs = {}
-    for name, (mesh, schedule) in variants.items():
-        cfg = config_lib.build(None, {
-            "model.name": args.model, "parallel.mesh": mesh, "parallel.zero_stage": args.zero_stage,
-            "parallel.pipeline_schedule": schedule, "train.microbatches": args.microbatches,
-            "data.seq_len": args.seq_len, "train.batch_size": args.batch_size})
-        job = job_lib.prepare(cfg, models.builder(args.model, corpus.vocab_size))
+    for name, (mesh, _) in variants.items():
+        job = jobs[name]
         batch = functools.partial(data_lib.global_batch, corpus, "train", args.seq_len,
                                   args.batch_size, 0, sharding=job.layout.batch_sharding)
         runs[name] = {"mesh": mesh, "step": job.compile_train_step(), "state": job.init_state(),

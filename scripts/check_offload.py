@@ -1,7 +1,7 @@
 """What the compiled step does with host memory: activation offload
 (`remat = "offload"`) against `save_names`, and optimizer offload.
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 python scripts/check_offload.py
+    python scripts/check_offload.py --devices 8
     python scripts/check_offload.py --mesh fsdp=1 --model gpt-small     # on one GPU
 
 For each variant it compiles the train step and reads, from the compiled
@@ -22,7 +22,7 @@ import json
 import jax
 
 import models
-from zero_jax import config as config_lib, data as data_lib, job as job_lib, memory
+from zero_jax import config as config_lib, cpu, data as data_lib, job as job_lib, memory
 
 
 def main(argv=None) -> int:
@@ -33,7 +33,12 @@ def main(argv=None) -> int:
     parser.add_argument("--precision", default="bf16")
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=16)
+    cpu.add_devices_flag(parser)
     args = parser.parse_args(argv)
+    try:
+        cpu.simulate(args.devices)  # before anything asks JAX for devices
+    except cpu.DevicesError as e:
+        parser.error(str(e))
     corpus = data_lib.load("stdlib")
     variants = {"save_names": dict(remat="save_names"), "remat offload": dict(remat="offload"),
                 "optimizer offload": dict(remat="save_names", optimizer=True)}

@@ -24,7 +24,7 @@ import numpy as np
 import models
 import procmem
 from models import hf
-from zero_jax import config as config_lib, job as job_lib
+from zero_jax import config as config_lib, cpu, job as job_lib
 
 
 def largest_tensor_bytes(path: Path) -> int:
@@ -38,7 +38,12 @@ def main(argv=None) -> int:
     parser.add_argument("dir")
     parser.add_argument("--mesh", default="fsdp=-1", help="default: every device on fsdp")
     parser.add_argument("--zero-stage", type=int, default=3)
+    cpu.add_devices_flag(parser)
     args = parser.parse_args(argv)
+    try:
+        cpu.simulate(args.devices)  # before anything asks JAX for devices
+    except cpu.DevicesError as e:
+        parser.error(str(e))
     run = config_lib.build(None, {"model.name": f"hf:{args.dir}", "parallel.mesh": args.mesh,
                                   "parallel.zero_stage": args.zero_stage, "data.seq_len": 8,
                                   "train.batch_size": jax.device_count()})

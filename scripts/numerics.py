@@ -4,24 +4,23 @@
     python scripts/numerics.py --precision bf16 --grad-dtype bfloat16
     python scripts/numerics.py --precision fp32 --mesh fsdp=8 --mesh pipe=2,fsdp=4
 
-gpt-tiny, batch 32, sequence 32, on 8 simulated devices: for each stage and
-mesh, the largest relative difference of the ten losses from the same
-policy on one device. The tests hold these to their tolerances
-(tests/test_numerics.py); this prints the measured numbers.
+gpt-tiny, batch 32, sequence 32, on 8 simulated devices (unless --devices or
+XLA_FLAGS say otherwise): for each stage and mesh, the largest relative
+difference of the ten losses from the same policy on one device. The tests
+hold these to their tolerances (tests/test_numerics.py); this prints the
+measured numbers.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
+import sys
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+import jax
+import numpy as np
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-
-import models  # noqa: E402
-from zero_jax import config as config_lib, data as data_lib, job as job_lib  # noqa: E402
+import models
+from zero_jax import config as config_lib, cpu, data as data_lib, job as job_lib
 
 MESHES = ("fsdp=8", "data=2,fsdp=4", "fsdp=4,tensor=2", "pipe=2,fsdp=4")
 LAYOUTS = {"fsdp=4,tensor=2": "fsdp_tp"}
@@ -46,7 +45,13 @@ def main(argv=None) -> int:
     parser.add_argument("--grad-dtype", default="", help="e.g. bfloat16 (default: the policy's)")
     parser.add_argument("--mesh", action="append", help=f"default: {', '.join(MESHES)}")
     parser.add_argument("--steps", type=int, default=10)
+    cpu.add_devices_flag(parser, default_help="XLA_FLAGS's, else 8")
     args = parser.parse_args(argv)
+    try:
+        cpu.simulate(args.devices, default=8)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     corpus = data_lib.load("stdlib")
     policy = {"precision.policy": args.precision}
     if args.grad_dtype:

@@ -1,31 +1,35 @@
 """Loss and gradient errors of every pipeline configuration against one device.
 
     python scripts/pipeline_numerics.py            # 3 schedules x 3 meshes x m {4, 8} x ZeRO {1, 3}
+    python scripts/pipeline_numerics.py --schedule 1f1b --mesh pipe=2,fsdp=4 --microbatches 4
 
 One step of gpt-tiny with 8 layers (seq 16, batch 32, fp32): for each
 configuration, the relative error of the loss and the worst relative error
 (||a - b|| / ||b||) over the gradient tensors, against the non-pipelined
 step on a single device. The tests assert the same grid within 1e-5
 (`ZERO_JAX_FULL_GRID=1 pytest tests/test_pipeline.py`); this prints the
-measured numbers.
+measured numbers. `--schedule`, `--mesh`, `--microbatches` and
+`--zero-stage` (each repeatable) narrow the grid. On 8 simulated CPU
+devices unless --devices or XLA_FLAGS say otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
-import os
+import sys
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+import jax
+import numpy as np
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-
-import models  # noqa: E402
-from zero_jax import config as config_lib, data as data_lib, job as job_lib  # noqa: E402
+import models
+from zero_jax import config as config_lib, cpu, data as data_lib, job as job_lib
 
 MESHES = {"pipe=2,fsdp=4": {}, "pipe=2,fsdp=2,tensor=2": {"parallel.layout": "fsdp_tp_sp"},
           "pipe=4,data=2": {}}
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+MICROBATCHES = (4, 8)
+ZERO_STAGES = (1, 3)
 
 
 def loss_and_grads(corpus, devices=None, **flat):
@@ -39,13 +43,28 @@ def loss_and_grads(corpus, devices=None, **flat):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.parse_args(argv)
+    parser.add_argument("--schedule", action="append", choices=SCHEDULES,
+                        help=f"default: {', '.join(SCHEDULES)}")
+    parser.add_argument("--mesh", action="append", choices=tuple(MESHES),
+                        help=f"default: {', '.join(MESHES)}")
+    parser.add_argument("--microbatches", action="append", type=int,
+                        help=f"default: {', '.join(map(str, MICROBATCHES))}")
+    parser.add_argument("--zero-stage", action="append", type=int,
+                        help=f"default: {', '.join(map(str, ZERO_STAGES))}")
+    cpu.add_devices_flag(parser, default_help="XLA_FLAGS's, else 8")
+    args = parser.parse_args(argv)
+    try:
+        cpu.simulate(args.devices, default=8)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     corpus = data_lib.load("stdlib")
     ref_loss, ref_grads = loss_and_grads(corpus, jax.devices()[:1], **{"parallel.mesh": "fsdp=1"})
     worst = [0.0, 0.0]
     print(f"{'schedule':<12}{'mesh':<24}{'m':>3}{'zero':>5}{'loss err':>11}{'grad err':>11}")
-    for schedule, mesh, m, zero in itertools.product(("gpipe", "1f1b", "interleaved"), MESHES,
-                                                     (4, 8), (1, 3)):
+    for schedule, mesh, m, zero in itertools.product(
+            args.schedule or SCHEDULES, args.mesh or MESHES, args.microbatches or MICROBATCHES,
+            args.zero_stage or ZERO_STAGES):
         loss, grads = loss_and_grads(corpus, **{
             "parallel.mesh": mesh, "parallel.pipeline_schedule": schedule,
             "train.microbatches": m, "parallel.zero_stage": zero, **MESHES[mesh]})

@@ -3,7 +3,8 @@
     python scripts/plan_check.py                 # gpt-small, 12 layouts, seq 128 and 1024
     python scripts/plan_check.py --seq-len 128 --layouts 3
 
-On 8 simulated CPU devices, for each layout: the planner's analytic estimate
+On 8 simulated CPU devices (unless --devices or XLA_FLAGS say otherwise;
+the layouts need 8), for each layout: the planner's analytic estimate
 (model states plus what a step adds, the figure it prunes with) against the
 compiled step's arguments plus temporaries, and its model-state bytes
 against the bytes one device holds of a real, initialised state (read from
@@ -14,15 +15,13 @@ bf16 temporaries does not enter the comparison.
 from __future__ import annotations
 
 import argparse
-import os
+import sys
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+import jax
 
-import jax  # noqa: E402
-
-import models  # noqa: E402
-from zero_jax import hardware, memory, planner  # noqa: E402
-from zero_jax import job as job_lib, config as config_lib  # noqa: E402
+import models
+from zero_jax import cpu, hardware, memory, planner
+from zero_jax import job as job_lib, config as config_lib
 
 # (pipe, tensor, data, zero, remat, micro, microbatches, schedule, v) on 8 devices, global batch 16.
 LAYOUTS = [
@@ -69,7 +68,13 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seq-len", type=int, action="append")
     parser.add_argument("--layouts", type=int, default=len(LAYOUTS))
+    cpu.add_devices_flag(parser, default_help="XLA_FLAGS's, else 8")
     args = parser.parse_args(argv)
+    try:
+        cpu.simulate(args.devices, default=8)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     cluster = planner.Cluster(hardware.load("a100-80gb"), 1, 8)
     rows = []
     print(f"{'layout':<58}{'seq':>6}{'analytic MB':>13}{'compiled MB':>13}{'error':>8}"
