@@ -43,3 +43,11 @@ def test_counts_parse_tuple_and_async_forms():
     assert hlo.counts(text) == {"all-gather": 1, "all-reduce": 1, "reduce-scatter": 0,
                                 "collective-permute": 1, "all-to-all": 0}
     assert hlo.collectives(text)[1].dtypes == ("bf16",)
+
+
+def test_a_one_device_program_has_text_and_no_collectives(corpus):
+    """XLA skips SPMD partitioning for one device (nothing is dumped): the
+    plan reads the lowered HLO instead, which holds no collective."""
+    job = make_job(corpus, mesh="fsdp=1", zero_stage=0, devices=jax.devices()[:1])
+    _, text = hlo.compile_partitioned(job.lower_train_step())
+    assert "ENTRY" in text and not re.search(r"all-(gather|reduce)\(", text)
