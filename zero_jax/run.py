@@ -222,7 +222,7 @@ def train(job: Job, corpus: data_lib.TokenData, train_step, eval_step, *,
     if jax.process_count() > 1:
         trace_dir = str(Path(trace_dir) / f"process-{jax.process_index()}")
     tracer = profile.Tracer(profile.Window.parse(t.profile_steps), trace_dir,
-                            log if lead else lambda line: None)
+                            tqdm.write if lead else lambda line: None)  # above the bar
     try:
         state, history = loop.train(
             state, train_step, lambda step: batch(step=step), steps=t.steps,
