@@ -75,6 +75,21 @@ def test_the_cpu_peak_is_measured_once_and_cached(tmp_path, monkeypatch):
     assert flops.cpu_peak("float32", 8).flops == 1e12  # read back, not measured again
 
 
+def test_processes_launched_on_one_host_share_its_peak(tmp_path, monkeypatch):
+    """Under scripts/launch.py every process runs on the same cores: each
+    device's share of the probed peak divides by all of their devices."""
+    from zero_jax import cpu, distributed
+
+    monkeypatch.setenv("ZERO_JAX_CACHE", str(tmp_path))
+    (tmp_path / "cpu_peak.json").write_text(json.dumps({flops._host_key("float32"): 8e12}))
+    cpu_device = jax.devices()[0]
+    alone = flops.device_peak(cpu_device, "float32").flops
+    monkeypatch.setenv(cpu.ENV_LAUNCHED, "2")
+    monkeypatch.setenv(distributed.ENV_NUM_PROCESSES, "4")
+    assert alone == 8e12 / jax.local_device_count()
+    assert flops.device_peak(cpu_device, "float32").flops == alone / 4
+
+
 def _train(tmp_path: Path, *flags: str) -> subprocess.Popen:
     env = {**os.environ, "ZERO_JAX_CACHE": str(tmp_path / "cache")}
     return subprocess.Popen(

@@ -27,7 +27,7 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from zero_jax import hardware
+from zero_jax import cpu, distributed, hardware
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +100,7 @@ def device_peak(device: jax.Device, compute_dtype: str) -> Peak | None:
     """The peak of `device` for matmuls in `compute_dtype`: the datasheet's
     for a known accelerator, the probe's on CPU, None if unknown."""
     if device.platform == "cpu":
-        return cpu_peak(compute_dtype, jax.local_device_count())
+        return cpu_peak(compute_dtype, jax.local_device_count() * processes_on_this_host())
     kind = hardware.for_device_kind(device.device_kind)
     if kind is None:
         return None
@@ -116,10 +116,18 @@ PROBE_N = 2048
 PROBE_RUNS = 8
 
 
+def processes_on_this_host() -> int:
+    """Processes sharing this host's cores: all of a scripts/launch.py run
+    (it starts them on one machine and says so in each), else this one."""
+    if os.environ.get(cpu.ENV_LAUNCHED):
+        return int(os.environ.get(distributed.ENV_NUM_PROCESSES, "1"))
+    return 1
+
+
 def cpu_peak(dtype: str, local_devices: int) -> Peak:
     """Per-device peak on CPU: this host's matmul FLOP/s, measured once (and
-    cached), shared by its `local_devices` simulated devices, which run on
-    the same cores."""
+    cached), shared by its `local_devices` simulated devices (those of every
+    process on the host), which run on the same cores."""
     host = _host_key(dtype)
     cache = _cache_path()
     table = _read_json(cache)
