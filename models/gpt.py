@@ -14,7 +14,6 @@ import math
 from typing import NamedTuple
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 
 from models import decoder, layers
@@ -83,18 +82,11 @@ class GPTConfig:
     def block_ops(self, seq_len: int) -> list[Op]:
         """One block as the tensors `Block` computes, named as it names them
         (flops.Op): what a remat policy recomputes."""
-        D, F, H, Q, T = self.d_model, self.d_mlp, self.n_head, self.head_dim, seq_len
-        return [Op("ln_1", "ln_out", 0, ("x",)),
-                Op("qkv", "qkv", 2 * D * 3 * H * Q, ("ln_1",), dot=True),
-                Op("scores", None, 2 * T * H * Q, ("qkv",), dot=True),
-                Op("probs", "attn_probs", 0, ("scores",), needs=("self",)),
-                Op("ctx", "attn_ctx", 2 * T * H * Q, ("probs", "qkv"), dot=True),
-                Op("out", None, 2 * H * Q * D, ("ctx",), dot=True),
-                Op("mid", "resid_mid", 0, ("x", "out"), needs=()),
-                Op("ln_2", "ln_out", 0, ("mid",)),
-                Op("fc", "mlp_hidden", 2 * D * F, ("ln_2",), dot=True),
-                Op("gelu", "mlp_act", 0, ("fc",)),
-                Op("proj", None, 2 * F * D, ("gelu",), dot=True)]
+        D, F, H, Q = self.d_model, self.d_mlp, self.n_head, self.head_dim
+        return decoder.block_ops(seq_len, D, H, Q, qkv_features=3 * H * Q, mlp=[
+            Op("fc", "mlp_hidden", 2 * D * F, ("norm_2",), dot=True),
+            Op("gelu", "mlp_act", 0, ("fc",)),
+            Op("proj", None, 2 * F * D, ("gelu",), dot=True)])
 
     def head_cost(self, seq_len: int) -> float:
         """The head's forward FLOPs in units of one block's forward (a pipeline

@@ -91,19 +91,12 @@ class LlamaConfig:
     def block_ops(self, seq_len: int) -> list[Op]:
         """One block as the tensors `Block` computes, named as it names them
         (flops.Op): what a remat policy recomputes."""
-        D, F, H, K, Q, T = self.d_model, self.d_mlp, self.n_head, self.n_kv_head, self.q_dim, seq_len
-        return [Op("attn_norm", "ln_out", 0, ("x",)),
-                Op("qkv", "qkv", 2 * D * (H + 2 * K) * Q, ("attn_norm",), dot=True),
-                Op("scores", None, 2 * T * H * Q, ("qkv",), dot=True),
-                Op("probs", "attn_probs", 0, ("scores",), needs=("self",)),
-                Op("ctx", "attn_ctx", 2 * T * H * Q, ("probs", "qkv"), dot=True),
-                Op("out", None, 2 * H * Q * D, ("ctx",), dot=True),
-                Op("mid", "resid_mid", 0, ("x", "out"), needs=()),
-                Op("mlp_norm", "ln_out", 0, ("mid",)),
-                Op("gate", "mlp_hidden", 2 * D * F, ("mlp_norm",), dot=True),
-                Op("up", "mlp_hidden", 2 * D * F, ("mlp_norm",), dot=True),
-                Op("act", "mlp_act", 0, ("gate", "up")),
-                Op("down", None, 2 * F * D, ("act",), dot=True)]
+        D, F, H, K, Q = self.d_model, self.d_mlp, self.n_head, self.n_kv_head, self.q_dim
+        return decoder.block_ops(seq_len, D, H, Q, qkv_features=(H + 2 * K) * Q, mlp=[
+            Op("gate", "mlp_hidden", 2 * D * F, ("norm_2",), dot=True),
+            Op("up", "mlp_hidden", 2 * D * F, ("norm_2",), dot=True),
+            Op("act", "mlp_act", 0, ("gate", "up")),
+            Op("down", None, 2 * F * D, ("act",), dot=True)])
 
     def head_cost(self, seq_len: int) -> float:
         """The head's forward FLOPs in units of one block's forward."""

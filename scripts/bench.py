@@ -196,17 +196,6 @@ def host_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def case_throughput(job: job_lib.Job) -> flops.Throughput:
-    """flops.throughput over the devices the case's mesh uses. On CPU those
-    share the host's cores whatever their number, so each gets 1/n of the
-    host's measured peak: MFU stays the host's utilisation."""
-    t = flops.throughput(job)
-    n = job.layout.mesh.devices.size
-    on_cpu = job.layout.mesh.devices.flat[0].platform == "cpu"
-    peak = flops.cpu_peak(job.policy.compute, n) if on_cpu else t.peak
-    return dataclasses.replace(t, devices=n, peak=peak)
-
-
 def timed_steps(compiled, state, batch, warmup: int, steps: int) -> list[float]:
     """Seconds of each of `steps` steps after `warmup`, each waited for (the
     whole state, not only the metrics: no step overlaps the next)."""
@@ -259,7 +248,7 @@ def run_case(case: Case, limit: int | None, warmup: int, steps: int) -> dict:
                 "error": f"{type(e).__name__}: {first}"}
     result.update(spread(times))
     result["tokens_per_s"] = result["tokens_per_step"] / result["step_time_s_median"]
-    rate = case_throughput(job)
+    rate = flops.throughput(job)  # over the case's mesh, which may use fewer devices
     result.update(rate.fields(result["tokens_per_s"]), status="ok", steps=steps, warmup=warmup)
     if rate.peak is not None:
         result.update(peak_tflops_per_device=rate.peak.flops / 1e12, peak_source=rate.peak.source)

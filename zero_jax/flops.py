@@ -96,11 +96,14 @@ class Peak:
     source: str
 
 
-def device_peak(device: jax.Device, compute_dtype: str) -> Peak | None:
+def device_peak(device: jax.Device, compute_dtype: str, sharing: int | None = None) -> Peak | None:
     """The peak of `device` for matmuls in `compute_dtype`: the datasheet's
-    for a known accelerator, the probe's on CPU, None if unknown."""
+    for a known accelerator, None if unknown; on CPU the probe's host peak
+    over the `sharing` devices that run on its cores (default: every device
+    of every process on this host)."""
     if device.platform == "cpu":
-        return cpu_peak(compute_dtype, jax.local_device_count() * processes_on_this_host())
+        return cpu_peak(compute_dtype,
+                        sharing or jax.local_device_count() * processes_on_this_host())
     kind = hardware.for_device_kind(device.device_kind)
     if kind is None:
         return None
@@ -204,10 +207,15 @@ class Throughput:
 
 
 def throughput(job) -> Throughput:
-    """The throughput figures of `job`'s train step on this process's devices."""
+    """The throughput figures of `job`'s train step over the devices of its
+    mesh (on CPU, those of this process share the host's peak, with those of
+    the other processes on the host)."""
     flops = StepFlops.of(job.model, job.run.data.seq_len, job.hooks.remat)
-    return Throughput(flops, jax.device_count(),
-                      device_peak(jax.devices()[0], job.policy.compute))
+    devices = list(job.layout.mesh.devices.flat)
+    local = sum(d.process_index == jax.process_index() for d in devices)
+    return Throughput(flops, len(devices),
+                      device_peak(devices[0], job.policy.compute,
+                                  local * processes_on_this_host()))
 
 
 def describe(t: Throughput) -> str:
