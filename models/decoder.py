@@ -11,9 +11,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from zero_jax.flops import Op
+from zero_jax.analysis.flops import Op
 from zero_jax.hooks import Hooks
-from zero_jax.pipeline import PipelineFns
+from zero_jax.pipeline.executor import PipelineFns
 
 
 def scanned(block: type[nn.Module], cfg: Any, hooks: Hooks) -> nn.Module:

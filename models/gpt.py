@@ -17,7 +17,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from models import decoder, layers
-from zero_jax.flops import Op
+from zero_jax.analysis.flops import Op
 from zero_jax.hooks import Hooks
 from zero_jax.model import ModelFns
 from zero_jax.remat import Remat

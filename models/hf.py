@@ -18,7 +18,8 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from models import gpt_hf, llama, llama_hf
-from zero_jax import export, stream
+from zero_jax.checkpoint import export
+from zero_jax.checkpoint import stream
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -76,7 +77,7 @@ def load(path: Path, job) -> Any:
     """The job's master parameters (its layout's saved form, layer order)
     from a Hugging Face directory, placed one tensor at a time: each is read,
     converted to our layout (transposes, head splits) and put into its
-    sharded place before the next is read (zero_jax/stream.py)."""
+    sharded place before the next is read (zero_jax/checkpoint/stream.py)."""
     family, fields = shape(path)
     cfg = job.model.config
     mine = dataclasses.asdict(cfg)

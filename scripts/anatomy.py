@@ -35,7 +35,9 @@ sys.path.insert(0, str(ROOT))
 import jax  # noqa: E402
 
 import models  # noqa: E402
-from zero_jax import config as config_lib, cpu, data as data_lib, job as job_lib  # noqa: E402
+from zero_jax import config as config_lib, job as job_lib  # noqa: E402
+from zero_jax.runtime import cpu
+from zero_jax.data import corpus as data_lib
 
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "collective-permute", "all-to-all")
 # Model ops, by their JAX op_name (first match wins). The layer stack is a

@@ -23,7 +23,10 @@ import jax
 import numpy as np
 
 import models
-from zero_jax import config as config_lib, cpu, data as data_lib, distributed, job as job_lib
+from zero_jax import config as config_lib, job as job_lib
+from zero_jax.runtime import cpu
+from zero_jax.data import corpus as data_lib
+from zero_jax.runtime import distributed
 
 
 def main(argv=None) -> int:

@@ -11,7 +11,7 @@ ahead of time (timed: lower + compile), its bytes per device read from the
 compiled program's memory_analysis(), its state initialised, and then it runs
 --warmup and --steps steps on one synthetic batch, waiting for each.
 Reported: tokens/s and model and hardware FLOP/s per device, MFU and HFU at
-the median step time (zero_jax/flops.py; the peak and its source), the step
+the median step time (zero_jax/analysis/flops.py; the peak and its source), the step
 times' median, quartiles and range, the compile time and the compiled bytes
 per device. A case that fails (refused by the config checks, out of memory)
 is recorded with its error and the suite goes on. The table is printed as
@@ -45,7 +45,10 @@ import jax
 import numpy as np
 
 import models
-from zero_jax import config as config_lib, cpu, flops, job as job_lib, memory
+from zero_jax import config as config_lib, job as job_lib
+from zero_jax.runtime import cpu
+from zero_jax.analysis import flops
+from zero_jax.analysis import memory
 
 # The vocabulary of byte-level text (256 bytes and end of document): what
 # gpt-tiny and llama-tiny train on in the main job.

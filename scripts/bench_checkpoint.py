@@ -20,8 +20,10 @@ import time
 import jax
 
 import models
-from zero_jax import checkpoint as ckpt_lib
-from zero_jax import config as config_lib, cpu, data as data_lib, job as job_lib, run
+from zero_jax.checkpoint import manager as ckpt_lib
+from zero_jax import config as config_lib, job as job_lib, run
+from zero_jax.runtime import cpu
+from zero_jax.data import corpus as data_lib
 
 
 def main(argv=None) -> int:

@@ -18,9 +18,11 @@ import json
 import sys
 
 import models
-from zero_jax import config as config_lib, cpu, data as data_lib, job as job_lib
-from zero_jax import mesh as mesh_lib
-from zero_jax.schedule import SCHEDULES
+from zero_jax import config as config_lib, job as job_lib
+from zero_jax.runtime import cpu
+from zero_jax.data import corpus as data_lib
+from zero_jax.sharding import mesh as mesh_lib
+from zero_jax.pipeline.schedule import SCHEDULES
 from timing import interleaved_medians
 
 

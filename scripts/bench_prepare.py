@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from zero_jax import data as data_lib  # noqa: E402
+from zero_jax.data import corpus as data_lib  # noqa: E402
 
 
 def write_text(out: Path, megabytes: float, file_mb: float = 0.25) -> int:

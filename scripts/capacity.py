@@ -19,7 +19,7 @@ what may be offloaded):
 
 From shapes only, as memory_report.py counts them: the model states exact
 from the layout's shardings and memory kinds, a step's temporaries from
-the planner's estimate (zero_jax/planner.py); nothing is allocated or
+the planner's estimate (zero_jax/planner/cost.py); nothing is allocated or
 compiled. The device must hold its states and the step's largest phase,
 the host its offloaded states and the update's gradients.
 """
@@ -35,7 +35,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import models  # noqa: E402
-from zero_jax import config as config_lib, hardware, planner  # noqa: E402
+from zero_jax import config as config_lib  # noqa: E402
+from zero_jax.planner import devices as hardware
+from zero_jax.planner import cost as planner
 
 VOCAB = 50257
 SEQ = 2048

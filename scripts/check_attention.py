@@ -21,7 +21,8 @@ import sys
 import jax
 
 import models
-from zero_jax import config as config_lib, job as job_lib, memory
+from zero_jax import config as config_lib, job as job_lib
+from zero_jax.analysis import memory
 
 
 def main(argv=None) -> int:

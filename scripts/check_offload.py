@@ -22,7 +22,10 @@ import json
 import jax
 
 import models
-from zero_jax import config as config_lib, cpu, data as data_lib, job as job_lib, memory
+from zero_jax import config as config_lib, job as job_lib
+from zero_jax.runtime import cpu
+from zero_jax.data import corpus as data_lib
+from zero_jax.analysis import memory
 
 
 def main(argv=None) -> int:

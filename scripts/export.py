@@ -28,8 +28,8 @@ from pathlib import Path
 import models
 import procmem
 from models import hf
-from zero_jax import checkpoint as ckpt_lib
-from zero_jax import export
+from zero_jax.checkpoint import manager as ckpt_lib
+from zero_jax.checkpoint import export
 
 
 def main(argv=None) -> int:

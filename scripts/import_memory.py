@@ -24,7 +24,8 @@ import numpy as np
 import models
 import procmem
 from models import hf
-from zero_jax import config as config_lib, cpu, job as job_lib
+from zero_jax import config as config_lib, job as job_lib
+from zero_jax.runtime import cpu
 
 
 def largest_tensor_bytes(path: Path) -> int:

@@ -33,7 +33,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from zero_jax import cpu, distributed  # noqa: E402
+from zero_jax.runtime import cpu  # noqa: E402
+from zero_jax.runtime import distributed
 
 
 def free_port() -> int:

@@ -27,9 +27,13 @@ import sys
 import jax
 
 import models
-from zero_jax import config as config_lib, cpu, data as data_lib, job as job_lib, memory, plan, remat
-from zero_jax.mesh import MeshError
-from zero_jax.rules import ShardingError
+from zero_jax import config as config_lib, job as job_lib, remat
+from zero_jax.runtime import cpu
+from zero_jax.data import corpus as data_lib
+from zero_jax.analysis import memory
+from zero_jax.analysis import summary as plan
+from zero_jax.sharding.mesh import MeshError
+from zero_jax.sharding.rules import ShardingError
 
 
 def parse(argv):

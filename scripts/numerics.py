@@ -20,7 +20,9 @@ import jax
 import numpy as np
 
 import models
-from zero_jax import config as config_lib, cpu, data as data_lib, job as job_lib
+from zero_jax import config as config_lib, job as job_lib
+from zero_jax.runtime import cpu
+from zero_jax.data import corpus as data_lib
 
 MESHES = ("fsdp=8", "data=2,fsdp=4", "fsdp=4,tensor=2", "pipe=2,fsdp=4")
 LAYOUTS = {"fsdp=4,tensor=2": "fsdp_tp"}

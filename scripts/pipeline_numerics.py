@@ -23,7 +23,9 @@ import jax
 import numpy as np
 
 import models
-from zero_jax import config as config_lib, cpu, data as data_lib, job as job_lib
+from zero_jax import config as config_lib, job as job_lib
+from zero_jax.runtime import cpu
+from zero_jax.data import corpus as data_lib
 
 MESHES = {"pipe=2,fsdp=4": {}, "pipe=2,fsdp=2,tensor=2": {"parallel.layout": "fsdp_tp_sp"},
           "pipe=4,data=2": {}}

@@ -4,7 +4,7 @@
         --gpus-per-node 8 --global-batch 2048 --seq-len 2048 [--json] [--top 10] \\
         [--write-config DIR] [--include 'PP=12 TP=4 DP=8 ZeRO-1 full mb=2']
 
-Every layout that divides the model and the cluster (zero_jax/planner.py) is
+Every layout that divides the model and the cluster (zero_jax/planner/cost.py) is
 estimated from abstract shapes: model-state bytes exact from the shardings,
 a step's temporaries and its time analytic. Layouts that cannot fit are
 pruned; of the rest, the fastest `--compile` (and any `--include`d) are
@@ -83,7 +83,8 @@ def _compile_worker(flat: dict, devices: int, vocab: int) -> dict:
     import jax
     jax.config.update("jax_num_cpu_devices", devices)
     import models
-    from zero_jax import config as config_lib, planner
+    from zero_jax import config as config_lib
+    from zero_jax.planner import cost as planner
     build = models.for_run(config_lib.build(None, flat).model, vocab)[0]
     return planner.measure(flat, build)
 
@@ -112,7 +113,9 @@ def _code_version() -> str:
 def main(argv=None) -> int:
     args = parse(argv)
     import models
-    from zero_jax import config as config_lib, hardware, planner, precision, remat
+    from zero_jax import config as config_lib, precision, remat
+    from zero_jax.planner import devices as hardware
+    from zero_jax.planner import cost as planner
     try:
         check_counts(args)
         try:
@@ -257,7 +260,7 @@ def _compiled_as(choice):
 def _rank(estimates, results: dict, cluster) -> list:
     """Estimates with the compiled figures where measured, fitting and fastest first.
     An offload layout takes its twin's collectives, not its memory."""
-    from zero_jax import planner
+    from zero_jax.planner import cost as planner
     out = []
     for e in estimates:
         r = results.get(_compiled_as(e.choice))

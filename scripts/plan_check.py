@@ -20,7 +20,10 @@ import sys
 import jax
 
 import models
-from zero_jax import cpu, hardware, memory, planner
+from zero_jax.runtime import cpu
+from zero_jax.planner import devices as hardware
+from zero_jax.analysis import memory
+from zero_jax.planner import cost as planner
 from zero_jax import job as job_lib, config as config_lib
 
 # (pipe, tensor, data, zero, remat, micro, microbatches, schedule, v) on 8 devices, global batch 16.

@@ -12,7 +12,7 @@ cut at line ends), and each line of a .jsonl file is one document (its
 --text-field); --format jsonl reads every input as JSON lines. --format
 chat reads JSON lines of {"prompt", "response"} or {"messages": [{"role",
 "content"}, ...]}, renders them with the tokenizer directory's chat
-template (or the plain one, see zero_jax/tokenize.py) and writes a loss
+template (or the plain one, see zero_jax/data/tokenizers.py) and writes a loss
 mask: training counts the assistant's tokens only. --format flat writes one
 flat uint16 file and its `.json` sidecar, the format read before prepared
 directories.
@@ -23,7 +23,7 @@ parallel; every document ends with the end-of-document token. A document
 goes to validation when the CRC32 of "<input path>\\0<index>" falls in the
 first --val-fraction of its range: the split is stable, and by document.
 The output directory holds uint16 shards (uint32 when the vocabulary needs
-it) and a meta.json, written last (zero_jax/shards.py).
+it) and a meta.json, written last (zero_jax/data/token_files.py).
 Exit status: 0 done, 2 bad input (one line on stderr).
 """
 
@@ -46,8 +46,8 @@ import numpy as np
 from tqdm import tqdm
 
 import procmem
-from zero_jax import shards
-from zero_jax import tokenize as tok_lib
+from zero_jax.data import token_files as shards
+from zero_jax.data import tokenizers as tok_lib
 
 FORMATS = ("text", "jsonl", "chat", "flat")
 CHUNK_BYTES = 1 << 20  # text read, and sent to a worker, about this much at a time

@@ -25,10 +25,16 @@ import sys
 import jax
 
 import models
-from zero_jax import checkpoint as ckpt_lib
-from zero_jax import config as config_lib, cpu, data as data_lib, distributed, flops, hlo, job as job_lib, loop, plan, run
-from zero_jax.mesh import MeshError
-from zero_jax.rules import ShardingError
+from zero_jax.checkpoint import manager as ckpt_lib
+from zero_jax import config as config_lib, job as job_lib, loop, run
+from zero_jax.runtime import cpu
+from zero_jax.data import corpus as data_lib
+from zero_jax.runtime import distributed
+from zero_jax.analysis import flops
+from zero_jax.analysis import hlo
+from zero_jax.analysis import summary as plan
+from zero_jax.sharding.mesh import MeshError
+from zero_jax.sharding.rules import ShardingError
 
 
 def parse(argv: list[str] | None = None) -> tuple[config_lib.RunConfig, argparse.Namespace]:

@@ -27,7 +27,7 @@ import tempfile  # noqa: E402
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-from zero_jax import data as data_lib  # noqa: E402
+from zero_jax.data import corpus as data_lib  # noqa: E402
 
 # Identical programs (the same reference run in several modules, a script run
 # three times by one test) compile once per session; subprocesses share it.

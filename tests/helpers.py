@@ -9,7 +9,8 @@ import jax
 import numpy as np
 
 import models
-from zero_jax import config as config_lib, data as data_lib, job as job_lib
+from zero_jax import config as config_lib, job as job_lib
+from zero_jax.data import corpus as data_lib
 
 
 def make_job(corpus, *, devices=None, **overrides):

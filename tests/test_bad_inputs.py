@@ -293,7 +293,7 @@ def test_a_committed_step_without_its_meta_is_a_damaged_checkpoint(tmp_path, cap
     ("data=2,fsdp=-1", 16, 16, False),
 ])
 def test_memory_report_simulates_the_mesh_as_configured(mesh, given, devices, note):
-    from zero_jax import mesh as mesh_lib
+    from zero_jax.sharding import mesh as mesh_lib
     count, said = script("memory_report").devices_for(mesh_lib.load(mesh), given)
     assert count == devices and bool(said) == note
     assert not note or f"reporting for {devices} simulated devices" in said

@@ -15,8 +15,12 @@ import pytest
 from safetensors import safe_open
 
 from tests.helpers import host, initial_state, make_job
-from zero_jax import checkpoint as ckpt_lib
-from zero_jax import data as data_lib, export, integrity, run, sampler
+from zero_jax.checkpoint import manager as ckpt_lib
+from zero_jax import run
+from zero_jax.data import corpus as data_lib
+from zero_jax.checkpoint import export
+from zero_jax.checkpoint import integrity
+from zero_jax.data import sampler
 from zero_jax import master as master_lib, state as state_lib
 
 

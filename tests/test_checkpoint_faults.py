@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from zero_jax import checkpoint as ckpt_lib
+from zero_jax.checkpoint import manager as ckpt_lib
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["--seq-len", "32", "--batch-size", "16", "--eval-batches", "1", "--no-progress"]
@@ -150,7 +150,8 @@ def test_export_memory_stays_near_the_largest_piece(tmp_path):
     script = f"""
 import sys; sys.path.insert(0, {str(ROOT)!r})
 from models import gpt
-from zero_jax import config as config_lib, job as job_lib, run, checkpoint as ckpt_lib
+from zero_jax import config as config_lib, job as job_lib, run
+from zero_jax.checkpoint import manager as ckpt_lib
 cfg = gpt.GPTConfig(vocab_size=256, n_layer=8, n_head=16, d_model=1024, d_mlp=4096, max_seq_len=64)
 r = config_lib.build(None, {{"optim.name": "sgd", "optim.momentum": 0.0, "data.seq_len": 32,
                              "train.batch_size": 8}})

@@ -1,8 +1,8 @@
-"""`zero-jax SUBCOMMAND`: the scripts under one command (zero_jax/cli.py)."""
+"""`zero-jax SUBCOMMAND`: the scripts under one command (zero_jax/cli/main.py)."""
 
 import sys
 
-from zero_jax import cli
+from zero_jax.cli import main as cli
 
 
 def test_help_lists_each_subcommand_with_its_scripts_first_line(capsys):

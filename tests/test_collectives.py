@@ -6,7 +6,7 @@ import jax
 import pytest
 
 from tests.helpers import make_job
-from zero_jax import hlo
+from zero_jax.analysis import hlo
 
 
 @pytest.fixture(scope="module")

@@ -6,8 +6,8 @@ import pytest
 import models
 from tests.helpers import make_job
 from zero_jax import config as config_lib, job as job_lib, run as run_lib
-from zero_jax.mesh import MeshError
-from zero_jax.rules import ShardingError
+from zero_jax.sharding.mesh import MeshError
+from zero_jax.sharding.rules import ShardingError
 
 
 @pytest.mark.parametrize("overrides,error,message", [
@@ -103,7 +103,7 @@ def test_flags_are_described_by_the_fields_comments():
     text = " ".join(parser.format_help().split())
     assert "--steps INT optimizer steps (the schedule's length) (default: 300)" in text
     assert "--remat STR none | full | dots_saveable | save_names | offload (default: 'none')" in text
-    assert "--keep-last INT keep the newest K complete checkpoints (default: 3)" in text  # checkpoint.py
+    assert "--keep-last INT keep the newest K complete checkpoints (default: 3)" in text  # checkpoint/manager.py
 
 
 def test_every_field_has_a_flag():

@@ -6,7 +6,8 @@ from pathlib import Path
 import jax
 import pytest
 
-from zero_jax import cpu, mesh as mesh_lib
+from zero_jax.runtime import cpu
+from zero_jax.sharding import mesh as mesh_lib
 
 FORCED = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
 LAUNCHED = {cpu.ENV_LAUNCHED: "2", **FORCED}

@@ -6,8 +6,9 @@ import jax
 import numpy as np
 import pytest
 
-from zero_jax import data as data_lib, sampler
-from zero_jax import mesh as mesh_lib
+from zero_jax.data import corpus as data_lib
+from zero_jax.data import sampler
+from zero_jax.sharding import mesh as mesh_lib
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 

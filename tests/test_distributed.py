@@ -5,9 +5,9 @@ import time
 
 import pytest
 
-from zero_jax import distributed
-from zero_jax.distributed import DistributedConfig, DistributedError
-from zero_jax.watchdog import EXIT_STUCK, StepWatchdog
+from zero_jax.runtime import distributed
+from zero_jax.runtime.distributed import DistributedConfig, DistributedError
+from zero_jax.runtime.watchdog import EXIT_STUCK, StepWatchdog
 
 
 def test_one_process_sets_nothing_up():
@@ -76,7 +76,8 @@ def test_watchdog_ignores_short_steps_and_the_first_ones():
 
 
 def test_plan_says_which_axes_cross_hosts():
-    from zero_jax import mesh, plan
+    from zero_jax.sharding import mesh
+    from zero_jax.analysis import summary as plan
     assert plan.placement(mesh.load("gpu-4x8").resolve(32)) == \
         "data: across hosts (dcn 4); fsdp: inside each host (ici 8)"
     assert plan.placement(mesh.load("fsdp=4,tensor=2").resolve(8)) == \
@@ -88,7 +89,8 @@ def test_plan_reads_which_axes_cross_processes_from_the_devices():
     fsdp=8 (all [ici] as written) on 4 processes of 2 devices spans them."""
     import numpy as np
 
-    from zero_jax import mesh, plan
+    from zero_jax.sharding import mesh
+    from zero_jax.analysis import summary as plan
     four_by_two = np.repeat(np.arange(4), 2).reshape(1, 1, 8, 1)  # process of each device
     assert plan.placement(mesh.load("fsdp=8").resolve(8), four_by_two) == \
         "fsdp: across processes (dcn 4 x ici 2)"

@@ -6,7 +6,8 @@ import jax
 import numpy as np
 
 from tests.helpers import initial_state, make_job
-from zero_jax import data as data_lib, loop
+from zero_jax import loop
+from zero_jax.data import corpus as data_lib
 
 
 def _setup(corpus, steps):

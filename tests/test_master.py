@@ -9,7 +9,8 @@ import pytest
 
 import models
 from tests.helpers import host, initial_state, make_job, train
-from zero_jax import config as config_lib, job as job_lib, master, memory
+from zero_jax import config as config_lib, job as job_lib, master
+from zero_jax.analysis import memory
 
 BF16 = dict(precision="bf16")
 
@@ -76,7 +77,7 @@ def test_a_skipped_step_leaves_master_moments_and_working_copy_bitwise(corpus):
     state = initial_state(job)
     before = host(state)
     t = job.run.train
-    from zero_jax import data as data_lib
+    from zero_jax.data import corpus as data_lib
     batch = data_lib.global_batch(corpus, "train", job.run.data.seq_len, t.batch_size, t.seed,
                                   step=0, sharding=job.layout.batch_sharding)
     state, m = job.compile_train_step()(state, batch)

@@ -8,7 +8,8 @@ import pytest
 
 import models
 from tests.helpers import make_job
-from zero_jax import config as config_lib, job as job_lib, memory
+from zero_jax import config as config_lib, job as job_lib
+from zero_jax.analysis import memory
 
 STATES = ("params", "grads", "opt_state")
 

@@ -6,8 +6,8 @@ import jax
 import numpy as np
 import pytest
 
-from zero_jax import mesh as mesh_lib
-from zero_jax.mesh import MeshConfig, MeshError
+from zero_jax.sharding import mesh as mesh_lib
+from zero_jax.sharding.mesh import MeshConfig, MeshError
 
 MESHES = Path(__file__).resolve().parent.parent / "meshes"
 

@@ -31,7 +31,8 @@ import numpy as np
 import pytest
 
 from tests.helpers import assert_close, first_step, host, initial_state, make_job, train
-from zero_jax import accumulate, data as data_lib, step as step_lib
+from zero_jax import accumulate, step as step_lib
+from zero_jax.data import corpus as data_lib
 
 MESHES = {
     "fsdp=8": {},

@@ -16,7 +16,8 @@ import jax
 import pytest
 
 import models
-from zero_jax import config as config_lib, flops, job as job_lib
+from zero_jax import config as config_lib, job as job_lib
+from zero_jax.analysis import flops
 from zero_jax.remat import Remat
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -78,7 +79,8 @@ def test_the_cpu_peak_is_measured_once_and_cached(tmp_path, monkeypatch):
 def test_processes_launched_on_one_host_share_its_peak(tmp_path, monkeypatch):
     """Under scripts/launch.py every process runs on the same cores: each
     device's share of the probed peak divides by all of their devices."""
-    from zero_jax import cpu, distributed
+    from zero_jax.runtime import cpu
+    from zero_jax.runtime import distributed
 
     monkeypatch.setenv("ZERO_JAX_CACHE", str(tmp_path))
     (tmp_path / "cpu_peak.json").write_text(json.dumps({flops._host_key("float32"): 8e12}))

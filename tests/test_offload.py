@@ -19,7 +19,10 @@ import numpy as np
 import pytest
 
 from tests.helpers import assert_close, compile_step, host, initial_state, make_job, train
-from zero_jax import checkpoint as ckpt_lib, config as config_lib, data as data_lib, memory, run
+from zero_jax import config as config_lib, run
+from zero_jax.checkpoint import manager as ckpt_lib
+from zero_jax.data import corpus as data_lib
+from zero_jax.analysis import memory
 
 GRID = list(itertools.product(("fsdp=8", "data=2,fsdp=4"), (1, 2, 3)))
 CASES = GRID if os.environ.get("ZERO_JAX_FULL_GRID") else [("data=2,fsdp=4", 1)]

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from tests.helpers import assert_close, compile_step, first_step, host, initial_state, make_job, train
-from zero_jax import data as data_lib, hlo
+from zero_jax.data import corpus as data_lib
+from zero_jax.analysis import hlo
 
 COMMON = dict(seq_len=16, batch_size=32, n_layer=8)
 MESHES = {
@@ -137,7 +138,7 @@ def test_one_f_one_b_memory_is_below_gpipe_and_flat_in_m(corpus, capsys):
     assert temp["gpipe", 32] - temp["gpipe", 8] >= 24 * act  # 24 more stashed inputs
 
 
-# Layer counts the stages do not divide (stages.py): 10 layers on 4 stages cut
+# Layer counts the stages do not divide (pipeline/cut.py): 10 layers on 4 stages cut
 # 2, 3, 3, 2 and 6 cut 1, 2, 2, 1 (the embedding and the head count as a layer
 # each), padded to 3 and 2 slots per stage. CI trains one (the evaluation
 # tests run 1f1b and interleaved forwards on 10 layers); ZERO_JAX_FULL_GRID=1

@@ -11,7 +11,10 @@ import jax
 import pytest
 
 import models
-from zero_jax import config as config_lib, hardware, job as job_lib, memory, planner
+from zero_jax import config as config_lib, job as job_lib
+from zero_jax.planner import devices as hardware
+from zero_jax.analysis import memory
+from zero_jax.planner import cost as planner
 
 ROOT = Path(__file__).resolve().parent.parent
 A100 = planner.Cluster(hardware.load("a100-80gb"), 48, 8)

@@ -1,4 +1,4 @@
-"""Prepared corpora (scripts/prepare_data.py, zero_jax/shards.py): tokenized
+"""Prepared corpora (scripts/prepare_data.py, zero_jax/data/token_files.py): tokenized
 documents in shards, chat data with a loss mask, bad data refused before
 anything compiles, the same batches on every layout and process count, and
 a masked loss that any microbatching gives alike."""
@@ -19,7 +19,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 import make_tokenizer  # noqa: E402
 import prepare_data  # noqa: E402
 from tests.helpers import assert_close, initial_state, make_job, train  # noqa: E402
-from zero_jax import data as data_lib, loop, run, sampler, shards  # noqa: E402
+from zero_jax import loop, run  # noqa: E402
+from zero_jax.data import corpus as data_lib
+from zero_jax.data import sampler
+from zero_jax.data import token_files as shards
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}

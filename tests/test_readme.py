@@ -37,7 +37,7 @@ from pathlib import Path
 
 import pytest
 
-from zero_jax import cli
+from zero_jax.cli import main as cli
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"

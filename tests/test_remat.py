@@ -7,7 +7,8 @@ import pytest
 
 from models import gpt
 from tests.helpers import make_job
-from zero_jax import config as config_lib, job as job_lib, memory
+from zero_jax import config as config_lib, job as job_lib
+from zero_jax.analysis import memory
 
 
 @pytest.fixture(scope="module")

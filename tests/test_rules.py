@@ -7,7 +7,7 @@ import dataclasses
 
 from models import gpt
 from zero_jax import config as config_lib, job as job_lib
-from zero_jax.rules import LAYOUTS, AxisRules, ShardingError, layout
+from zero_jax.sharding.rules import LAYOUTS, AxisRules, ShardingError, layout
 
 SIZES = {"pipe": 1, "data": 2, "fsdp": 4, "tensor": 2}
 

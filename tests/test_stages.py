@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from zero_jax.stages import balanced
+from zero_jax.pipeline.cut import balanced
 
 
 @pytest.mark.parametrize("layers,p,v,counts", [

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from tests.helpers import assert_close, host, make_job, train
-from zero_jax import hlo
+from zero_jax.analysis import hlo
 
 MESHES = ["fsdp=4,tensor=2", "data=2,fsdp=2,tensor=2", "tensor=8"]
 RTOL = 1e-5

@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 
 from tests.helpers import make_job, train
-from zero_jax import hlo, memory, traffic
+from zero_jax.analysis import hlo
+from zero_jax.analysis import memory
+from zero_jax.analysis import traffic
 
 # bf16 compute, float32 gradients: g = 4 bytes, c = 2 bytes per parameter.
 # The position table is as long as the sequence, so that every parameter is

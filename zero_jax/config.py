@@ -24,10 +24,10 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from zero_jax import profile
-from zero_jax.checkpoint import CheckpointConfig, complete_steps
-from zero_jax.distributed import DistributedConfig
-from zero_jax.mesh import MeshShape
+from zero_jax.runtime import trace as profile
+from zero_jax.checkpoint.manager import CheckpointConfig, complete_steps
+from zero_jax.runtime.distributed import DistributedConfig
+from zero_jax.sharding.mesh import MeshShape
 from zero_jax.optim import OptimConfig
 
 

@@ -47,8 +47,8 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from zero_jax.remat import DOT, WEIGHT, Remat
-from zero_jax.rules import AxisRules
-from zero_jax.zero import Placement
+from zero_jax.sharding.rules import AxisRules
+from zero_jax.sharding.zero import Placement
 
 
 def _put(x, sharding):

@@ -17,11 +17,15 @@ import jax.numpy as jnp
 import optax
 
 from zero_jax import config as config_lib
-from zero_jax import hlo, loss_scale, master, memory, optim, precision, remat, rules, state, step, traffic
-from zero_jax import mesh as mesh_lib
-from zero_jax import schedule as sched_lib
-from zero_jax import stages as stages_lib
-from zero_jax import zero as zero_lib
+from zero_jax import loss_scale, master, optim, precision, remat, state, step
+from zero_jax.analysis import hlo
+from zero_jax.analysis import memory
+from zero_jax.sharding import rules
+from zero_jax.analysis import traffic
+from zero_jax.sharding import mesh as mesh_lib
+from zero_jax.pipeline import schedule as sched_lib
+from zero_jax.pipeline import cut as stages_lib
+from zero_jax.sharding import zero as zero_lib
 from zero_jax.hooks import Hooks
 from zero_jax.model import ModelFns
 

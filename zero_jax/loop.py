@@ -17,13 +17,13 @@ from typing import Any, Callable, TextIO
 import jax
 from tqdm import tqdm
 
-from zero_jax import metrics as metrics_lib
-from zero_jax.distributed import local
-from zero_jax.flops import Throughput
-from zero_jax.metrics import MetricsWriter, TensorBoardWriter
-from zero_jax.profile import Tracer
+from zero_jax.runtime import metrics as metrics_lib
+from zero_jax.runtime.distributed import local
+from zero_jax.analysis.flops import Throughput
+from zero_jax.runtime.metrics import MetricsWriter, TensorBoardWriter
+from zero_jax.runtime.trace import Tracer
 from zero_jax.state import TrainState
-from zero_jax.watchdog import StepWatchdog
+from zero_jax.runtime.watchdog import StepWatchdog
 
 
 class TrainingHalted(RuntimeError):

@@ -1,6 +1,6 @@
 """Optimizer and learning-rate schedule from a frozen config.
 
-Any optax GradientTransformation works with the ZeRO layouts (zero.py derives
+Any optax GradientTransformation works with the ZeRO layouts (sharding/zero.py derives
 the optimizer-state shardings from the state's structure); this file only
 builds the common ones from flags.
 """

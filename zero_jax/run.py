@@ -19,13 +19,19 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from zero_jax import checkpoint as ckpt_lib
-from zero_jax import data as data_lib
-from zero_jax import distributed, export, flops, integrity, loop, profile, sampler
+from zero_jax.checkpoint import manager as ckpt_lib
+from zero_jax.data import corpus as data_lib
+from zero_jax import loop
+from zero_jax.runtime import distributed
+from zero_jax.checkpoint import export
+from zero_jax.analysis import flops
+from zero_jax.checkpoint import integrity
+from zero_jax.runtime import trace as profile
+from zero_jax.data import sampler
 from zero_jax.job import Job
-from zero_jax.preempt import Preemption
+from zero_jax.runtime.preempt import Preemption
 from zero_jax.state import TrainState
-from zero_jax.watchdog import StepWatchdog
+from zero_jax.runtime.watchdog import StepWatchdog
 
 # (path, job) -> the parameters placed in the job's layout (None: not this format)
 ParamLoader = Callable[[str, Job], Any]

@@ -23,12 +23,12 @@ from zero_jax import loss_scale as loss_scale_lib
 from zero_jax import master as master_lib
 from zero_jax import offload as offload_lib
 from zero_jax import precision as precision_lib
-from zero_jax import zero as zero_lib
+from zero_jax.sharding import zero as zero_lib
 from zero_jax.hooks import use_dtypes
-from zero_jax.mesh import DATA_AXES, MeshShape
+from zero_jax.sharding.mesh import DATA_AXES, MeshShape
 from zero_jax.model import ModelFns
-from zero_jax.rules import AxisRules
-from zero_jax.stages import Stages
+from zero_jax.sharding.rules import AxisRules
+from zero_jax.pipeline.cut import Stages
 
 
 class TrainState(NamedTuple):
@@ -228,7 +228,7 @@ def make_layout(model: ModelFns, tx: optax.GradientTransformation, mesh: Mesh,
     wrapped by `master.wrap`: it is initialised with the float32 parameters,
     and the stored parameters are the working copy in the dtypes the model
     uses them in. With `stages`, layer stacks (leaves whose first logical
-    axis is `layers`) are stored in the pipeline's slots (stages.py).
+    axis is `layers`) are stored in the pipeline's slots (pipeline/cut.py).
     """
     boxed = jax.eval_shape(lambda: model.init(jax.random.key(0)))  # traces the key too: no compile
     names = logical_names(boxed)

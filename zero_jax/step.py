@@ -22,14 +22,14 @@ from jax.sharding import NamedSharding, PartitionSpec
 from zero_jax import loss_scale as loss_scale_lib
 from zero_jax import master as master_lib
 from zero_jax import offload as offload_lib
-from zero_jax import pipeline as pipeline_lib
-from zero_jax import zero as zero_lib
+from zero_jax.pipeline import executor as pipeline_lib
+from zero_jax.sharding import zero as zero_lib
 from zero_jax.accumulate import accumulate, accumulate_partials, reduce_partials
 from zero_jax.hooks import Hooks
 from zero_jax.loss import cross_entropy
 from zero_jax.model import ModelFns
-from zero_jax import schedule as sched_lib
-from zero_jax.schedule import Schedule
+from zero_jax.pipeline import schedule as sched_lib
+from zero_jax.pipeline.schedule import Schedule
 from zero_jax.state import Layout, TrainState
 
 
@@ -172,7 +172,7 @@ def partial_sums(layout: Layout, model: ModelFns, hooks: Hooks, microbatches: in
 
 def pipelined(layout: Layout, model: ModelFns, hooks: Hooks, sched: Schedule,
               constrain_grads: Callable, gather_once: bool, reduce_once: bool) -> Callable:
-    """loss_and_grads through the pipeline schedule `sched` (pipeline.py)."""
+    """loss_and_grads through the pipeline schedule `sched` (pipeline/executor.py)."""
     fns = model.pipeline
     axes = unreduced_axes(layout, sched.m, reduce_once)
     sizes = layout.mesh_shape.sizes

@@ -27,7 +27,8 @@ transformers = pytest.importorskip("transformers", reason="make test-interop ins
 
 import models  # noqa: E402
 from tests.helpers import host, make_job  # noqa: E402
-from zero_jax import checkpoint as ckpt_lib, generate, run  # noqa: E402
+from zero_jax import generate, run  # noqa: E402
+from zero_jax.checkpoint import manager as ckpt_lib
 
 ROOT = Path(__file__).resolve().parents[2]
 SHAPE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

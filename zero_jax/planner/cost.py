@@ -34,9 +34,13 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh, AxisType
 
-from zero_jax import config as config_lib, job as job_lib, memory, mesh as mesh_lib
-from zero_jax import remat as remat_lib, schedule as sched_lib, zero as zero_lib
-from zero_jax.hardware import Device
+from zero_jax import config as config_lib, job as job_lib
+from zero_jax.analysis import memory
+from zero_jax.sharding import mesh as mesh_lib
+from zero_jax import remat as remat_lib
+from zero_jax.pipeline import schedule as sched_lib
+from zero_jax.sharding import zero as zero_lib
+from zero_jax.planner.devices import Device
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,7 +27,9 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from zero_jax import cpu, distributed, hardware
+from zero_jax.runtime import cpu
+from zero_jax.runtime import distributed
+from zero_jax.planner import devices as hardware
 
 
 @dataclasses.dataclass(frozen=True)

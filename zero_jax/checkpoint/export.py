@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterable, Iterator
 import numpy as np
 import tensorstore as ts
 
-from zero_jax import integrity
+from zero_jax.checkpoint import integrity
 
 # numpy dtype name -> safetensors dtype
 _DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64",

@@ -16,7 +16,7 @@ from typing import Mapping, Sequence
 
 from jax.sharding import PartitionSpec
 
-from zero_jax.mesh import DATA_AXES
+from zero_jax.sharding.mesh import DATA_AXES
 
 # Logical names every model may use. Parameters: embed, heads, kv_heads (key
 # and value heads under grouped-query attention), kv (head size), mlp, vocab,

@@ -24,7 +24,7 @@ import jax
 import optax
 from jax.sharding import PartitionSpec
 
-from zero_jax.mesh import AXES, MeshShape
+from zero_jax.sharding.mesh import AXES, MeshShape
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zero_jax.distributed import local
+from zero_jax.runtime.distributed import local
 from zero_jax.offload import HOST
 
 _UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}

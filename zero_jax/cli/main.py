@@ -18,7 +18,7 @@ import runpy
 import sys
 from pathlib import Path
 
-SCRIPTS_DIR = Path(__file__).resolve().parent.parent / "scripts"
+SCRIPTS_DIR = Path(__file__).resolve().parent.parent.parent / "scripts"
 # subcommand -> script in scripts/
 COMMANDS = {"train": "train.py", "plan": "plan.py", "memory": "memory_report.py",
             "export": "export.py", "launch": "launch.py", "bench": "bench.py"}

@@ -1,7 +1,7 @@
 """The order in which training reads its windows: a pure function of
 (seed, split, step, row), defined here bit for bit.
 
-The data is cut into `n` windows (data.py). Sample `i = step * batch + row`
+The data is cut into `n` windows (corpus.py). Sample `i = step * batch + row`
 of a split is window `permute(i mod n)` of epoch `i div n`, where `permute`
 is a pseudo-random bijection of [0, n) keyed by (seed, split, epoch): every
 window is read once per epoch, in an order that changes every epoch.

@@ -15,7 +15,7 @@ so what a device holds is the stash: m inputs under gpipe, at most p under
 assigned when the table is compiled (`Program`), so the loop indexes fixed
 arrays.
 
-The layer stack is stored in the slots of its cut (stages.py): device d's
+The layer stack is stored in the slots of its cut (cut.py): device d's
 chunks d, d + p, ... in its own part of the slot dimension, so a device
 runs what it stores. A chunk shorter than its slots (layer counts that the
 stages do not divide) runs its slots one at a time and passes its input
@@ -35,8 +35,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from zero_jax.accumulate import split_microbatches
 from zero_jax.hooks import RowSplit, psum
 from zero_jax.loss import cross_entropy
-from zero_jax.schedule import Schedule
-from zero_jax.stages import Stages
+from zero_jax.pipeline.schedule import Schedule
+from zero_jax.pipeline.cut import Stages
 
 NOP, FWD, BWD = 0, 1, 2
 

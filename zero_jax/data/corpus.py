@@ -5,7 +5,7 @@ Three sources, one shape (a split is a list of `shards.Shard`):
 - "stdlib": real text every machine has, the Python standard library's own
   source files, read at run time as bytes (vocabulary 256), with about 5%
   of the files held out for validation;
-- a directory written by scripts/prepare_data.py (shards.py): token shards
+- a directory written by scripts/prepare_data.py (token_files.py): token shards
   memory-mapped, documents split between train and validation, and for
   instruction data a loss mask beside the tokens;
 - a flat file of uint16 ids (with an optional `<file>.json` sidecar holding
@@ -33,8 +33,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from zero_jax import sampler
-from zero_jax.shards import DataError, Shard, check_ids, file_sha256, open_split, read_meta
+from zero_jax.data import sampler
+from zero_jax.data.token_files import DataError, Shard, check_ids, file_sha256, open_split, read_meta
 
 STDLIB = "stdlib"
 

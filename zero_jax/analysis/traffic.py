@@ -32,9 +32,9 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from zero_jax import hlo
-from zero_jax import zero as zero_lib
-from zero_jax.mesh import DATA_AXES
+from zero_jax.analysis import hlo
+from zero_jax.sharding import zero as zero_lib
+from zero_jax.sharding.mesh import DATA_AXES
 
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
           "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}

@@ -104,7 +104,7 @@ class Cost(NamedTuple):
 
 def cost(s: Schedule, layers: Sequence[float], head: float = 0.0, embed: float = 0.0,
          send: float = 0.0, backward: float = 3.0) -> Cost:
-    """The time of the lockstep loop that runs `s` (pipeline.py).
+    """The time of the lockstep loop that runs `s` (executor.py).
 
     `layers[g]`: layers in global chunk g. A forward costs its layers (1
     each), plus the embedding on chunk 0 (`embed`) and, on the last chunk,

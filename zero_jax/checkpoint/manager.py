@@ -32,7 +32,7 @@ from typing import Any, Callable
 import jax
 import orbax.checkpoint as ocp
 
-from zero_jax import integrity
+from zero_jax.checkpoint import integrity
 from zero_jax.state import TrainState, saved_form
 
 ITEMS = ("params", "opt_state", "scalars")

@@ -8,9 +8,11 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from zero_jax import pipeline as pipeline_lib, schedule as sched_lib, zero as zero_lib
+from zero_jax.pipeline import executor as pipeline_lib
+from zero_jax.pipeline import schedule as sched_lib
+from zero_jax.sharding import zero as zero_lib
 from zero_jax.job import Job
-from zero_jax.mesh import AXES
+from zero_jax.sharding.mesh import AXES
 
 
 def shaped(shape, spec: PartitionSpec) -> str:

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from zero_jax import shards
+from zero_jax.data import token_files as shards
 
 BYTES = "bytes"
 # Names Hugging Face tokenizers give their end-of-document token, tried in order

@@ -1,5 +1,5 @@
 """The on-disk format of a prepared corpus (scripts/prepare_data.py writes
-it, data.py reads it): a directory of token shards and one `meta.json`.
+it, corpus.py reads it): a directory of token shards and one `meta.json`.
 
     DATA_DIR/meta.json              what follows, written last
     DATA_DIR/train-00000.tokens     token ids, little-endian uint16 or uint32

@@ -9,7 +9,9 @@ import dataclasses
 import tomllib
 from pathlib import Path
 
-DIRECTORY = Path(__file__).resolve().parent.parent / "meshes" / "devices"
+from zero_jax.sharding.mesh import MESHES
+
+DIRECTORY = MESHES / "devices"
 
 
 @dataclasses.dataclass(frozen=True)

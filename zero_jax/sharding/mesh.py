@@ -31,7 +31,7 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
-from zero_jax import cpu
+from zero_jax.runtime import cpu
 
 # Outermost to innermost: the innermost axis gets the closest devices, so the
 # axis with the most traffic (tensor) is last and the lightest (pipe) first.
@@ -39,6 +39,17 @@ AXES: tuple[str, ...] = ("pipe", "data", "fsdp", "tensor")
 # The global batch is split over these axes; ZeRO shards state over them too
 # unless a config narrows `zero_shard_axes` (hybrid sharding).
 DATA_AXES: tuple[str, ...] = ("data", "fsdp")
+
+
+def _meshes_dir() -> Path:
+    """The mesh configs: the copy a (non-editable) install puts inside the
+    package, else meshes/ beside the package in a source tree."""
+    package = Path(__file__).resolve().parent.parent
+    installed = package / "meshes"
+    return installed if installed.is_dir() else package.parent / "meshes"
+
+
+MESHES = _meshes_dir()  # <name>.toml per mesh; devices/<kind>.toml per accelerator kind
 
 
 class MeshError(ValueError):
@@ -200,7 +211,7 @@ def load(spec: str) -> MeshConfig:
         return parse_inline(spec)
     path = Path(spec)
     if not path.exists():
-        directory = Path(__file__).resolve().parent.parent / "meshes"
+        directory = MESHES
         candidate = directory / f"{spec}.toml"
         if candidate.exists():
             path = candidate

@@ -21,7 +21,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from zero_jax import offload as offload_lib
-from zero_jax import zero as zero_lib
+from zero_jax.sharding import zero as zero_lib
 from zero_jax.state import Layout
 
 
@@ -40,7 +40,7 @@ def sharded_bytes(abstract: Any, specs: Any, mesh) -> int:
 
 
 def stored_count(layout: Layout) -> int:
-    """Parameters stored, a pipeline's padding slots (stages.py) included."""
+    """Parameters stored, a pipeline's padding slots (pipeline/cut.py) included."""
     return sum(math.prod(p.shape) for p in jax.tree.leaves(layout.abstract.params))
 
 

@@ -1,0 +1,1 @@
+"""The `zero-jax` command: one module per subcommand."""
