@@ -9,7 +9,6 @@ in the compute dtype, so the scores before it are never kept either.
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Callable
 

@@ -70,7 +70,7 @@ def main(argv=None) -> int:
     compiled, text = (None, None) if args.no_compile else job.compile_with_text()
     report = job.memory_report(compiled, text)
     if args.json:
-        print(json.dumps(report, indent=1))
+        print(json.dumps(report.to_json(), indent=1))
     else:
         print(plan.describe(job, f"vocab {job.model.vocab_size} (shapes only)", model_line,
                             compiled, text))

@@ -2,7 +2,6 @@
 
 import functools
 import json
-import os
 import re
 import shutil
 import subprocess

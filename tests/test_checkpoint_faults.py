@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 from zero_jax.checkpoint import manager as ckpt_lib
 

@@ -3,7 +3,6 @@
 import math
 
 import jax
-import numpy as np
 import pytest
 
 import models

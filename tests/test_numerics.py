@@ -30,7 +30,7 @@ import jax
 import numpy as np
 import pytest
 
-from tests.helpers import assert_close, first_step, host, initial_state, make_job, train
+from tests.helpers import assert_close, first_step, host, make_job, train
 from zero_jax import accumulate, step as step_lib
 from zero_jax.data import corpus as data_lib
 

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-
+from zero_jax.sharding.specs import entries, entry_axes, spec_leaves
 
 def split_microbatches(batch: Any, microbatches: int) -> Any:
     """(B, ...) -> (m, B/m, ...) for each array of `batch`, microbatch j
@@ -105,10 +105,6 @@ def accumulate_partials(value_and_grad: Callable[[Any, Any], tuple[jax.Array, An
     return jax.lax.scan(body, (jnp.zeros((shards,), jnp.float32), zeros), micro)[0]
 
 
-def _axes(entry) -> tuple[str, ...]:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-
-
 def reduce_partials(partials: Any, grad_specs: Any, mesh: Mesh, axes: Sequence[str],
                     zero_axes: Sequence[str]) -> Any:
     """Partial sums with a leading axis over the data-parallel mesh `axes` ->
@@ -126,8 +122,9 @@ def reduce_partials(partials: Any, grad_specs: Any, mesh: Mesh, axes: Sequence[s
     """
     axes = tuple(axes)
     sizes = dict(mesh.shape)
-    is_spec = lambda x: isinstance(x, PartitionSpec)
-    pin = lambda x, spec: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+    def pin(x, spec):
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
     def total(x, dims):
         # In the gradient dtype: jnp.sum would sum bf16 in float32, and so
@@ -135,17 +132,17 @@ def reduce_partials(partials: Any, grad_specs: Any, mesh: Mesh, axes: Sequence[s
         return jax.lax.reduce(x, jnp.zeros((), x.dtype), jax.lax.add, dims)
 
     def reduce_one(x, spec):
-        entries = tuple(spec) + (None,) * (x.ndim - 1 - len(spec))
-        first = tuple(a for a in zero_axes if a in axes and any(a in _axes(e) for e in entries))
+        dims = entries(spec, x.ndim - 1)
+        first = tuple(a for a in zero_axes if a in axes and any(a in entry_axes(e) for e in dims))
         rest = tuple(a for a in axes if a not in first)
         if not first or not rest:
             return pin(total(x, (0,)), spec)
         # One dimension per mesh axis of the shards' axis, in `axes` order.
         x = pin(x.reshape(*(sizes[a] for a in axes), *x.shape[1:]), PartitionSpec(*axes))
         over_first = tuple(i for i, a in enumerate(axes) if a in first)
-        x = pin(total(x, over_first), PartitionSpec(*rest, *entries))
+        x = pin(total(x, over_first), PartitionSpec(*rest, *dims))
         return pin(total(x, tuple(range(len(rest)))), spec)
 
-    specs = jax.tree.leaves(grad_specs, is_leaf=is_spec)
+    specs = spec_leaves(grad_specs)
     leaves, tree = jax.tree.flatten(partials)
     return jax.tree.unflatten(tree, [reduce_one(x, s) for x, s in zip(leaves, specs)])

@@ -118,25 +118,17 @@ class Job:
         `collectives` measures), from one compile."""
         return hlo.compile_partitioned(self.lower_train_step())
 
-    def collectives(self, partitioned_text: str, compiled_step=None) -> dict:
+    def collectives(self, partitioned_text: str, compiled_step=None) -> traffic.CollectiveReport:
         """Collective payload bytes per device per step, measured and in theory."""
         measured = traffic.traffic(partitioned_text, self.layout.mesh)
         expected = traffic.theory(self.layout, self.run.train.microbatches, self.reduce_once,
                                   self.policy.dtype("compute"), self.model.gathered_once)
-        out = {"collectives": measured.by_op, "collective_bytes": measured.total,
-               "collective_theory": None if expected is None
-               else {**expected, "total": sum(expected.values())},
-               "collective_notes": {
-                   "source": "HLO after SPMD partitioning (before backend passes)",
-                   "reduce_scatters_from_all_reduce": measured.rewritten,
-                   "bytes_in_conditional_branches": measured.in_branches,
-                   "loops_of_unknown_trip_count": measured.unknown_loops}}
-        if compiled_step is not None:
-            backend = traffic.traffic(compiled_step.as_text(), self.layout.mesh)
-            out["collective_notes"]["after_backend_passes_bytes"] = backend.total
-        return out
+        backend = (None if compiled_step is None
+                   else traffic.traffic(compiled_step.as_text(), self.layout.mesh).total)
+        return traffic.CollectiveReport(measured, expected, backend)
 
-    def memory_report(self, compiled_step=None, partitioned_text: str | None = None) -> dict:
+    def memory_report(self, compiled_step=None,
+                      partitioned_text: str | None = None) -> memory.MemoryReport:
         collectives = (None if partitioned_text is None
                        else self.collectives(partitioned_text, compiled_step))
         return memory.report(self.layout, compiled_step, self.activation_estimate(), collectives)

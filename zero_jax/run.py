@@ -32,6 +32,7 @@ from zero_jax.job import Job
 from zero_jax.runtime.preempt import Preemption
 from zero_jax.state import TrainState
 from zero_jax.runtime.watchdog import StepWatchdog
+from zero_jax.sharding.specs import is_spec, named_leaves
 
 # (path, job) -> the parameters placed in the job's layout (None: not this format)
 ParamLoader = Callable[[str, Job], Any]
@@ -54,14 +55,12 @@ def checkpoint_meta(job: Job, step: int, corpus: data_lib.TokenData | None = Non
     """What a checkpoint records beside the arrays (with `corpus`, what the
     data was: its token counts and tokenizer)."""
     run, t = job.run, job.run.train
-    names = jax.tree_util.tree_flatten_with_path(
-        job.layout.names, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))[0]
     return {
         "run": run.to_dict(),
         "model": {"name": run.model.name,
                   **(dataclasses.asdict(job.model.config) if job.model.config else {})},
-        "logical_axes": {jax.tree_util.keystr(p, simple=True, separator="."): list(spec)
-                         for p, spec in names},
+        "logical_axes": {path: list(spec) for path, spec in
+                         named_leaves(job.layout.names, is_leaf=is_spec).items()},
         "data": data_meta(job, step, corpus),
         # No other randomness than the seed (initialisation, data order).
         "prng": {"seed": t.seed, "impl": str(jax.config.jax_default_prng_impl)},

@@ -28,6 +28,7 @@ from zero_jax.hooks import use_dtypes
 from zero_jax.sharding.mesh import DATA_AXES, MeshShape
 from zero_jax.model import ModelFns
 from zero_jax.sharding.rules import AxisRules
+from zero_jax.sharding.specs import entries, entry_axes, map_specs, path_name
 from zero_jax.pipeline.cut import Stages
 
 
@@ -98,8 +99,7 @@ class Layout:
         return TrainState(PartitionSpec(), self.specs.params, self.specs.opt_state, scalars)
 
     def named(self, specs: Any) -> Any:
-        return jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs,
-                            is_leaf=lambda x: isinstance(x, PartitionSpec))
+        return map_specs(lambda s: NamedSharding(self.mesh, s), specs)
 
     @property
     def shardings(self) -> TrainState:
@@ -123,10 +123,9 @@ class Layout:
             if not (stacked and self.stages):
                 return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
             shape = (self.stages.layers,) + a.shape[1:]
-            spec = tuple(s.spec) + (None,) * (len(shape) - len(s.spec))
-            axes = () if spec[0] is None else (spec[0],) if isinstance(spec[0], str) else spec[0]
-            if shape[0] % math.prod(self.mesh_shape.sizes[a] for a in axes):
-                spec = (None,) + spec[1:]
+            spec = entries(s.spec, len(shape))
+            if shape[0] % math.prod(self.mesh_shape.sizes[a] for a in entry_axes(spec[0])):
+                spec[0] = None
             return jax.ShapeDtypeStruct(shape, a.dtype, sharding=NamedSharding(self.mesh,
                                                                                PartitionSpec(*spec)))
         return self.saved_form(jax.tree.map(target, self.abstract, self.shardings,
@@ -233,8 +232,7 @@ def make_layout(model: ModelFns, tx: optax.GradientTransformation, mesh: Mesh,
     boxed = jax.eval_shape(lambda: model.init(jax.random.key(0)))  # traces the key too: no compile
     names = logical_names(boxed)
     params = jax.eval_shape(lambda: init_params(model, jax.random.key(0), param_dtype))
-    stacked_params = jax.tree.map(lambda n: len(n) > 0 and n[0] == "layers", names,
-                                  is_leaf=lambda x: isinstance(x, PartitionSpec))
+    stacked_params = map_specs(lambda n: len(n) > 0 and n[0] == "layers", names)
     master = compute_dtype is not None and needs_master(zero_stage, param_dtype, compute_dtype)
     if master:  # traced in layer order, before any padding
         tokens = (1, min(8, model.max_seq_len or 8))
@@ -257,7 +255,7 @@ def make_layout(model: ModelFns, tx: optax.GradientTransformation, mesh: Mesh,
     compute = jax.tree_util.tree_map_with_path(
         lambda path, p, n: rules.spec(
             n, p.shape, sizes,
-            what=f"parameter {jax.tree_util.keystr(path, simple=True, separator='.')}"),
+            what=f"parameter {path_name(path)}"),
         params, names)
     placement = zero_lib.Placement.on(mesh_shape, min_shard_elements)
     pipe = zero_lib.Placement(("pipe",), sizes["pipe"], min_shard_elements) \

@@ -24,6 +24,7 @@ from zero_jax import master as master_lib
 from zero_jax import offload as offload_lib
 from zero_jax.pipeline import executor as pipeline_lib
 from zero_jax.sharding import zero as zero_lib
+from zero_jax.sharding.specs import map_specs, without_axis
 from zero_jax.accumulate import accumulate, accumulate_partials, reduce_partials
 from zero_jax.hooks import Hooks
 from zero_jax.loss import cross_entropy
@@ -148,8 +149,7 @@ def partial_sums(layout: Layout, model: ModelFns, hooks: Hooks, microbatches: in
     # gradient is reduced into its stored layout as usual.
     inside = set(axes) != set(layout.data_axes)
     specs = layout.specs.grads if inside else layout.specs.compute
-    partial_specs = jax.tree.map(lambda s: PartitionSpec(axes, *s), specs,
-                                 is_leaf=lambda x: isinstance(x, PartitionSpec))
+    partial_specs = map_specs(lambda s: PartitionSpec(axes, *s), specs)
     constrain_partials = _constrainer(layout, partial_specs, hooks.grad_dtype)
     constrain_inside = _constrainer(layout, specs, hooks.grad_dtype)
     micro = NamedSharding(layout.mesh, PartitionSpec(None, axes))
@@ -183,14 +183,11 @@ def pipelined(layout: Layout, model: ModelFns, hooks: Hooks, sched: Schedule,
     _, stack_specs = fns.split(layout.specs.params)
     outer_acc, stack_acc = fns.split(accumulated)
     outer_compute, stack_compute = fns.split(layout.specs.compute)
-    is_spec = lambda x: isinstance(x, PartitionSpec)
-    within = lambda specs, lead: jax.tree.map(  # a stage's view: `pipe` left out
-        lambda s: PartitionSpec(*lead, None, *tuple(s)[1:]), specs, is_leaf=is_spec)
     where = pipeline_lib.StageLayout(
-        stack=stack_specs, stage_grads=within(stack_acc, (None,)),
-        outer_grads=jax.tree.map(_without_pipe, outer_acc, is_leaf=is_spec),
+        stack=stack_specs, stage_grads=_within_stage(stack_acc, (None,)),
+        outer_grads=map_specs(_without_pipe, outer_acc),
         grad_dtype=layout.grad_dtype,
-        gather=(outer_compute, within(stack_compute, ())) if gather_once else None,
+        gather=(outer_compute, _within_stage(stack_compute, ())) if gather_once else None,
         shard_axes=axes, shards=math.prod(sizes[a] for a in axes), stages=layout.stages)
 
     def loss_and_grads(params, batch, scale):
@@ -207,10 +204,16 @@ def pipelined(layout: Layout, model: ModelFns, hooks: Hooks, sched: Schedule,
     return loss_and_grads
 
 
+def _within_stage(specs: Any, lead: tuple) -> Any:
+    """Specs of a layer stack as one stage sees them inside the pipeline's
+    shard_map: `lead` dimensions first, then the stack's own, `pipe` left out."""
+    return map_specs(lambda s: PartitionSpec(*lead, None, *tuple(s)[1:]), specs)
+
+
 def _without_pipe(spec: PartitionSpec) -> PartitionSpec:
     """`spec` inside the pipeline's shard_map, where `pipe` is manual: the
     embedding and head are stored split over `pipe` and used whole."""
-    return zero_lib.without(spec, "pipe")
+    return without_axis(spec, "pipe")
 
 
 def _constrainer(layout: Layout, specs: Any, dtype) -> Callable[[Any], Any]:

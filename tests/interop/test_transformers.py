@@ -8,7 +8,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import flax.linen as nn
 import jax
 import numpy as np
 import pytest

@@ -13,30 +13,25 @@ remat policy, and the compiled step's temporary bytes.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 
 from zero_jax import offload as offload_lib
+from zero_jax.analysis.traffic import CollectiveReport
 from zero_jax.sharding import zero as zero_lib
+from zero_jax.sharding.specs import bytes_per_device, shard_elements
 from zero_jax.state import Layout
+
+STATES = ("params", "grads", "opt_state")  # the keys of every {state: bytes} figure here
 
 
 def _nbytes(leaf) -> int:
     return math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
-
-
-def sharded_bytes(abstract: Any, specs: Any, mesh) -> int:
-    """Bytes one device holds of `abstract` laid out by `specs`."""
-    total = 0
-    for leaf, spec in zip(jax.tree.leaves(abstract),
-                          jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))):
-        shard = NamedSharding(mesh, spec).shard_shape(leaf.shape)
-        total += math.prod(shard) * np.dtype(leaf.dtype).itemsize
-    return total
 
 
 def stored_count(layout: Layout) -> int:
@@ -104,11 +99,12 @@ def formula(layout: Layout) -> str:
 
 
 def sharded(layout: Layout) -> dict[str, int]:
+    """Bytes per device of each state as its shardings store it."""
     a, s = layout.abstract, layout.specs
     return {
-        "params": sharded_bytes(a.params, s.params, layout.mesh),
-        "grads": sharded_bytes(layout.abstract_grads, s.grads, layout.mesh),
-        "opt_state": sharded_bytes(a.opt_state, s.opt_state, layout.mesh),
+        "params": bytes_per_device(a.params, s.params, layout.mesh),
+        "grads": bytes_per_device(layout.abstract_grads, s.grads, layout.mesh),
+        "opt_state": bytes_per_device(a.opt_state, s.opt_state, layout.mesh),
     }
 
 
@@ -125,12 +121,13 @@ def by_memory_kind(layout: Layout) -> dict[str, dict[str, int]]:
         for leaf, s in zip(jax.tree.leaves(abstract), jax.tree.leaves(
                 tree, is_leaf=lambda x: isinstance(x, NamedSharding))):
             where = "host" if s.memory_kind == offload_lib.HOST else "device"
-            out[where][name] += math.prod(s.shard_shape(leaf.shape)) * np.dtype(leaf.dtype).itemsize
+            out[where][name] += shard_elements(leaf.shape, s) * np.dtype(leaf.dtype).itemsize
     out["device"]["grads"] = total["grads"]
     return out
 
 
 def compiled(compiled_step) -> dict[str, int]:
+    """The compiled step's bytes per device, from its `memory_analysis()`."""
     m = compiled_step.memory_analysis()
     return {
         "argument_bytes": int(m.argument_size_in_bytes),
@@ -140,19 +137,42 @@ def compiled(compiled_step) -> dict[str, int]:
     }
 
 
-def report(layout: Layout, compiled_step=None, activations: dict[str, float] | None = None,
-           collectives: dict[str, Any] | None = None) -> dict[str, Any]:
-    out = {"param_count": param_count(layout), "bytes_per_param": bytes_per_param(layout),
-           "formula": formula(layout), "theory_bytes": theory(layout),
-           "sharded_bytes": sharded(layout)}
+@dataclasses.dataclass(frozen=True)
+class MemoryReport:
+    """Bytes per device of one run's train step, three ways and beside its
+    activations and collectives; each {state: bytes} figure is keyed by STATES."""
+
+    param_count: int  # the model's parameters
+    bytes_per_param: dict[str, float]  # per state, before any ZeRO division
+    formula: str  # the ZeRO formula in use, as a line of text
+    theory_bytes: dict[str, float]  # the ZeRO paper's formula
+    sharded_bytes: dict[str, int]  # the actual shardings
+    device_bytes: dict[str, int]  # of sharded_bytes, in device memory
+    host_bytes: dict[str, int]  # of sharded_bytes, in host memory (offload)
+    compiled: dict[str, int] | None = None  # memory_analysis() of the compiled step
+    activations: dict[str, float] | None = None  # analytic_bytes (and compiled_temp_bytes)
+    collectives: CollectiveReport | None = None  # payload bytes per device per step
+
+    def to_json(self) -> dict[str, Any]:
+        """The report as one JSON object: figures not measured are left out,
+        and the collectives' keys sit at the top level."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+               if f.name != "collectives" and getattr(self, f.name) is not None}
+        if self.collectives is not None:
+            out.update(self.collectives.to_json())
+        return out
+
+
+def report(layout: Layout, compiled_step=None, activation_bytes: float | None = None,
+           collectives: CollectiveReport | None = None) -> MemoryReport:
+    """The report of `layout`, with the compiled step's figures where it is given."""
     split = by_memory_kind(layout)
-    out["device_bytes"], out["host_bytes"] = split["device"], split["host"]
-    if compiled_step is not None:
-        out["compiled"] = compiled(compiled_step)
-    if collectives is not None:
-        out.update(collectives)
-    if activations is not None:
-        out["activations"] = {"analytic_bytes": activations}
-        if compiled_step is not None:
-            out["activations"]["compiled_temp_bytes"] = out["compiled"]["temp_bytes"]
-    return out
+    measured = None if compiled_step is None else compiled(compiled_step)
+    activations = None
+    if activation_bytes is not None:
+        activations = {"analytic_bytes": activation_bytes}
+        if measured is not None:
+            activations["compiled_temp_bytes"] = measured["temp_bytes"]
+    return MemoryReport(param_count(layout), bytes_per_param(layout), formula(layout),
+                        theory(layout), sharded(layout), split["device"], split["host"],
+                        measured, activations, collectives)

@@ -8,24 +8,25 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from zero_jax.analysis.memory import STATES, MemoryReport
+from zero_jax.job import Job
 from zero_jax.pipeline import executor as pipeline_lib
 from zero_jax.pipeline import schedule as sched_lib
 from zero_jax.sharding import zero as zero_lib
-from zero_jax.job import Job
 from zero_jax.sharding.mesh import AXES
+from zero_jax.sharding.specs import entries, entry_axes, is_spec, named_leaves, spec_leaves
 
 
 def shaped(shape, spec: PartitionSpec) -> str:
     """(4, 192, 768) with P(None, 'fsdp') -> '4 x 192/fsdp x 768'."""
-    entries = tuple(spec) + (None,) * (len(shape) - len(spec))
     dims = []
-    for size, entry in zip(shape, entries):
-        axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
+    for size, entry in zip(shape, entries(spec, len(shape))):
+        axes = entry_axes(entry)
         dims.append(f"{size}/{'*'.join(axes)}" if axes else str(size))
     return " x ".join(dims) or "scalar"
 
 
-def placement(shape, processes: np.ndarray | None = None) -> str:
+def interconnect(shape, processes: np.ndarray | None = None) -> str:
     """Per mesh axis: whether its collectives cross hosts (dcn) or stay inside one (ici).
 
     With `processes`, each mesh device's process index (a run of several
@@ -71,20 +72,14 @@ def _mib(n: float) -> str:
 
 def _state_rows(job: Job) -> list[str]:
     layout = job.layout
-    paths = [jax.tree_util.keystr(p, simple=True, separator=".")
-             for p, _ in jax.tree_util.tree_flatten_with_path(layout.abstract.params)[0]]
+    params = named_leaves(layout.abstract.params)
     opt = layout.specs.sharded if zero_lib.stage(layout.zero_stage).opt_state else layout.specs.compute
-    columns = [jax.tree.leaves(t, is_leaf=_is_spec)
-               for t in (layout.specs.params, layout.specs.grads, opt)]
-    width = max(len(p) for p in paths)
+    columns = [spec_leaves(t) for t in (layout.specs.params, layout.specs.grads, opt)]
+    width = max(len(p) for p in params)
     rows = [f"  {'parameter':<{width}}  {'stored':<26}  {'gradient':<26}  optimizer state"]
-    for path, leaf, *specs in zip(paths, jax.tree.leaves(layout.abstract.params), *columns):
+    for (path, leaf), *specs in zip(params.items(), *columns):
         rows.append(f"  {path:<{width}}  " + "  ".join(f"{shaped(leaf.shape, s):<26}" for s in specs).rstrip())
     return rows
-
-
-def _is_spec(x) -> bool:
-    return isinstance(x, PartitionSpec)
 
 
 def _table(header: tuple[str, ...], rows: list[tuple]) -> list[str]:
@@ -95,7 +90,12 @@ def _table(header: tuple[str, ...], rows: list[tuple]) -> list[str]:
                              for i, (c, w) in enumerate(zip(r, widths))) for r in cells]
 
 
-def summary_rows(job: Job, data_line: str, model_line: str, report: dict) -> list[tuple[str, str]]:
+def _sharded(yes: bool) -> str:
+    return "sharded" if yes else "replicated"
+
+
+def summary_rows(job: Job, data_line: str, model_line: str,
+                 report: MemoryReport) -> list[tuple[str, str]]:
     """(label, text) rows: what runs where."""
     run, layout, shape = job.run, job.layout, job.layout.mesh_shape
     stage = zero_lib.stage(layout.zero_stage)
@@ -104,8 +104,7 @@ def summary_rows(job: Job, data_line: str, model_line: str, report: dict) -> lis
     shard_axes = shape.shard_axes
     n_shard = math.prod(sizes[a] for a in shard_axes)
     t = run.train
-    word = lambda b: "sharded" if b else "replicated"
-    used = {n for spec in jax.tree.leaves(layout.names, is_leaf=_is_spec) for n in spec}
+    used = {n for spec in spec_leaves(layout.names) for n in spec}
     tp = [n for n in ("heads", "kv_heads", "mlp", "vocab")
           if n in used and "tensor" in layout.rules.mesh_axes(n)]
     master = ("; float32 master weights in the sharded optimizer state, a working copy "
@@ -113,13 +112,13 @@ def summary_rows(job: Job, data_line: str, model_line: str, report: dict) -> lis
     reduce = ("once per step" if job.reduce_once or t.microbatches == 1
               else "every microbatch, into shards")
     return [
-        ("model", f"{model_line} ({report['param_count'] / 1e6:.2f} M parameters)"),
+        ("model", f"{model_line} ({report.param_count / 1e6:.2f} M parameters)"),
         ("data", data_line),
         ("mesh", f"{shape.name}: {shape.num_devices} devices, "
                  + " ".join(f"{a}={sizes[a]}" for a in AXES)
                  + (f"; {jax.process_count()} processes" if jax.process_count() > 1 else "")),
-        ("placement", placement(shape, process_grid(layout.mesh) if jax.process_count() > 1
-                                else None)),
+        ("placement", interconnect(shape, process_grid(layout.mesh)
+                                   if jax.process_count() > 1 else None)),
         ("layout", f"{layout.rules.name}: tensor splits "
                    + (", ".join(tp) if tp and sizes["tensor"] > 1 else "nothing")
                    + ("; sequence split over tensor between blocks"
@@ -132,9 +131,10 @@ def summary_rows(job: Job, data_line: str, model_line: str, report: dict) -> lis
         *(("note", note) for note in job.notes),
         ("zero", f"stage {layout.zero_stage} over "
                  + (f"{'*'.join(shard_axes)} (N_d={n_shard})" if shard_axes else "no axis (N_d=1)")
-                 + f": optimizer state {word(stage.opt_state)}, gradients {word(stage.grads)}, "
-                   f"parameters {word(stage.params)}; gradients reduced {reduce}"),
-        ("states", report["formula"]),
+                 + f": optimizer state {_sharded(stage.opt_state)}, gradients "
+                   f"{_sharded(stage.grads)}, parameters {_sharded(stage.params)}; gradients "
+                   f"reduced {reduce}"),
+        ("states", report.formula),
         ("batch", f"global {t.batch_size} = {t.batch_size // (t.microbatches * dp)} per device x "
                   f"{t.microbatches} microbatches x {dp} data-parallel; seq {run.data.seq_len} -> "
                   f"{t.batch_size * run.data.seq_len:,} tokens/step"),
@@ -144,47 +144,48 @@ def summary_rows(job: Job, data_line: str, model_line: str, report: dict) -> lis
     ]
 
 
-def memory_rows(report: dict) -> list[str]:
+def _state_row(label: str, figures: dict[str, float]) -> tuple[str, ...]:
+    return (label, *(_mib(figures[k]) for k in STATES), _mib(sum(figures.values())))
+
+
+def memory_rows(report: MemoryReport) -> list[str]:
     """Bytes per device of the model states, three ways, and the activations."""
-    keys = ("params", "grads", "opt_state")
-    rows = [(label, *(_mib(report[name][k]) for k in keys), _mib(sum(report[name].values())))
-            for label, name in (("ZeRO formula", "theory_bytes"),
-                                ("actual shardings", "sharded_bytes"))]
-    if "host_bytes" in report and sum(report["host_bytes"].values()):
-        rows += [(f"  in {kind} memory", *(_mib(report[f"{kind}_bytes"][k]) for k in keys),
-                  _mib(sum(report[f"{kind}_bytes"].values()))) for kind in ("device", "host")]
-    lines = ["memory per device (MiB)"] + _table(("", "params", "grads", "opt_state", "total"), rows)
-    if "compiled" in report:
-        c = report["compiled"]
+    rows = [_state_row("ZeRO formula", report.theory_bytes),
+            _state_row("actual shardings", report.sharded_bytes)]
+    if sum(report.host_bytes.values()):
+        rows += [_state_row("  in device memory", report.device_bytes),
+                 _state_row("  in host memory", report.host_bytes)]
+    lines = ["memory per device (MiB)"] + _table(("", *STATES, "total"), rows)
+    if report.compiled is not None:
+        c = report.compiled
         lines.append(f"  compiled step: arguments {_mib(c['argument_bytes'])}, outputs "
                      f"{_mib(c['output_bytes'])}, temporaries {_mib(c['temp_bytes'])}")
-    if "activations" in report:
-        a = report["activations"]
+    if report.activations is not None:
+        a = report.activations
         lines.append(f"  activations, one microbatch: {_mib(a['analytic_bytes'])} estimated"
                      + (f" (compiled temporaries {_mib(a['compiled_temp_bytes'])})"
                         if "compiled_temp_bytes" in a else ""))
     return lines
 
 
-def collective_rows(report: dict) -> list[str]:
+def collective_rows(report: MemoryReport) -> list[str]:
     """Collective payload bytes per device per step: measured, and the ZeRO volumes."""
-    if "collectives" not in report:
+    if report.collectives is None:
         return []
-    notes = report["collective_notes"]
+    measured, theory = report.collectives.measured, report.collectives.theory
     lines = ["collectives per device per step (MiB of payload; measured in the HLO after SPMD "
              "partitioning, loops times their trip counts)"]
-    lines += _table(("", "MiB"), [(k, _mib(b)) for k, b in report["collectives"].items()]
-                    + [("total", _mib(report["collective_bytes"]))])
-    theory = report["collective_theory"]
+    lines += _table(("", "MiB"), [(k, _mib(b)) for k, b in measured.by_op.items()]
+                    + [("total", _mib(measured.total))])
     if theory is not None:
         lines.append(f"  ZeRO volumes: gradients {_mib(theory['gradients'])} + parameters "
-                     f"{_mib(theory['parameters'])} = {_mib(theory['total'])}")
-    if notes["reduce_scatters_from_all_reduce"]:
-        lines.append(f"  {notes['reduce_scatters_from_all_reduce']} all-reduces followed only by "
+                     f"{_mib(theory['parameters'])} = {_mib(sum(theory.values()))}")
+    if measured.rewritten:
+        lines.append(f"  {measured.rewritten} all-reduces followed only by "
                      "a slice to the device's shard are counted as the reduce-scatters they "
                      "stand for (XLA:CPU forms none)")
-    if notes["bytes_in_conditional_branches"]:
-        lines.append(f"  {_mib(notes['bytes_in_conditional_branches'])} MiB run inside pipeline "
+    if measured.in_branches:
+        lines.append(f"  {_mib(measured.in_branches)} MiB run inside pipeline "
                      "ticks' branches and are counted as if every branch ran: an upper bound")
     return lines
 
@@ -212,8 +213,6 @@ def pipeline_rows(job: Job) -> list[str]:
     s, stages = job.schedule, job.layout.stages
     head = job.model.head_cost(job.run.data.seq_len) if job.model.head_cost else 0.0
     cost = sched_lib.cost(s, stages.counts, head=head)
-    first = stages.first_layer
-    span = lambda g: f"{first[g]}-{first[g] + stages.counts[g] - 1}"
     rows = [f"pipeline   {s.name}: p={s.p} stages, m={s.m} microbatches, v={s.v} chunks per stage; "
             f"{s.ticks} ticks, at most {s.max_in_flight()} microbatch inputs stashed per stage"
             + ("; stage weights gathered once per step" if job.run.parallel.pipeline_gather_once else ""),
@@ -223,7 +222,9 @@ def pipeline_rows(job: Job) -> list[str]:
     for d in range(s.p):
         ends = (["embedding"] if d == 0 else []) + (["head and loss"] if d == s.p - 1 else [])
         chunks = [k * s.p + d for k in range(s.v)]
-        rows.append(f"  stage {d}: layers {', '.join(span(g) for g in chunks)} "
+        spans = (f"{stages.first_layer[g]}-{stages.first_layer[g] + stages.counts[g] - 1}"
+                 for g in chunks)
+        rows.append(f"  stage {d}: layers {', '.join(spans)} "
                     f"({sum(stages.counts[g] for g in chunks)} of {stages.layers})"
                     + (f", runs the {' and the '.join(ends)}" if ends else ""))
     if stages.padded != stages.layers:
@@ -254,8 +255,7 @@ def _table_rows(job: Job) -> list[str]:
     line = (f"  evaluation gathers them over pipe: {tables} not divisible into "
             f"pipe={job.schedule.p}{f' x tensor={t}' if t > 1 else ''} row blocks")
     names, _ = fns.split(job.layout.names)
-    named = {jax.tree_util.keystr(path, simple=True, separator="."): n for path, n in
-             jax.tree_util.tree_flatten_with_path(names, is_leaf=lambda x: isinstance(x, tuple))[0]}
+    named = named_leaves(names, is_leaf=is_spec)
     if any(named[path][0] == "vocab" for path, _ in misfits):
         line += (f"; --vocab-multiple {math.lcm(128, job.schedule.p * t)} pads the vocabulary "
                  "into such blocks")

@@ -27,14 +27,16 @@ import collections
 import dataclasses
 import math
 import re
+from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 
 from zero_jax.analysis import hlo
 from zero_jax.sharding import zero as zero_lib
 from zero_jax.sharding.mesh import DATA_AXES
+from zero_jax.sharding.specs import shard_elements, spec_leaves
 
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
           "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
@@ -64,6 +66,28 @@ class Traffic:
 
     def of(self, op: str) -> int:
         return sum(b for k, b in self.by_op.items() if k.partition("@")[0] == op)
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveReport:
+    """A step's collectives as the memory report shows them: measured in its
+    HLO after SPMD partitioning, beside the ZeRO paper's volumes."""
+
+    measured: Traffic  # the HLO after SPMD partitioning
+    theory: dict[str, int] | None  # `theory` (None with a pipeline)
+    after_backend_bytes: int | None = None  # the compiled program's total, where given
+
+    def to_json(self) -> dict[str, Any]:
+        notes = {"source": "HLO after SPMD partitioning (before backend passes)",
+                 "reduce_scatters_from_all_reduce": self.measured.rewritten,
+                 "bytes_in_conditional_branches": self.measured.in_branches,
+                 "loops_of_unknown_trip_count": self.measured.unknown_loops}
+        if self.after_backend_bytes is not None:
+            notes["after_backend_passes_bytes"] = self.after_backend_bytes
+        theory = None if self.theory is None else {**self.theory,
+                                                    "total": sum(self.theory.values())}
+        return {"collectives": self.measured.by_op, "collective_bytes": self.measured.total,
+                "collective_theory": theory, "collective_notes": notes}
 
 
 def array_bytes(type_text: str) -> list[int]:
@@ -228,13 +252,12 @@ def theory(layout, microbatches: int, reduce_once: bool, compute_dtype,
     if shape.sizes["pipe"] > 1:
         return None
     stage = zero_lib.stage(layout.zero_stage)
-    is_spec = lambda x: isinstance(x, PartitionSpec)
     with_paths = jax.tree_util.tree_flatten_with_path(layout.abstract.params)[0]
     leaves = [p for _, p in with_paths]
     once = [getattr(path[0], "key", None) in gathered_once for path, _ in with_paths]
-    compute = jax.tree.leaves(layout.specs.compute, is_leaf=is_spec)
-    sharded = jax.tree.leaves(layout.specs.sharded, is_leaf=is_spec)
-    elements = [math.prod(NamedSharding(layout.mesh, s).shard_shape(p.shape))
+    compute = spec_leaves(layout.specs.compute)
+    sharded = spec_leaves(layout.specs.sharded)
+    elements = [shard_elements(p.shape, NamedSharding(layout.mesh, s))
                 for p, s in zip(leaves, compute)]
     split = [s != c for s, c in zip(sharded, compute)]
     g = np.dtype(layout.grad_dtype).itemsize

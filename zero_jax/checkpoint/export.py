@@ -22,6 +22,7 @@ import numpy as np
 import tensorstore as ts
 
 from zero_jax.checkpoint import integrity
+from zero_jax.sharding.specs import is_spec, path_name
 
 # numpy dtype name -> safetensors dtype
 _DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64",
@@ -234,7 +235,7 @@ def read_consolidated(path: str | Path, names: Any) -> Any:
         keys = set(f.keys())
 
         def leaf(p, spec):
-            name = jax.tree_util.keystr(p, simple=True, separator=".")
+            name = path_name(p)
             if len(spec) and spec[0] == "layers":
                 head, _, tail = name.rpartition(".")
                 per_layer = sorted((int(k[len(head) + 1:].split(".")[0]), k) for k in keys
@@ -247,5 +248,4 @@ def read_consolidated(path: str | Path, names: Any) -> Any:
                 raise KeyError(f"{path}: no tensor {name!r}")
             return f.get_tensor(name)
 
-        return jax.tree_util.tree_map_with_path(
-            leaf, names, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+        return jax.tree_util.tree_map_with_path(leaf, names, is_leaf=is_spec)

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from zero_jax.runtime.distributed import local
+from zero_jax.sharding.specs import named_leaves
 from zero_jax.offload import HOST
 
 _UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
@@ -72,8 +73,7 @@ def checksums(tree: Any) -> dict[str, list[int]]:
 
 def flatten(tree: Any) -> dict[str, Any]:
     """{dotted leaf path: leaf}, the names used in checkpoint manifests."""
-    leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
-    return {jax.tree_util.keystr(p, simple=True, separator="."): leaf for p, leaf in leaves}
+    return named_leaves(tree)
 
 
 class RunningChecksum:

@@ -33,6 +33,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from zero_jax.checkpoint import integrity
+from zero_jax.sharding.specs import map_specs, path_name
 from zero_jax.state import TrainState, saved_form
 
 ITEMS = ("params", "opt_state", "scalars")
@@ -127,10 +128,9 @@ def layer_chunks(names: Any) -> Any:
     spans every layer: reading one layer (a streaming export) would read the
     whole array. `names` is the parameters' tree of logical-name specs.
     """
-    return jax.tree.map(
+    return map_specs(
         lambda spec: ocp.SaveArgs(shard_axes=(0,)) if len(spec) and spec[0] == "layers"
-        else ocp.SaveArgs(),
-        names, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+        else ocp.SaveArgs(), names)
 
 
 def complete_steps(directory: str | Path) -> list[int]:
@@ -384,5 +384,4 @@ def _quiet_read_only(record) -> bool:
 def _only(tree: Any, path: str) -> Any:
     """`tree` with every leaf but the one at `path` replaced by orbax's PLACEHOLDER."""
     return jax.tree_util.tree_map_with_path(
-        lambda p, x: x if jax.tree_util.keystr(p, simple=True, separator=".") == path
-        else ocp.PLACEHOLDER, tree)
+        lambda p, x: x if path_name(p) == path else ocp.PLACEHOLDER, tree)

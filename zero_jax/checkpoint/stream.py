@@ -15,7 +15,8 @@ from typing import Any, Callable
 
 import jax
 import numpy as np
-from jax.sharding import PartitionSpec
+
+from zero_jax.sharding.specs import named_leaves, spec_leaves
 
 # (our parameter path, layer index or None) -> that tensor, as numpy
 Produce = Callable[[str, int | None], np.ndarray]
@@ -25,18 +26,15 @@ def place(targets: Any, names: Any, produce: Produce) -> Any:
     """A tree like `targets` (jax.ShapeDtypeStruct leaves with shardings),
     each leaf built from `produce`: whole, or layer by layer where its first
     logical name (`names`, PartitionSpecs of logical names) is `layers`."""
-    paths = {jax.tree_util.keystr(p, simple=True, separator="."): (t, n) for (p, t), n in zip(
-        jax.tree_util.tree_flatten_with_path(targets)[0],
-        jax.tree.leaves(names, is_leaf=lambda x: isinstance(x, PartitionSpec)))}
+    paths = {path: (t, n) for (path, t), n in zip(named_leaves(targets).items(),
+                                                    spec_leaves(names))}
     placed = {}
     for path, (target, logical) in paths.items():
         if len(logical) and logical[0] == "layers":
             placed[path] = _stacked(path, target, produce)
         else:
             placed[path] = _whole(target, _checked(path, produce(path, None), target.shape, target.dtype))
-    leaves = [placed[jax.tree_util.keystr(p, simple=True, separator=".")]
-              for p, _ in jax.tree_util.tree_flatten_with_path(targets)[0]]
-    return jax.tree.unflatten(jax.tree.structure(targets), leaves)
+    return jax.tree.unflatten(jax.tree.structure(targets), list(placed.values()))
 
 
 def _checked(path: str, x: np.ndarray, shape, dtype) -> np.ndarray:

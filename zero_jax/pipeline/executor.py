@@ -37,6 +37,7 @@ from zero_jax.hooks import RowSplit, psum
 from zero_jax.loss import cross_entropy
 from zero_jax.pipeline.schedule import Schedule
 from zero_jax.pipeline.cut import Stages
+from zero_jax.sharding.specs import entry_axes, map_specs, named_leaves, spec_leaves
 
 NOP, FWD, BWD = 0, 1, 2
 
@@ -299,13 +300,10 @@ def tables_not_in_rows(outer: Any, stored: Any) -> list[tuple[str, tuple[int, ..
     parameters outside the stack that are not stored in row blocks over
     `pipe` (rows that `pipe` times the axes already there does not divide)."""
     out = []
-    paths = jax.tree_util.tree_flatten_with_path(outer)[0]
-    specs = jax.tree.leaves(stored, is_leaf=lambda x: isinstance(x, PartitionSpec))
-    for (path, leaf), spec in zip(paths, specs):
-        first = tuple(spec)[0] if len(spec) else None
-        major = first if first is None or isinstance(first, str) else first[0]
-        if leaf.ndim >= 2 and major != "pipe":
-            out.append((jax.tree_util.keystr(path, simple=True, separator="."), tuple(leaf.shape)))
+    for (path, leaf), spec in zip(named_leaves(outer).items(), spec_leaves(stored)):
+        major = entry_axes(spec[0] if len(spec) else None)[:1]
+        if leaf.ndim >= 2 and major != ("pipe",):
+            out.append((path, tuple(leaf.shape)))
     return out
 
 
@@ -323,8 +321,7 @@ def _outer_in_specs(fns: PipelineFns, outer: Any, stored: Any, sizes: dict, wide
 
 
 def _named(mesh, specs):
-    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
-                        is_leaf=lambda x: isinstance(x, PartitionSpec))
+    return map_specs(lambda s: NamedSharding(mesh, s), specs)
 
 
 class _Steps:
@@ -370,8 +367,7 @@ class _Steps:
     def pin(self, tree, specs):
         """A per-shard gradient tree pinned to `specs` behind its shards' axis."""
         lead = lambda s: PartitionSpec(self.where.shard_axes or None, *s)
-        return jax.lax.with_sharding_constraint(tree, _named(self.mesh, jax.tree.map(
-            lead, specs, is_leaf=lambda x: isinstance(x, PartitionSpec))))
+        return jax.lax.with_sharding_constraint(tree, _named(self.mesh, map_specs(lead, specs)))
 
     def per_shard(self, f, weights, *rows):
         """`f(weights, *rows)` for each shard: `weights` shared, `rows` split (`split`)."""

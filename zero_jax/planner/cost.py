@@ -41,6 +41,7 @@ from zero_jax import remat as remat_lib
 from zero_jax.pipeline import schedule as sched_lib
 from zero_jax.sharding import zero as zero_lib
 from zero_jax.planner.devices import Device
+from zero_jax.sharding.specs import bytes_per_device, leaf_bytes, map_specs, shard_elements, spec_leaves, without_axis
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,7 +240,7 @@ def estimate(job: job_lib.Job, choice: Choice, cluster: Cluster, platform: str =
     split = memory.by_memory_kind(layout)
     on_device, in_host = split["device"], split["host"]
     stage = zero_lib.stage(choice.zero)
-    compute_grads = memory.sharded_bytes(layout.abstract_grads, layout.specs.compute, layout.mesh)
+    compute_grads = bytes_per_device(layout.abstract_grads, layout.specs.compute, layout.mesh)
     outer_grads, stack_grads = _split_bytes(layout, layout.abstract_grads, layout.specs.compute)
     layers_here = layout.stages.padded // choice.pipe if choice.pipe > 1 else max(model.layers, 1)
     per_layer = stack_grads / layers_here  # one layer's gradient, compute layout
@@ -281,9 +282,8 @@ def estimate(job: job_lib.Job, choice: Choice, cluster: Cluster, platform: str =
         # chunk, its gradients and its layers' gathers. They are branches of
         # one switch: never live together.
         specs = layout.specs.grads if per_microbatch else layout.specs.compute
-        outer_acc, _ = _split_bytes(layout, layout.abstract_grads, jax.tree.map(
-            lambda sp: zero_lib.without(sp, "pipe"), specs,
-            is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)))
+        outer_acc, _ = _split_bytes(layout, layout.abstract_grads, map_specs(
+            lambda sp: without_axis(sp, "pipe"), specs))
         _, stack_acc = _split_bytes(layout, layout.abstract_grads, specs)
         base = outer_acc + stack_acc + outer_grads / g * c + stash
         forward = acts.head + outer_grads
@@ -309,7 +309,7 @@ def estimate(job: job_lib.Job, choice: Choice, cluster: Cluster, platform: str =
     # ones), and, with a replicated working copy, the gathered new parameters.
     opt_specs = layout.specs.sharded if stage.opt_state else layout.specs.params
     f32 = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, np.float32), layout.abstract.params)
-    opt_elements = memory.sharded_bytes(f32, opt_specs, layout.mesh) / 4  # the update's shard
+    opt_elements = bytes_per_device(f32, opt_specs, layout.mesh) / 4  # the update's shard
     working = state["params"] if stage.opt_state and not stage.params else 0.0
     if layout.host_opt:
         # Run on the host (offload.py): the device holds the gradients it
@@ -400,34 +400,25 @@ def _schedule(name: str, p: int, m: int, v: int) -> sched_lib.Schedule:
 
 def _split_bytes(layout, abstract, specs) -> tuple[float, float]:
     """Bytes per device of `abstract` laid out by `specs`: (outside the layer stack, the stack)."""
-    is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)
     out = [0.0, 0.0]
-    for leaf, spec, stacked in zip(jax.tree.leaves(abstract), jax.tree.leaves(specs, is_leaf=is_spec),
-                                   jax.tree.leaves(layout.stacked[0])):
-        shard = jax.sharding.NamedSharding(layout.mesh, spec).shard_shape(leaf.shape)
-        out[bool(stacked)] += math.prod(shard) * np.dtype(leaf.dtype).itemsize
+    for size, stacked in zip(leaf_bytes(abstract, specs, layout.mesh),
+                             jax.tree.leaves(layout.stacked[0])):
+        out[bool(stacked)] += size
     return out[0], out[1]
 
 
 def _largest(layout, abstract, specs) -> float:
     """Bytes per device of the largest array of `abstract` laid out by `specs`."""
-    is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)
-    return max(math.prod(jax.sharding.NamedSharding(layout.mesh, spec).shard_shape(leaf.shape))
-               * np.dtype(leaf.dtype).itemsize
-               for leaf, spec in zip(jax.tree.leaves(abstract), jax.tree.leaves(specs, is_leaf=is_spec)))
+    return max(leaf_bytes(abstract, specs, layout.mesh))
 
 
 def _gathered_once(layout, model) -> float:
     """Elements a device holds of the parameters the model gathers once (ZeRO-3)."""
-    total = 0.0
-    for key in model.gathered_once:
-        leaves = jax.tree.leaves(layout.abstract.params.get(key, {}))
-        specs = jax.tree.leaves(layout.specs.compute.get(key, {}),
-                                is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
-        for leaf, spec in zip(leaves, specs):
-            shard = jax.sharding.NamedSharding(layout.mesh, spec).shard_shape(leaf.shape)
-            total += math.prod(shard)
-    return total
+    return float(sum(
+        shard_elements(leaf.shape, jax.sharding.NamedSharding(layout.mesh, spec))
+        for key in model.gathered_once
+        for leaf, spec in zip(jax.tree.leaves(layout.abstract.params.get(key, {})),
+                              spec_leaves(layout.specs.compute.get(key, {})))))
 
 
 def _bw(choice: Choice, cluster: Cluster, axis: str) -> float:
@@ -468,6 +459,6 @@ def measure(flat: dict[str, Any], build_model) -> dict[str, Any]:
     job = job_lib.prepare(run, build_model)
     compiled, text = job.compile_with_text()
     m = memory.compiled(compiled)
-    traffic = job.collectives(text)
+    traffic = job.collectives(text).measured
     return {"argument_bytes": m["argument_bytes"], "temp_bytes": m["temp_bytes"],
-            "collectives": traffic["collectives"], "collective_bytes": traffic["collective_bytes"]}
+            "collectives": traffic.by_op, "collective_bytes": traffic.total}

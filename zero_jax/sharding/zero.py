@@ -24,7 +24,8 @@ import jax
 import optax
 from jax.sharding import PartitionSpec
 
-from zero_jax.sharding.mesh import AXES, MeshShape
+from zero_jax.sharding.mesh import MeshShape
+from zero_jax.sharding.specs import entries, entry_axes, path_name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +74,7 @@ def zero_dim(shape: Sequence[int], spec: PartitionSpec, names: Sequence[str | No
                      if not (names and names[d] in UNSHARDABLE_LOGICAL))
     if size < min_elements:
         return None, f"{size} elements per layer < min_shard_elements={min_elements}"
-    spec = tuple(spec) + (None,) * (len(shape) - len(spec))
+    spec = entries(spec, len(shape))
     free = [d for d in range(len(shape))
             if spec[d] is None and not (names and names[d] in UNSHARDABLE_LOGICAL)]
     fits = [d for d in free if shape[d] % n_shard == 0]
@@ -88,9 +89,9 @@ def with_zero(spec: PartitionSpec, dim: int | None, ndim: int,
     """`spec` with the ZeRO axes added on dimension `dim` (None: unchanged)."""
     if dim is None:
         return spec
-    entries = list(tuple(spec) + (None,) * (ndim - len(spec)))
-    entries[dim] = shard_axes[0] if len(shard_axes) == 1 else tuple(shard_axes)
-    return PartitionSpec(*entries)
+    dims = entries(spec, ndim)
+    dims[dim] = shard_axes[0] if len(shard_axes) == 1 else tuple(shard_axes)
+    return PartitionSpec(*dims)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,55 +139,24 @@ def state_specs(abstract_params: Any, compute_specs: Any, names: Any, abstract_o
 
     With a pipeline (`pipe`), the parameters outside the layer stack
     (`outer`: a tree of bools; the embedding, head, final norm) are also
-    stored split over `pipe`: a table (two or more dimensions) by its rows,
-    `pipe` first, where `pipe` times the axes already there divides them, so
-    that each stage holds a contiguous block of the vocabulary and
-    evaluation can look rows up and compute logits where they are stored
-    (pipeline.loss); otherwise by the same rule as ZeRO, or along a
-    dimension already split where none is free (`axis_sizes`: the mesh's).
+    stored split over `pipe` (`PipeSplit`; `axis_sizes`: the mesh's).
     Training gathers them once per step for the first and last stage.
     """
-    replicated: list[tuple[str, str]] = []
     if outer is None or pipe is None:
         outer = jax.tree.map(lambda _: False, abstract_params)
-
-    def over_pipe(leaf, spec, leaf_names, is_outer):
-        if not is_outer:
-            return spec
-        if math.prod(leaf.shape) >= pipe.min_elements and (rows := _rows_first(
-                leaf.shape, spec, "pipe", axis_sizes)) is not None:
-            return rows
-        dim, _ = pipe.dim(leaf.shape, spec, leaf_names)
-        if dim is not None:
-            return with_zero(spec, dim, len(leaf.shape), pipe.axes)
-        if math.prod(leaf.shape) < pipe.min_elements:
-            return spec
-        return _extend(leaf.shape, spec, "pipe", axis_sizes)
+    over_pipe = PipeSplit(pipe, axis_sizes)
+    replicated: list[tuple[str, str]] = []
 
     def sharded(path, leaf, spec, leaf_names, is_outer):
         dim, why = placement.dim(leaf.shape, spec, leaf_names)
         if dim is None and placement.n_shard > 1:
-            replicated.append((jax.tree_util.keystr(path, simple=True, separator="."), why))
+            replicated.append((path_name(path), why))
         return over_pipe(leaf, with_zero(spec, dim, len(leaf.shape), placement.axes), leaf_names,
                          is_outer)
 
     full = jax.tree_util.tree_map_with_path(sharded, abstract_params, compute_specs, names, outer)
     stored = jax.tree.map(over_pipe, abstract_params, compute_specs, names, outer)
-
-    def mirror(leaf, param, full_spec, stored_spec):
-        if leaf.shape == param.shape:
-            return full_spec if zero.opt_state else stored_spec
-        return other(leaf)
-
-    def other(leaf):
-        shape = getattr(leaf, "shape", ())
-        if not zero.opt_state:
-            return PartitionSpec()
-        return placement.spec(shape, PartitionSpec())
-
-    is_abstract = lambda x: isinstance(x, jax.ShapeDtypeStruct)
-    opt = optax.tree_map_params(tx, mirror, abstract_opt_state, abstract_params, full,
-                                stored, transform_non_params=other, is_leaf=is_abstract)
+    opt = _opt_state_specs(tx, abstract_opt_state, abstract_params, full, stored, zero, placement)
     return StateSpecs(
         compute=compute_specs,
         sharded=full,
@@ -196,6 +166,58 @@ def state_specs(abstract_params: Any, compute_specs: Any, names: Any, abstract_o
         replicated=tuple(replicated))
 
 
+def _opt_state_specs(tx: optax.GradientTransformation, abstract_opt_state: Any,
+                     abstract_params: Any, full: Any, stored: Any, zero: ZeroStage,
+                     placement: Placement) -> Any:
+    """Specs of the optimizer state: a leaf shaped like its parameter takes the
+    parameter's sharded layout (stored, when the stage leaves the state
+    whole); any other leaf is split by `placement`'s rule on its own shape."""
+
+    def other(leaf):
+        if not zero.opt_state:
+            return PartitionSpec()
+        return placement.spec(getattr(leaf, "shape", ()), PartitionSpec())
+
+    def mirror(leaf, param, full_spec, stored_spec):
+        if leaf.shape == param.shape:
+            return full_spec if zero.opt_state else stored_spec
+        return other(leaf)
+
+    return optax.tree_map_params(tx, mirror, abstract_opt_state, abstract_params, full, stored,
+                                 transform_non_params=other, is_leaf=_is_abstract)
+
+
+def _is_abstract(x: Any) -> bool:
+    return isinstance(x, jax.ShapeDtypeStruct)
+
+
+@dataclasses.dataclass(frozen=True)
+class PipeSplit:
+    """Where a pipeline stores a parameter outside the layer stack, split over
+    `pipe`: a table (two or more dimensions) by its rows, `pipe` first, where
+    `pipe` times the axes already there divides them, so that each stage
+    holds a contiguous block of the vocabulary and evaluation can look rows
+    up and compute logits where they are stored (pipeline/executor.py `loss`);
+    otherwise by the same rule as ZeRO, or along a dimension already split
+    where none is free. Without a pipeline (`pipe` None) nothing changes."""
+
+    pipe: Placement | None
+    axis_sizes: dict[str, int] | None  # the mesh's axis sizes
+
+    def __call__(self, leaf, spec: PartitionSpec, leaf_names, is_outer: bool) -> PartitionSpec:
+        if not is_outer or self.pipe is None:
+            return spec
+        big = math.prod(leaf.shape) >= self.pipe.min_elements
+        if big and (rows := _rows_first(leaf.shape, spec, "pipe", self.axis_sizes)) is not None:
+            return rows
+        dim, _ = self.pipe.dim(leaf.shape, spec, leaf_names)
+        if dim is not None:
+            return with_zero(spec, dim, len(leaf.shape), self.pipe.axes)
+        if not big:
+            return spec
+        return _extend(leaf.shape, spec, "pipe", self.axis_sizes)
+
+
 def _rows_first(shape, spec: PartitionSpec, axis: str,
                 axis_sizes: dict[str, int] | None) -> PartitionSpec | None:
     """`spec` with mesh `axis` first on dimension 0 of a table (two or more
@@ -203,47 +225,24 @@ def _rows_first(shape, spec: PartitionSpec, axis: str,
     else None."""
     if len(shape) < 2 or axis_sizes is None:
         return None
-    entries = list(tuple(spec) + (None,) * (len(shape) - len(spec)))
-    there = () if entries[0] is None else \
-        (entries[0],) if isinstance(entries[0], str) else tuple(entries[0])
+    dims = entries(spec, len(shape))
+    there = entry_axes(dims[0])
     if shape[0] % (axis_sizes[axis] * math.prod(axis_sizes[a] for a in there)):
         return None
-    entries[0] = (axis,) + there if there else axis
-    return PartitionSpec(*entries)
+    dims[0] = (axis,) + there if there else axis
+    return PartitionSpec(*dims)
 
 
 def _extend(shape, spec: PartitionSpec, axis: str, axis_sizes: dict[str, int]) -> PartitionSpec:
     """`spec` with mesh `axis` added to a dimension that is already split,
     where its size divides by the product: the largest such dimension.
     Unchanged if none does."""
-    entries = list(tuple(spec) + (None,) * (len(shape) - len(spec)))
+    dims = entries(spec, len(shape))
     for d in sorted(range(len(shape)), key=lambda d: (-shape[d], d)):
-        if entries[d] is None:
+        if dims[d] is None:
             continue
-        axes = (entries[d],) if isinstance(entries[d], str) else tuple(entries[d])
+        axes = entry_axes(dims[d])
         if shape[d] % (axis_sizes[axis] * math.prod(axis_sizes[a] for a in axes)) == 0:
-            entries[d] = axes + (axis,)
-            return PartitionSpec(*entries)
+            dims[d] = axes + (axis,)
+            return PartitionSpec(*dims)
     return spec
-
-
-def without(spec: PartitionSpec, axis: str) -> PartitionSpec:
-    """`spec` with mesh `axis` removed wherever it appears."""
-    def drop(entry):
-        if entry == axis:
-            return None
-        if isinstance(entry, tuple):
-            kept = tuple(a for a in entry if a != axis)
-            return kept[0] if len(kept) == 1 else (kept or None)
-        return entry
-    return PartitionSpec(*(drop(e) for e in spec))
-
-
-def spec_axes(spec: PartitionSpec) -> set[str]:
-    """Mesh axes a spec uses."""
-    out = set()
-    for entry in spec:
-        if entry is None:
-            continue
-        out.update((entry,) if isinstance(entry, str) else entry)
-    return out & set(AXES)
