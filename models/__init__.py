@@ -9,7 +9,7 @@ from pathlib import Path
 
 from zero_jax.model import ModelFns
 
-from models import gpt, hf, llama
+from models import decoder, gpt, hf, llama
 
 GPT_FIELDS = ("n_layer", "n_head", "d_model", "d_mlp", "vocab_size", "max_seq_len")
 
@@ -17,9 +17,7 @@ GPT_FIELDS = ("n_layer", "n_head", "d_model", "d_mlp", "vocab_size", "max_seq_le
 def _resolve(name: str, overrides: dict) -> tuple[str, str, dict]:
     """(family, preset, fields) for a model name: a preset's, or "hf:DIR"'s
     shape with `overrides` on top; checks the fields belong to the family."""
-    given = {k: v for k, v in overrides.items() if v not in (0, "", None)}
-    if "tie_embeddings" in given and isinstance(given["tie_embeddings"], str):
-        given["tie_embeddings"] = given["tie_embeddings"] == "true"
+    given = decoder.given(overrides)
     if name.startswith("hf:"):
         family, fields = hf.shape(Path(name[3:]))
         return family, "", {**fields, **given}
@@ -66,7 +64,7 @@ def builder(name: str, data_vocab: int, **overrides):
 def describe(name: str, data_vocab: int, vocab_multiple: int = 1, **overrides) -> str:
     c = config(name, data_vocab, vocab_multiple, **overrides)
     vocab = f"{c.vocab_size}" + (f" padded to {c.padded_vocab}" if c.padded_vocab != c.vocab_size else "")
-    changed = [k for k, v in overrides.items() if v]
+    changed = list(decoder.given(overrides))
     head = f"{name or 'custom'}{' with ' + ', '.join(changed) + ' set' if name and changed else ''}"
     if isinstance(c, llama.LlamaConfig):
         return (f"{head}: {c.family} family, {c.n_layer} layers, d_model {c.d_model}, "

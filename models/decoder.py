@@ -79,3 +79,10 @@ def fns(module: type[nn.Module], block: type[nn.Module], cfg: Any) -> dict[str, 
         vocab_parallel=True,
     )
     return {"init": init, "apply": apply, "decay_mask": decay_mask, "pipeline": pipeline}
+
+
+def given(overrides: dict) -> dict:
+    """The shape fields a run sets: not None, and not 0 or "" (the preset's),
+    except booleans, whose False is a choice (an untied head)."""
+    return {k: v for k, v in overrides.items()
+            if v is not None and (isinstance(v, bool) or v not in (0, ""))}

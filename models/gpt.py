@@ -170,7 +170,7 @@ def config(name: str, data_vocab: int, **overrides) -> GPTConfig:
     preset nor an override names one. Without a preset, n_layer, n_head and d_model are
     required; d_mlp defaults to 4 d_model and max_seq_len to 2048.
     """
-    given = {k: v for k, v in overrides.items() if v}
+    given = decoder.given(overrides)
     if name:
         if name not in PRESETS:
             raise ValueError(f"unknown model {name!r}; choose from {', '.join(PRESETS)}, or give "
@@ -251,7 +251,8 @@ class Block(nn.Module):
         v = add_bias(qkv_BxTx3xHxQ[:, :, 2], "b_v", (H, Q), ("heads", "kv"))
         q, k, v = (h.act(t, ("batch", "seq", "heads", "kv"), name="qkv") for t in (q, k, v))
         # Causal attention, scores and softmax in float32 (layers.attention).
-        probs = lambda p: h.act(p, ("batch", "heads", "seq", None), name="attn_probs")
+        def probs(p):
+            return h.act(p, ("batch", "heads", "seq", None), name="attn_probs")
         att_BxTxHxQ = h.act(layers.attention(q, k, v, h.attention, keep=probs,
                                              segments_BxT=segments_BxT),
                             ("batch", "seq", "heads", "kv"), name="attn_ctx")

@@ -131,7 +131,8 @@ def save(out: Path, cfg, read, max_shard_bytes: int = MAX_SHARD_BYTES,
     and written before the next is read. Returns the files written."""
     out.mkdir(parents=True, exist_ok=True)
     items = list(pieces(cfg, read))
-    size = lambda shape: int(np.prod(shape)) * np.dtype(dtype).itemsize
+    def size(shape):
+        return int(np.prod(shape)) * np.dtype(dtype).itemsize
     groups: list[list] = [[]]
     for item in items:
         if groups[-1] and sum(size(s) for _, s, _ in groups[-1]) + size(item[1]) > max_shard_bytes:

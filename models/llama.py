@@ -173,7 +173,7 @@ def config(name: str, data_vocab: int, **overrides) -> LlamaConfig:
     overrides); `data_vocab` where neither names a vocabulary."""
     if name not in PRESETS:
         raise ValueError(f"unknown model {name!r}; Llama-family presets: {', '.join(PRESETS)}")
-    fields = {**PRESETS[name], **{k: v for k, v in overrides.items() if v not in (0, "", None)}}
+    fields = {**PRESETS[name], **decoder.given(overrides)}
     fields["vocab_size"] = fields["vocab_size"] or data_vocab
     return LlamaConfig(**fields)
 
@@ -228,7 +228,8 @@ class Block(nn.Module):
         q = h.act(layers.rope(q, inv_freq, at), ("batch", "seq", "heads", "kv"), name="qkv")
         k = h.act(layers.rope(k, inv_freq, at), ("batch", "seq", "kv_heads", "kv"), name="qkv")
         v = h.act(v, ("batch", "seq", "kv_heads", "kv"), name="qkv")
-        probs = lambda p: h.act(p, ("batch", "heads", "seq", None), name="attn_probs")
+        def probs(p):
+            return h.act(p, ("batch", "heads", "seq", None), name="attn_probs")
         att_BxTxHxQ = h.act(layers.attention(q, k, v, h.attention, c.sliding_window, keep=probs,
                                              segments_BxT=segments_BxT),
                             ("batch", "seq", "heads", "kv"), name="attn_ctx")

@@ -91,8 +91,11 @@ def config_json(cfg: LlamaConfig) -> dict:
 def _layer_map(cfg: LlamaConfig) -> dict[str, tuple[str, Callable, Callable, tuple]]:
     """Our stacked path -> (Hugging Face name in layer i, to ours, to theirs, their shape)."""
     D, H, K, Q, F = cfg.d_model, cfg.n_head, cfg.n_kv_head, cfg.q_dim, cfg.d_mlp
-    heads = lambda n: (lambda w: w.T.reshape(D, n, Q), lambda w: w.reshape(D, n * Q).T, (n * Q, D))
-    same = lambda shape: (lambda x: x, lambda x: x, shape)
+    def heads(n):
+        return (lambda w: w.T.reshape(D, n, Q), lambda w: w.reshape(D, n * Q).T, (n * Q, D))
+
+    def same(shape):
+        return (lambda x: x, lambda x: x, shape)
     out = {
         "blocks.attn_norm.scale": ("input_layernorm.weight", *same((D,))),
         "blocks.w_q": ("self_attn.q_proj.weight", *heads(H)),
@@ -123,7 +126,8 @@ def sources(cfg: LlamaConfig) -> dict[str, Callable[[Get, int | None], np.ndarra
     """Our parameter path -> how to build it, or one layer of it, from
     Hugging Face tensors: one tensor read per call."""
     V, D = cfg.vocab_size, cfg.d_model
-    get = lambda tensors, name: np.asarray(tensors(name), np.float32)
+    def get(tensors, name):
+        return np.asarray(tensors(name), np.float32)
 
     def table(name):
         def build(tensors, _):

@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 import jax  # noqa: E402
 
 import models  # noqa: E402
+from zero_jax import flags
 from zero_jax import config as config_lib, job as job_lib  # noqa: E402
 from zero_jax.runtime import cpu
 from zero_jax.data import corpus as data_lib
@@ -75,9 +76,9 @@ def parse(argv):
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     parser.add_argument("--trace-steps", type=int, default=6, help="steps traced (default 6)")
     cpu.add_devices_flag(parser)
-    config_lib.add_flags(parser)
+    flags.add_flags(parser)
     args = parser.parse_args(argv)
-    return config_lib.from_args(args, args.config), args
+    return flags.from_args(args, args.config), args
 
 
 def op_table(hlo_text: str) -> dict[str, tuple[str, str]]:

@@ -23,7 +23,8 @@ import jax
 import numpy as np
 
 import models
-from zero_jax import config as config_lib, job as job_lib
+from zero_jax import flags
+from zero_jax import job as job_lib
 from zero_jax.runtime import cpu
 from zero_jax.data import corpus as data_lib
 from zero_jax.runtime import distributed
@@ -35,10 +36,10 @@ def main(argv=None) -> int:
     parser.add_argument("--steps-to-probe", default="0", help="comma-separated steps")
     parser.add_argument("--probe-out", required=True, help="directory for process-<i>.npz")
     cpu.add_devices_flag(parser)
-    config_lib.add_flags(parser)
+    flags.add_flags(parser)
     args = parser.parse_args(argv)
     try:
-        cfg = config_lib.from_args(args, args.config)
+        cfg = flags.from_args(args, args.config)
         cpu.simulate(args.devices)  # both before anything asks JAX for devices
         distributed.initialize(cfg.distributed)
         corpus = data_lib.load(cfg.data.source)

@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except export.CorruptCheckpoint as e:
+    except ckpt_lib.CorruptCheckpoint as e:
         print(f"error: {e}; nothing written", file=sys.stderr)
         return 4
 
@@ -65,10 +65,10 @@ def main(argv=None) -> int:
         if args.hf_dir:
             cfg = models.config_from(reader.meta["model"])
             written += hf.save(Path(args.hf_dir), cfg, reader.read, int(args.max_shard_size))
-    except (export.CorruptCheckpoint, OSError) as e:  # OSError: no space, no permission
+    except (ckpt_lib.CorruptCheckpoint, OSError) as e:  # OSError: no space, no permission
         for path in written + [Path(p) for p in (args.out,) if p]:
             path.unlink(missing_ok=True)
-        corrupt = isinstance(e, export.CorruptCheckpoint)
+        corrupt = isinstance(e, ckpt_lib.CorruptCheckpoint)
         what = e if corrupt else f"writing {e.filename}: {e.strerror}"
         print(f"error: {what}; nothing written", file=sys.stderr)
         return 4 if corrupt else 2

@@ -27,6 +27,7 @@ import sys
 import jax
 
 import models
+from zero_jax import flags
 from zero_jax import config as config_lib, job as job_lib, remat
 from zero_jax.runtime import cpu
 from zero_jax.data import corpus as data_lib
@@ -44,9 +45,9 @@ def parse(argv):
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--remat-table", action="store_true",
                         help="compile once per activation policy and tabulate activation bytes")
-    config_lib.add_flags(parser)
+    flags.add_flags(parser)
     args = parser.parse_args(argv)
-    return config_lib.from_args(args, args.config), args
+    return flags.from_args(args, args.config), args
 
 
 def main(argv=None) -> int:

@@ -25,6 +25,7 @@ import sys
 import jax
 
 import models
+from zero_jax import flags
 from zero_jax.checkpoint import manager as ckpt_lib
 from zero_jax import config as config_lib, job as job_lib, loop, run
 from zero_jax.runtime import cpu
@@ -42,9 +43,9 @@ def parse(argv: list[str] | None = None) -> tuple[config_lib.RunConfig, argparse
     parser.add_argument("--config", help="TOML run config; flags override it")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     cpu.add_devices_flag(parser)
-    config_lib.add_flags(parser)
+    flags.add_flags(parser)
     args = parser.parse_args(argv)
-    return config_lib.from_args(args, args.config), args
+    return flags.from_args(args, args.config), args
 
 
 def start_up_fingerprint(cfg: config_lib.RunConfig, lowered) -> dict[str, str]:

@@ -17,7 +17,7 @@ def make_job(corpus, *, devices=None, **overrides):
     """A Job from config overrides given as {field: value} (flag names)."""
     fields = {"model": "gpt-tiny", "seq_len": 32, "batch_size": 16, "steps": 10,
               "mesh": "fsdp=8", "zero_stage": 3, **overrides}
-    where = {f.name: f"{s}.{f.name}" for s, cls in config_lib._SECTION_TYPES.items()
+    where = {f.name: f"{s}.{f.name}" for s, cls in config_lib.SECTIONS.items()
              for f in dataclasses.fields(cls)}
     where.update(model="model.name", optimizer="optim.name", data="data.source",
                  precision="precision.policy", layout="parallel.layout",

@@ -7,13 +7,13 @@ import dataclasses
 
 from models import gpt
 from zero_jax import config as config_lib, job as job_lib
-from zero_jax.sharding.rules import LAYOUTS, AxisRules, ShardingError, layout
+from zero_jax.sharding.rules import PRESETS, AxisRules, ShardingError, preset
 
 SIZES = {"pipe": 1, "data": 2, "fsdp": 4, "tensor": 2}
 
 
 def test_spec_maps_names_and_drops_size_one_axes():
-    rules = LAYOUTS["fsdp_tp"].rules
+    rules = PRESETS["fsdp_tp"].rules
     assert rules.spec(("batch", "seq", "embed"), (8, 16, 32), SIZES) == P(("data", "fsdp"), None, None)
     assert rules.spec(("embed", "mlp"), (32, 64), SIZES) == P(None, "tensor")
     assert rules.spec(("embed", "mlp"), (32, 64), {**SIZES, "tensor": 1}) == P(None, None)
@@ -21,7 +21,7 @@ def test_spec_maps_names_and_drops_size_one_axes():
 
 def test_two_logical_axes_on_one_mesh_axis_is_an_error():
     with pytest.raises(ShardingError, match="'heads' .* and 'mlp' .* both map to mesh axis 'tensor'"):
-        LAYOUTS["fsdp_tp"].rules.spec(("heads", "mlp"), (4, 8), SIZES, what="parameter w")
+        PRESETS["fsdp_tp"].rules.spec(("heads", "mlp"), (4, 8), SIZES, what="parameter w")
 
 
 def _job(corpus, mesh, vocab_multiple=1, **model):
@@ -51,14 +51,14 @@ def test_indivisible_vocabulary_says_to_pad_it(corpus):
 
 def test_layout_must_use_the_tensor_axis():
     with pytest.raises(ShardingError, match="splits nothing over the mesh's tensor=2 axis"):
-        layout("fsdp", {"fsdp": 4, "tensor": 2})
-    assert layout("auto", {"fsdp": 4, "tensor": 2}).rules.name == "fsdp_tp"
-    assert layout("auto", {"fsdp": 8, "tensor": 1}).rules.name == "fsdp"
+        preset("fsdp", {"fsdp": 4, "tensor": 2})
+    assert preset("auto", {"fsdp": 4, "tensor": 2}).rules.name == "fsdp_tp"
+    assert preset("auto", {"fsdp": 8, "tensor": 1}).rules.name == "fsdp"
 
 
 def test_unknown_logical_name_is_an_error():
     with pytest.raises(ShardingError, match="no rule for logical axis 'hidden'"):
-        LAYOUTS["fsdp_tp"].rules.spec(("hidden",), (8,), SIZES)
+        PRESETS["fsdp_tp"].rules.spec(("hidden",), (8,), SIZES)
 
 
 def test_rules_reject_a_name_mapped_twice():

@@ -9,45 +9,32 @@ job: gpt-tiny on the standard library's source, ZeRO-3 on 8 CPU devices.
 
 from __future__ import annotations
 
-import argparse
-import ast
 import dataclasses
-import functools
-import inspect
-import io
 import math
-import textwrap
-import tokenize
 import tomllib
 import types
 import typing
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from zero_jax.runtime import trace as profile
 from zero_jax.checkpoint.manager import CheckpointConfig, complete_steps
+from zero_jax.optim import OptimConfig
+from zero_jax.pipeline.schedule import ScheduleName
+from zero_jax.precision import PresetName
+from zero_jax.remat import PolicyName
+from zero_jax.runtime import trace
 from zero_jax.runtime.distributed import DistributedConfig
 from zero_jax.sharding.mesh import MeshShape
-from zero_jax.optim import OptimConfig
+
+# Choices of this file's own fields (the others' are their modules').
+LayoutName = Literal["auto", "dp", "fsdp", "fsdp_tp", "fsdp_tp_sp"]  # sharding/rules.py PRESETS
+GradReduce = Literal["auto", "step", "microbatch"]  # job.resolve_grad_reduce
+Attention = Literal["auto", "xla", "cudnn"]  # job.attention_implementation
+DtypeOverride = Literal["", "float32", "bfloat16", "float16"]  # "": the policy's
 
 
 class ConfigError(ValueError):
     """A run config that cannot run; raised before anything is compiled."""
-
-
-def _require(cfg, section: str, minimum: dict[str, float], positive: tuple[str, ...] = ()) -> None:
-    """Range checks of one section's numbers, each error naming the flag and
-    the value. NaN and infinity are refused too: they are no count or size."""
-    for field, low in minimum.items():
-        value = getattr(cfg, field)
-        if not (math.isfinite(value) and value >= low):
-            raise ValueError(f"{flag_of(section, field)} {value}: must be a whole number >= {low}"
-                             if isinstance(value, int) else
-                             f"{flag_of(section, field)} {value}: must be a finite number >= {low}")
-    for field in positive:
-        value = getattr(cfg, field)
-        if not (math.isfinite(value) and value > 0):
-            raise ValueError(f"{flag_of(section, field)} {value}: must be a finite number > 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,67 +52,49 @@ class ModelConfig:
     n_kv_head: int = 0  # Llama family: key/value heads (0: the preset's)
     head_dim: int = 0  # Llama family: head size (0: the preset's, or d_model / n_head)
     rope_theta: float = 0.0  # Llama family: rotary base (0: the preset's)
-    tie_embeddings: str = ""  # Llama family: "true" or "false" ("": the preset's)
-    attention: str = "auto"  # xla | cudnn (jax.nn.dot_product_attention); auto: cudnn on GPU in 16 bits
+    tie_embeddings: bool | None = None  # Llama family: the head is the embedding (unset: the preset's)
+    attention: Attention = "auto"  # xla | cudnn (jax.nn.dot_product_attention); auto: cudnn on GPU in 16 bits
     scan_layers: bool = True  # false: unroll the layer stack (longer compiles; the compiler then sees, and counts, every layer)
 
     SHAPE_FIELDS = ("n_layer", "n_head", "d_model", "d_mlp", "vocab_size", "max_seq_len",
                     "n_kv_head", "head_dim", "rope_theta", "tie_embeddings")
 
-    def __post_init__(self):
-        for f in self.SHAPE_FIELDS:
-            value = getattr(self, f)
-            if not isinstance(value, str) and not (math.isfinite(value) and value >= 0):
-                raise ValueError(f"{flag_of('model', f)} {value}: shape fields must be positive, "
-                                 "or 0 for the preset's")
-        _require(self, "model", {"vocab_multiple": 1})
-
     def shape(self) -> dict[str, Any]:
-        """The shape fields given (non-zero), to override the preset's."""
-        return {f: getattr(self, f) for f in self.SHAPE_FIELDS if getattr(self, f)}
+        """The shape fields given (non-zero, or set), to override the preset's."""
+        return {f: v for f in self.SHAPE_FIELDS
+                if (v := getattr(self, f)) is not None and (isinstance(v, bool) or v)}
 
 
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
     mesh: str = "cpu-8"  # a meshes/ name, a TOML path, or inline like data=2,fsdp=4
-    layout: str = "auto"  # dp | fsdp | fsdp_tp | fsdp_tp_sp; auto: fsdp, or fsdp_tp with tensor > 1
+    layout: LayoutName = "auto"  # dp | fsdp | fsdp_tp | fsdp_tp_sp; auto: fsdp, or fsdp_tp with tensor > 1
     zero_stage: int | None = None  # 0 DDP, 1 optimizer state, 2 + gradients, 3 + parameters; None: the layout's
     zero_shard_axes: str = ""  # comma list narrowing the mesh's ZeRO axes ("fsdp": hybrid)
     min_shard_elements: int = 4096  # arrays smaller than this stay replicated
-    pipeline_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved (with a pipe axis)
+    pipeline_schedule: ScheduleName = "1f1b"  # gpipe | 1f1b | interleaved (with a pipe axis)
     virtual_stages: int = 0  # chunks per device for interleaved (0: 2 for interleaved, else 1)
     pipeline_gather_once: bool = False  # ZeRO-3: gather a stage's weights once per step, not per microbatch
-    grad_reduce: str = "auto"  # step | microbatch: when accumulated gradients are reduced; auto: microbatch at stage 3
-
-    def __post_init__(self):
-        if self.zero_stage not in (None, 0, 1, 2, 3):
-            raise ValueError(f"--zero-stage {self.zero_stage}: choose 0 (DDP), 1 (optimizer "
-                             "state), 2 (+ gradients) or 3 (+ parameters), or leave it out for "
-                             "the layout's")
-        _require(self, "parallel", {"min_shard_elements": 0, "virtual_stages": 0})
+    grad_reduce: GradReduce = "auto"  # step | microbatch: when accumulated gradients are reduced; auto: microbatch at stage 3
 
 
 @dataclasses.dataclass(frozen=True)
 class PrecisionConfig:
-    policy: str = "auto"  # fp32 | bf16 | fp16; auto: bf16 on accelerators, fp32 on CPU
-    param_dtype: str = ""  # override: stored (master) parameters
-    compute_dtype: str = ""  # override: matmuls and activations
-    grad_dtype: str = ""  # override: gradient reduction and accumulation
-    opt_state_dtype: str = ""  # override: optimizer moments
+    policy: PresetName = "auto"  # fp32 | bf16 | fp16; auto: bf16 on accelerators, fp32 on CPU
+    param_dtype: DtypeOverride = ""  # override: stored (master) parameters
+    compute_dtype: DtypeOverride = ""  # override: matmuls and activations
+    grad_dtype: DtypeOverride = ""  # override: gradient reduction and accumulation
+    opt_state_dtype: DtypeOverride = ""  # override: optimizer moments
     initial_scale_power: int = 16  # fp16 loss scale starts at 2**power
     loss_scale_window: int = 1000  # finite steps in a row before the loss scale doubles
     hysteresis: int = 2  # overflows tolerated before the loss scale halves
     min_loss_scale: float = 1.0  # the loss scale never goes below this
     max_consecutive_skips: int = 20  # stop after this many non-finite steps in a row
 
-    def __post_init__(self):
-        _require(self, "precision", {"loss_scale_window": 1, "hysteresis": 1,
-                                     "max_consecutive_skips": 1}, positive=("min_loss_scale",))
-
 
 @dataclasses.dataclass(frozen=True)
 class ActivationConfig:
-    remat: str = "none"  # none | full | dots_saveable | save_names | offload
+    remat: PolicyName = "none"  # none | full | dots_saveable | save_names | offload
     save_names: str = "qkv,attn_ctx,mlp_hidden"  # named activations kept (save_names) or offloaded (offload)
 
 
@@ -134,9 +103,6 @@ class DataConfig:
     source: str = "stdlib"  # "stdlib" (byte-level Python source), a scripts/prepare_data.py directory, or a flat uint16 file
     seq_len: int = 128  # tokens per row fed to the model
     segment_ids: bool = False  # attend within each document only; positions restart at each
-
-    def __post_init__(self):
-        _require(self, "data", {"seq_len": 1})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,10 +118,6 @@ class TrainConfig:
     tensorboard_dir: str = ""  # also write the metrics as TensorBoard scalars here ("" for none)
     profile_steps: str = ""  # A:B: a jax.profiler trace of steps A to B - 1 ("" for none)
     profile_dir: str = ""  # where the trace goes ("": --tensorboard-dir, else ./profile)
-
-    def __post_init__(self):
-        _require(self, "train", {"steps": 1, "stop_at": 0, "batch_size": 1, "microbatches": 1,
-                                 "eval_every": 0, "eval_batches": 1})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,16 +143,87 @@ class RunConfig:
         return dataclasses.asdict(self)
 
 
-_SECTION_TYPES = {"model": ModelConfig, "parallel": ParallelConfig,
-                  "precision": PrecisionConfig, "activations": ActivationConfig,
-                  "optim": OptimConfig, "data": DataConfig, "train": TrainConfig,
-                  "offload": OffloadConfig, "checkpoint": CheckpointConfig, "distributed": DistributedConfig}
+# TOML table -> its dataclass, in the order --help lists them.
+SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "precision": PrecisionConfig,
+            "activations": ActivationConfig, "optim": OptimConfig, "data": DataConfig,
+            "train": TrainConfig, "offload": OffloadConfig, "checkpoint": CheckpointConfig,
+            "distributed": DistributedConfig}
 # Fields whose flag is not their own name.
 _FLAG_NAMES = {("model", "name"): "model", ("optim", "name"): "optimizer",
                ("data", "source"): "data", ("precision", "policy"): "precision",
                ("checkpoint", "dir"): "checkpoint_dir", ("checkpoint", "every"): "checkpoint_every",
                ("offload", "optimizer"): "offload_optimizer",
                ("offload", "params"): "offload_params"}
+
+
+
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """The numbers a field takes: from `low` (excluded if `open_low`), up to
+    `high` (included if `closed_high`); NaN and infinity are never in it."""
+
+    low: float
+    high: float | None = None  # None: no upper bound, and the message says ">= low"
+    open_low: bool = False
+    closed_high: bool = False
+
+    def __contains__(self, value: float) -> bool:
+        if not math.isfinite(value) or value < self.low or (self.open_low and value == self.low):
+            return False
+        return self.high is None or value < self.high or (self.closed_high and value == self.high)
+
+    def describe(self, whole: bool) -> str:
+        if self.high is None:
+            kind = "a whole number" if whole else "a finite number"
+            return f"{kind} {'>' if self.open_low else '>='} {self.low:g}"
+        return (f"a finite number in {'(' if self.open_low else '['}{self.low:g}, "
+                f"{self.high:g}{']' if self.closed_high else ')'}")
+
+
+def _unit(closed_high: bool = False) -> Range:
+    return Range(0, 1, closed_high=closed_high)
+
+
+_POSITIVE, _COUNT, _ANY = Range(0, open_low=True), Range(1), Range(0)
+# (section, field) -> its range: every number a run config holds is checked
+# here, once, as its section is built.
+RANGES: dict[tuple[str, str], Range] = {
+    ("model", "vocab_multiple"): _COUNT, ("parallel", "min_shard_elements"): _ANY,
+    ("parallel", "virtual_stages"): _ANY, ("precision", "loss_scale_window"): _COUNT,
+    ("precision", "hysteresis"): _COUNT, ("precision", "max_consecutive_skips"): _COUNT,
+    ("precision", "min_loss_scale"): _POSITIVE, ("data", "seq_len"): _COUNT,
+    ("train", "steps"): _COUNT, ("train", "stop_at"): _ANY, ("train", "batch_size"): _COUNT,
+    ("train", "microbatches"): _COUNT, ("train", "eval_every"): _ANY,
+    ("train", "eval_batches"): _COUNT,
+    ("optim", "lr"): Range(0, math.inf, open_low=True), ("optim", "warmup_steps"): _ANY,
+    ("optim", "min_lr_ratio"): _unit(closed_high=True),
+    ("optim", "weight_decay"): Range(0, math.inf), ("optim", "b1"): _unit(),
+    ("optim", "b2"): _unit(), ("optim", "eps"): Range(0, math.inf, open_low=True),
+    ("optim", "momentum"): _unit(), ("optim", "clip_norm"): Range(0, math.inf),
+    ("checkpoint", "every"): _ANY, ("checkpoint", "keep_last"): _COUNT,
+    ("checkpoint", "keep_every"): _ANY,
+    # A timeout of 0 would fail every wait at once; NaN would never fire.
+    ("distributed", "heartbeat_timeout_s"): _COUNT, ("distributed", "barrier_timeout_s"): _COUNT,
+    ("distributed", "watchdog_warn"): _ANY, ("distributed", "watchdog_stop"): _ANY,
+    ("distributed", "watchdog_min_s"): _ANY,
+}
+
+
+def _check_value(section: str, field: str, value: Any, choices: tuple) -> None:
+    """One field's value against its choices (a Literal) or its range."""
+    flag = flag_of(section, field)
+    if choices and value not in choices:
+        raise ValueError(f"{flag} {value!r}: choose from {', '.join(map(str, choices))}")
+    if (section, field) in RANGES and value not in RANGES[(section, field)]:
+        whole = isinstance(value, int)
+        raise ValueError(f"{flag} {value}: must be {RANGES[(section, field)].describe(whole)}")
+    if section == "model" and field in ModelConfig.SHAPE_FIELDS and not isinstance(value, bool) \
+            and not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"{flag} {value}: shape fields must be positive, or 0 for the preset's")
+    if (section, field) == ("parallel", "zero_stage") and value not in (0, 1, 2, 3):
+        raise ValueError(f"--zero-stage {value}: choose 0 (DDP), 1 (optimizer state), "
+                         "2 (+ gradients) or 3 (+ parameters), or leave it out for the layout's")
 
 
 def _flag(section: str, field: str) -> str:
@@ -202,85 +235,52 @@ def flag_of(section: str, field: str) -> str:
     return f"--{_flag(section, field).replace('_', '-')}"
 
 
-@functools.cache
-def field_comments(cls) -> dict[str, str]:
-    """{field: its comment} read from the class's source: the comment after the
-    field on its line, else the comment lines right above it. The comments are
-    the one place each field is described, so --help reads them from there."""
-    try:
-        lines = textwrap.dedent(inspect.getsource(cls)).splitlines(keepends=True)
-    except (OSError, TypeError):  # no source to read (a frozen build): no texts
-        return {}
-    source = "".join(lines)
-    comments = {t.start[0]: t.string.lstrip("#").strip()
-                for t in tokenize.generate_tokens(io.StringIO(source).readline)
-                if t.type == tokenize.COMMENT}
-    alone = {row for row in comments if lines[row - 1].lstrip().startswith("#")}
-    out = {}
-    for node in ast.parse(source).body[0].body:
-        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
-            continue
-        if node.end_lineno in comments:
-            out[node.target.id] = comments[node.end_lineno]
-            continue
-        row, above = node.lineno - 1, []
-        while row in alone:
-            above.insert(0, comments[row])
-            row -= 1
-        if above:
-            out[node.target.id] = " ".join(above)
-    return out
-
-
-def _help(cls, field: dataclasses.Field) -> str:
-    """A flag's help: the field's comment and its default (argparse reads % as a format)."""
-    text = field_comments(cls).get(field.name, "")
-    return f"{text} (default: {field.default!r})".strip().replace("%", "%%")
-
-
-def _field_type(cls, field: dataclasses.Field) -> type:
+def _field_hint(cls, field: dataclasses.Field):
+    """A field's type, without its None (`int | None` -> int)."""
     hint = typing.get_type_hints(cls)[field.name]
     if isinstance(hint, types.UnionType):
         hint = next(t for t in typing.get_args(hint) if t is not type(None))
     return hint
 
 
-def add_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per config field; defaults are None so only given flags override."""
-    for section, cls in _SECTION_TYPES.items():
-        group = parser.add_argument_group(f"[{section}]")
-        for f in dataclasses.fields(cls):
-            kind = _field_type(cls, f)
-            flag = flag_of(section, f.name)
-            if kind is bool:
-                group.add_argument(flag, dest=f"{section}.{f.name}", default=None,
-                                   action=argparse.BooleanOptionalAction, help=_help(cls, f))
-            else:
-                group.add_argument(flag, dest=f"{section}.{f.name}", type=kind, default=None,
-                                   metavar=kind.__name__.upper(), help=_help(cls, f))
+def _choices(cls, field: dataclasses.Field) -> tuple:
+    """A Literal field's choices; () for any other."""
+    hint = _field_hint(cls, field)
+    return typing.get_args(hint) if typing.get_origin(hint) is Literal else ()
 
 
-def _section(cls, values: dict[str, Any], where: str):
+def field_type(cls, field: dataclasses.Field) -> type:
+    """The Python type a field's values have (a Literal's: its choices')."""
+    choices = _choices(cls, field)
+    return type(choices[0]) if choices else _field_hint(cls, field)
+
+
+def _section(section: str, cls, values: dict[str, Any]):
+    """One section's dataclass from its values: the one place every value's
+    type, choices and range are checked."""
+    where = f"[{section}]"
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = set(values) - names
     if unknown:
         raise ConfigError(f"{where}: unknown key(s) {sorted(unknown)}; known: {sorted(names)}")
     for f in dataclasses.fields(cls):
-        if f.name in values:
-            kind, value = _field_type(cls, f), values[f.name]
-            if kind is float and isinstance(value, int) and not isinstance(value, bool):
-                values[f.name] = float(value)
-            elif not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-                raise ConfigError(f"{where}.{f.name} = {value!r}: expected {kind.__name__}")
-    try:
-        return cls(**values)
-    except ValueError as e:
-        raise ConfigError(f"{where}: {e}") from None
+        if f.name not in values:
+            continue
+        kind, value = field_type(cls, f), values[f.name]
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            values[f.name] = value = float(value)
+        elif not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise ConfigError(f"{where}.{f.name} = {value!r}: expected {kind.__name__}")
+        try:
+            _check_value(section, f.name, value, _choices(cls, f))
+        except ValueError as e:
+            raise ConfigError(f"{where}: {e}") from None
+    return cls(**values)
 
 
 def build(file: str | None = None, overrides: dict[str, Any] | None = None) -> RunConfig:
     """Defaults, then the TOML file, then `{"section.field": value}` overrides."""
-    tables: dict[str, dict[str, Any]] = {s: {} for s in _SECTION_TYPES}
+    tables: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
     if file:
         try:
             with open(file, "rb") as fh:
@@ -291,22 +291,17 @@ def build(file: str | None = None, overrides: dict[str, Any] | None = None) -> R
             raise ConfigError(f"--config {file}: cannot be read ({e.strerror})") from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"--config {file}: not valid TOML ({e})") from None
-        unknown = set(raw) - set(_SECTION_TYPES)
+        unknown = set(raw) - set(SECTIONS)
         if unknown:
             raise ConfigError(f"{file}: unknown table(s) {sorted(unknown)}; "
-                              f"known: {sorted(_SECTION_TYPES)}")
+                              f"known: {sorted(SECTIONS)}")
         for section, values in raw.items():
             tables[section].update(values)
     for key, value in (overrides or {}).items():
         if value is not None:
             section, field = key.split(".")
             tables[section][field] = value
-    return RunConfig(**{s: _section(cls, tables[s], f"[{s}]")
-                        for s, cls in _SECTION_TYPES.items()})
-
-
-def from_args(args: argparse.Namespace, config_file: str | None) -> RunConfig:
-    return build(config_file, {k: v for k, v in vars(args).items() if "." in k})
+    return RunConfig(**{s: _section(s, cls, tables[s]) for s, cls in SECTIONS.items()})
 
 
 def validate(run: RunConfig, mesh: MeshShape) -> None:
@@ -328,16 +323,11 @@ def validate(run: RunConfig, mesh: MeshShape) -> None:
             f"{t.batch_size // t.microbatches} rows per microbatch, not divisible by the "
             f"data-parallel size {dp}; each microbatch is split over every data-parallel "
             f"device, so use a batch size that is a multiple of {t.microbatches * dp}")
-    m = run.model
-    if m.tie_embeddings not in ("", "true", "false"):
-        raise ConfigError(f"--tie-embeddings {m.tie_embeddings!r}: true or false")
-    if m.attention not in ("auto", "xla", "cudnn"):
-        raise ConfigError(f"--attention {m.attention!r}: choose auto, xla or cudnn")
     c = run.checkpoint
     if (c.resume or c.every) and not c.dir:
         raise ConfigError("--resume and --checkpoint-every need --checkpoint-dir")
     try:
-        window = profile.Window.parse(t.profile_steps)
+        window = trace.Window.parse(t.profile_steps)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if window is not None and window.first > t.steps:

@@ -3,9 +3,10 @@
 Step t + 1 is dispatched before the metrics of step t are read, so the host
 builds the next batch and logs while the device computes. It never runs
 further ahead than that: dispatching many steps of a program with
-collectives without waiting deadlocks XLA's CPU collectives (see the
-deadlock note in the project facts), and one step of lookahead is all the
-overlap a training loop needs.
+collectives without waiting deadlocks XLA's in-process CPU collectives
+(measured: every device count tried hung within 400 steps, and XLA aborted
+the process), and one step of lookahead is all the overlap a training loop
+needs.
 """
 
 from __future__ import annotations
@@ -41,6 +42,88 @@ def evaluate(eval_step: Callable, params: Any, batches: Callable[[int], Any], n:
     return total / max(count, 1)
 
 
+class StepLog:
+    """What the host does with a step once it has finished: wait for it on
+    every device, time it, make its record (throughput, memory, validation
+    loss when asked), halt after too many skipped steps, write the record
+    and move the progress bar."""
+
+    def __init__(self, start: int, steps: int, *, metrics_path: str, tensorboard_dir: str,
+                 out: TextIO, progress: bool, max_consecutive_skips: int,
+                 eval_fn: Callable[[Any], float] | None, watchdog: StepWatchdog | None,
+                 throughput: Throughput | None):
+        self.writers = (MetricsWriter(metrics_path, start),
+                        TensorBoardWriter(tensorboard_dir, start))
+        self.bar = tqdm(total=steps, initial=start, file=out, disable=not progress,
+                        dynamic_ncols=True, mininterval=1.0, unit="step")
+        self.max_consecutive_skips, self.eval_fn = max_consecutive_skips, eval_fn
+        self.watchdog, self.throughput = watchdog, throughput
+        self.history: list[dict[str, Any]] = []
+        self.restart_clock()
+
+    def restart_clock(self) -> None:
+        """Time from now on counts toward the next step (not a trace's writing)."""
+        self.last_done = time.perf_counter()
+
+    def finish(self, step: int, metrics: dict[str, jax.Array], eval_params: Any = None) -> None:
+        """Record step `step` (0-based); with `eval_params`, evaluate them too."""
+        # Wait for this step on every device, not only the one the replicated
+        # metrics are read from: the bound must hold per device.
+        if self.watchdog is not None:
+            self.watchdog.started(step)
+        values = local(jax.block_until_ready(metrics))
+        if self.watchdog is not None:
+            self.watchdog.finished(step)
+        now = time.perf_counter()
+        record = self._record(step, values, now - self.last_done)
+        if record["skipped"]:
+            self._skipped(record, int(values["consecutive_skips"]))
+            eval_params = None  # evaluate finite states only
+        if eval_params is not None:
+            record["val_loss"] = self.eval_fn(eval_params)
+            self.bar.write(f"step {record['step']}: val_loss {record['val_loss']:.4f}")
+            now = time.perf_counter()  # eval time is not step time
+        self._write(record)
+        mfu = {"mfu": f"{record['mfu']:.1%}"} if "mfu" in record else {}
+        self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:,.0f}",
+                             **mfu, step_s=f"{record['step_time_s']:.3f}", refresh=False)
+        self.bar.update(1)
+        self.last_done = now
+
+    def _record(self, step: int, values: dict[str, Any], seconds: float) -> dict[str, Any]:
+        record = {"step": step + 1, "loss": float(values["loss"]),
+                  "grad_norm": float(values["grad_norm"]), "lr": float(values["lr"]),
+                  "tokens_per_s": float(values["tokens"]) / seconds,
+                  "step_time_s": seconds, "loss_scale": float(values["loss_scale"]),
+                  "skipped": bool(values["skipped"])}
+        if self.throughput is not None:
+            record.update(self.throughput.fields(record["tokens_per_s"]))
+        record.update(metrics_lib.memory())
+        return record
+
+    def _skipped(self, record: dict[str, Any], run: int) -> None:
+        """Report a skipped step; past the limit, write its record and halt."""
+        self.bar.write(f"step {record['step']}: non-finite gradients (norm {record['grad_norm']}), "
+                       f"update skipped, {run} in a row; loss scale was {record['loss_scale']:g}")
+        if run >= self.max_consecutive_skips:
+            self._write(record)
+            raise TrainingHalted(
+                f"stopped at step {record['step']}: {run} steps in a row had non-finite "
+                f"gradients (limit --max-consecutive-skips {self.max_consecutive_skips}); the "
+                "parameters are those of the last finite step. Lower the learning rate, "
+                "check the data, or train in bf16 instead of fp16")
+
+    def _write(self, record: dict[str, Any]) -> None:
+        self.history.append(record)
+        for writer in self.writers:
+            writer.write(record)
+
+    def close(self) -> None:
+        self.bar.close()
+        for writer in self.writers:
+            writer.close()
+
+
 def train(state: TrainState, train_step: Callable, batch_at: Callable[[int], jax.Array], *,
           steps: int, eval_fn: Callable[[Any], float] | None = None, eval_every: int = 0,
           metrics_path: str = "", out: TextIO = sys.stdout, progress: bool = True,
@@ -62,85 +145,40 @@ def train(state: TrainState, train_step: Callable, batch_at: Callable[[int], jax
     records' scalars there too; `tracer` profiles its window of steps.
     """
     start = int(local(state.step))
-    writers = (MetricsWriter(metrics_path, start), TensorBoardWriter(tensorboard_dir, start))
-    bar = tqdm(total=steps, initial=start, file=out, disable=not progress, dynamic_ncols=True,
-               mininterval=1.0, unit="step")
-    history: list[dict[str, Any]] = []
+    log = StepLog(start, steps, metrics_path=metrics_path, tensorboard_dir=tensorboard_dir,
+                  out=out, progress=progress, max_consecutive_skips=max_consecutive_skips,
+                  eval_fn=eval_fn, watchdog=watchdog, throughput=throughput)
     pending: tuple[int, dict[str, jax.Array]] | None = None
-    last_done = time.perf_counter()
-
-    def finish(step: int, metrics: dict[str, jax.Array], eval_params: Any = None) -> None:
-        nonlocal last_done
-        # Wait for this step on every device, not only the one the replicated
-        # metrics are read from: the bound must hold per device.
-        if watchdog is not None:
-            watchdog.started(step)
-        values = local(jax.block_until_ready(metrics))
-        if watchdog is not None:
-            watchdog.finished(step)
-        now = time.perf_counter()
-        record = {"step": step + 1, "loss": float(values["loss"]),
-                  "grad_norm": float(values["grad_norm"]), "lr": float(values["lr"]),
-                  "tokens_per_s": float(values["tokens"]) / (now - last_done),
-                  "step_time_s": now - last_done, "loss_scale": float(values["loss_scale"]),
-                  "skipped": bool(values["skipped"])}
-        if throughput is not None:
-            record.update(throughput.fields(record["tokens_per_s"]))
-        record.update(metrics_lib.memory())
-        if record["skipped"]:
-            run = int(values["consecutive_skips"])
-            bar.write(f"step {record['step']}: non-finite gradients (norm {record['grad_norm']}), "
-                      f"update skipped, {run} in a row; loss scale was {record['loss_scale']:g}")
-            if run >= max_consecutive_skips:
-                history.append(record)
-                for writer in writers:
-                    writer.write(record)
-                raise TrainingHalted(
-                    f"stopped at step {record['step']}: {run} steps in a row had non-finite "
-                    f"gradients (limit --max-consecutive-skips {max_consecutive_skips}); the "
-                    "parameters are those of the last finite step. Lower the learning rate, "
-                    "check the data, or train in bf16 instead of fp16")
-            eval_params = None  # evaluate finite states only
-        if eval_params is not None:
-            record["val_loss"] = eval_fn(eval_params)
-            bar.write(f"step {record['step']}: val_loss {record['val_loss']:.4f}")
-            now = time.perf_counter()  # eval time is not step time
-        history.append(record)
-        for writer in writers:
-            writer.write(record)
-        mfu = {"mfu": f"{record['mfu']:.1%}"} if "mfu" in record else {}
-        bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:,.0f}",
-                        **mfu, step_s=f"{record['step_time_s']:.3f}", refresh=False)
-        bar.update(1)
-        last_done = now
-
-    def eval_after(n: int) -> bool:
-        return eval_fn is not None and (n == steps or (eval_every > 0 and n % eval_every == 0))
-
     try:
         for step in range(start, steps):
             if tracer is not None and tracer.at_edge(step):
                 # Nothing in flight at either edge: the trace holds its steps only.
-                if pending is not None:
-                    finish(*pending)
-                    pending = None
+                _drain(log, pending)
+                pending = None
                 tracer.toggle()
-                last_done = time.perf_counter()  # writing the trace is not step time
+                log.restart_clock()  # writing the trace is not step time
             state, metrics = train_step(state, batch_at(step))
-            if pending is not None:
-                finish(*pending)
+            _drain(log, pending)
             pending = (step, metrics)
-            if eval_after(step + 1):  # drain, then evaluate the state this step produced
-                finish(step, metrics, state.params)
+            if eval_fn is not None and _evaluates(step + 1, steps, eval_every):
+                log.finish(step, metrics, state.params)  # the state this step produced
                 pending = None
             if after_step is not None and after_step(step + 1, state):
                 break
-        if pending is not None:
-            finish(*pending)
+        _drain(log, pending)
     finally:
         if tracer is not None:
             tracer.stop()
-        bar.close()
-        for writer in writers:
-            writer.close()
-    return state, history
+        log.close()
+    return state, log.history
+
+
+def _drain(log: StepLog, pending: tuple[int, dict[str, jax.Array]] | None) -> None:
+    """Finish the step in flight, if there is one."""
+    if pending is not None:
+        log.finish(*pending)
+
+
+def _evaluates(n: int, steps: int, every: int) -> bool:
+    """Whether the state after n steps is evaluated: every `every` steps and at the end."""
+    return n == steps or (every > 0 and n % every == 0)

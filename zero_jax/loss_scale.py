@@ -41,7 +41,8 @@ class LossScale(NamedTuple):
 
 def init(cfg: LossScaleConfig) -> LossScale:
     scale = 2.0 ** cfg.initial_scale_power if cfg.enabled else 1.0
-    i32 = lambda v: jnp.asarray(v, jnp.int32)
+    def i32(v):
+        return jnp.asarray(v, jnp.int32)
     return LossScale(jnp.asarray(scale, jnp.float32), i32(0), i32(cfg.hysteresis), i32(0), i32(0))
 
 

@@ -43,8 +43,8 @@ def wrap(tx: optax.GradientTransformation) -> optax.GradientTransformation:
     """`tx` applied to float32 master weights kept in its state.
 
     `init` takes the float32 parameters. `update` steps the master weights
-    and returns the updates it applied; the caller reads the new working
-    copy from the state (`working_params`), since adding updates to a
+    and returns the updates it applied; the caller casts the new working
+    copy from the state's new masters (`apply`), since adding updates to a
     narrow copy would round differently from casting the new master.
     """
 

@@ -1,23 +1,25 @@
 """Mixed precision: which dtype each model state and computation uses.
 
-One policy, applied in three places: `Hooks.weight` casts a parameter to the
-compute dtype before it is gathered and casts its gradient to the gradient
-dtype before it is reduced; `cast_params` sets the stored (master) dtype;
-`with_state_dtype` keeps the optimizer state in its dtype.
+One policy, applied in three places: `Hooks` cast a parameter to the compute
+dtype before it is gathered and its gradient to the gradient dtype before it
+is reduced; the stored parameters are created in the parameter dtype
+(`cast_tree`, state.py); `with_state_dtype` keeps the optimizer state in its
+dtype.
 
-Bytes per parameter of the model states follow from the policy
-(`bytes_per_param`). The ZeRO paper counts 2 + 2 + 12 = 16 for bf16 training
-with Adam: a bf16 working copy of the parameters, bf16 gradients, and fp32
-master weights, momentum and variance in the optimizer. Here the fp32 master
-parameters are used directly and cast to bf16 at use, so there is no second
-copy: 4 (parameters) + gradient bytes + 8 (Adam's moments), which is 16 with
-fp32 gradients (the `bf16` preset, safe to accumulate) and 14 with bf16 ones.
+The ZeRO paper counts 2 + 2 + 12 = 16 bytes per parameter for bf16 training
+with Adam: a bf16 working copy, bf16 gradients, and float32 master weights,
+momentum and variance. Where parameters and optimizer state are stored
+alike (ZeRO-0 and ZeRO-3) the float32 parameters are the master weights and
+are cast at use: 4 + gradient bytes + 8. At ZeRO-1 and 2 a working copy is
+stored beside float32 masters kept in the sharded optimizer state
+(master.py). analysis/memory.py reads the bytes per parameter off the
+abstract state.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +27,7 @@ import optax
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
+PresetName = Literal["auto", "fp32", "bf16", "fp16"]  # --precision; auto: by platform
 # name -> (params, compute, grads, opt_state)
 PRESETS: dict[str, tuple[str, str, str, str]] = {
     "fp32": ("float32", "float32", "float32", "float32"),
@@ -91,10 +94,3 @@ def with_state_dtype(tx: optax.GradientTransformation, dtype) -> optax.GradientT
         return updates, cast_tree(state, dtype)
 
     return optax.GradientTransformation(init, update)
-
-
-def bytes_per_param(policy: Policy, opt_state_floats_per_param: float) -> dict[str, float]:
-    """Model-state bytes per parameter under `policy` (before any ZeRO division)."""
-    size = lambda which: jnp.dtype(policy.dtype(which)).itemsize
-    return {"params": size("params"), "grads": size("grads"),
-            "opt_state": opt_state_floats_per_param * size("opt_state")}

@@ -22,22 +22,23 @@ device until the backward pass; they are gathered again instead.
 from __future__ import annotations
 
 import dataclasses
+import typing
+from typing import Literal
 
 import jax
 
-POLICIES = ("none", "full", "dots_saveable", "save_names", "offload")
+PolicyName = Literal["none", "full", "dots_saveable", "save_names", "offload"]
+POLICIES: tuple[str, ...] = typing.get_args(PolicyName)
 WEIGHT = "weight"  # the name Hooks.weight gives a parameter at its point of use
 DOT = "dot"  # the name Hooks.dense gives a matrix product's output
 
 
 @dataclasses.dataclass(frozen=True)
 class Remat:
-    policy: str = "none"  # one of POLICIES
+    policy: PolicyName = "none"
     names: tuple[str, ...] = ()  # activation names for save_names / offload
 
     def __post_init__(self):
-        if self.policy not in POLICIES:
-            raise ValueError(f"--remat {self.policy!r}: no such remat policy; choose from {', '.join(POLICIES)}")
         if self.policy in ("save_names", "offload") and not self.names:
             raise ValueError(f"--remat {self.policy} needs activation names (--save-names)")
         if {WEIGHT, DOT} & set(self.names):

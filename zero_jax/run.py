@@ -26,7 +26,7 @@ from zero_jax.runtime import distributed
 from zero_jax.checkpoint import export
 from zero_jax.analysis import flops
 from zero_jax.checkpoint import integrity
-from zero_jax.runtime import trace as profile
+from zero_jax.runtime import trace
 from zero_jax.data import sampler
 from zero_jax.job import Job
 from zero_jax.runtime.preempt import Preemption
@@ -156,13 +156,16 @@ def _log_precision_change(saved: dict | None, job: Job, log) -> None:
     now = dataclasses.asdict(job.policy)
     if saved is None or saved == now:
         return
-    describe = lambda p: ", ".join(f"{k} {v}" for k, v in p.items())
     working = (f"the working copy is cast from them to {job.policy.compute}" if job.layout.master
                else "the parameters are cast to "
                     f"{job.policy.compute} at use")
-    log(f"precision changed: saved with {describe(saved)}; resuming with {describe(now)}. The "
+    log(f"precision changed: saved with {_listed(saved)}; resuming with {_listed(now)}. The "
         f"master weights ({saved.get('params')}) and optimizer state are restored as saved; "
         f"{working}")
+
+
+def _listed(fields: dict) -> str:
+    return ", ".join(f"{k} {v}" for k, v in fields.items())
 
 
 def _log_data_change(saved: dict, now: dict, log) -> None:
@@ -182,12 +185,75 @@ def _log_config_changes(saved: dict, now: dict, log) -> None:
                 log(f"  {section}.{key}: {old!r} at save, {new!r} now")
 
 
+class StopAndSave:
+    """Called after each step (loop.train's `after_step`): notices preemption
+    and --stop-at, saves when the run stops, at its last step and every
+    --checkpoint-every steps, and says whether to stop."""
+
+    def __init__(self, job: Job, corpus: data_lib.TokenData,
+                 checkpointer: ckpt_lib.Checkpointer | None):
+        self.job, self.corpus, self.checkpointer = job, corpus, checkpointer
+        self.preemption = Preemption()
+        self.stopped = ""  # "preempted", "stop_at", or "" while running
+
+    def __call__(self, n: int, state: TrainState) -> bool:
+        t = self.job.run.train
+        if self.preemption.requested(n):
+            self.stopped = "preempted"
+        elif n == t.stop_at:
+            self.stopped = "stop_at"
+        if self.checkpointer is not None:
+            if self.stopped or n == (t.stop_at or t.steps) or self.checkpointer.due(n):
+                self.checkpointer.save(n, self.job.layout.saved_form(state),
+                                       checkpoint_meta(self.job, n, self.corpus))
+            self.checkpointer.check()
+        return bool(self.stopped)
+
+
+def batches(job: Job, corpus: data_lib.TokenData, split: str) -> Callable[[int], Any]:
+    """`step -> the global batch of `split` at that step`, in the job's batch sharding."""
+    run, t = job.run, job.run.train
+    return functools.partial(data_lib.global_batch, corpus, split, run.data.seq_len,
+                             t.batch_size, t.seed, sharding=job.layout.batch_sharding,
+                             segments=run.data.segment_ids)
+
+
+def validation(job: Job, corpus: data_lib.TokenData, eval_step) -> Callable[[Any], float]:
+    """`params -> validation loss` over --eval-batches batches."""
+    t = job.run.train
+    targets = functools.partial(data_lib.targets, corpus, "val", job.run.data.seq_len,
+                                t.batch_size, t.seed)
+    val_batch = batches(job, corpus, "val")
+
+    def loss(params) -> float:
+        return loop.evaluate(eval_step, params, val_batch, t.eval_batches, targets)
+
+    return loss
+
+
+def tracer(t, lead: bool) -> trace.Tracer:
+    """The --profile-steps tracer of this process. Every process traces its
+    own devices, each in its own directory (the profiler names its files
+    after the host, which processes may share); only the first says so,
+    above the progress bar."""
+    directory = t.profile_dir or t.tensorboard_dir or "profile"
+    if jax.process_count() > 1:
+        directory = str(Path(directory) / f"process-{jax.process_index()}")
+    return trace.Tracer(trace.Window.parse(t.profile_steps), directory,
+                        tqdm.write if lead else _silent)
+
+
+def _silent(line: str) -> None:
+    pass
+
+
 def train(job: Job, corpus: data_lib.TokenData, train_step, eval_step, *,
           loaders: list[ParamLoader] = (), progress: bool = True,
           log: Callable[[str], None] = print,
           throughput: flops.Throughput | None = None) -> Outcome:
-    run, t, c = job.run, job.run.train, job.run.checkpoint
-    d = run.distributed
+    """The run of `job` on `corpus` with its compiled steps, from its initial
+    state (`initial_state`) to its last step, stop or preemption."""
+    run, t, c, d = job.run, job.run.train, job.run.checkpoint, job.run.distributed
     # Save lines go above the progress bar, not through it.
     checkpointer = (ckpt_lib.Checkpointer(c, job.layout.names, writer=True,
                                           barrier_timeout_s=d.barrier_timeout_s,
@@ -196,47 +262,18 @@ def train(job: Job, corpus: data_lib.TokenData, train_step, eval_step, *,
     # Every process has its state before any starts stepping; bounded, so a
     # process that died while restoring ends the run instead of holding it.
     distributed.barrier("state ready", d.barrier_timeout_s)
-    seq, sharding = run.data.seq_len, job.layout.batch_sharding
-    batch = functools.partial(data_lib.global_batch, corpus, "train", seq, t.batch_size, t.seed,
-                              sharding=sharding, segments=run.data.segment_ids)
-    val_batch = functools.partial(data_lib.global_batch, corpus, "val", seq, t.batch_size, t.seed,
-                                  sharding=sharding, segments=run.data.segment_ids)
-    val_targets = functools.partial(data_lib.targets, corpus, "val", seq, t.batch_size, t.seed)
-    preemption = Preemption()
-    last = t.stop_at or t.steps
-    stopped = ""
-
-    def after_step(n: int, state: TrainState) -> bool:
-        nonlocal stopped
-        if preemption.requested(n):
-            stopped = "preempted"
-        elif n == t.stop_at:
-            stopped = "stop_at"
-        if checkpointer is not None:
-            if stopped or n == last or checkpointer.due(n):
-                checkpointer.save(n, job.layout.saved_form(state), checkpoint_meta(job, n, corpus))
-            checkpointer.check()
-        return bool(stopped)
-
+    after_step = StopAndSave(job, corpus, checkpointer)
     watchdog = StepWatchdog(d.watchdog_warn, d.watchdog_stop, d.watchdog_min_s,
                             who=f"process {jax.process_index()}: " if jax.process_count() > 1 else "")
     lead = jax.process_index() == 0  # one metrics file and progress bar per run
-    # Every process traces its own devices, each in its own directory (the
-    # profiler names its files after the host, which processes may share).
-    trace_dir = t.profile_dir or t.tensorboard_dir or "profile"
-    if jax.process_count() > 1:
-        trace_dir = str(Path(trace_dir) / f"process-{jax.process_index()}")
-    tracer = profile.Tracer(profile.Window.parse(t.profile_steps), trace_dir,
-                            tqdm.write if lead else lambda line: None)  # above the bar
     try:
         state, history = loop.train(
-            state, train_step, lambda step: batch(step=step), steps=t.steps,
-            eval_fn=lambda params: loop.evaluate(eval_step, params, val_batch, t.eval_batches,
-                                                 val_targets),
-            eval_every=t.eval_every, metrics_path=t.metrics_out if lead else "",
-            progress=progress and lead, max_consecutive_skips=run.precision.max_consecutive_skips,
-            after_step=after_step, watchdog=watchdog, throughput=throughput,
-            tensorboard_dir=t.tensorboard_dir if lead else "", tracer=tracer)
+            state, train_step, batches(job, corpus, "train"), steps=t.steps,
+            eval_fn=validation(job, corpus, eval_step), eval_every=t.eval_every,
+            metrics_path=t.metrics_out if lead else "", progress=progress and lead,
+            max_consecutive_skips=run.precision.max_consecutive_skips, after_step=after_step,
+            watchdog=watchdog, throughput=throughput,
+            tensorboard_dir=t.tensorboard_dir if lead else "", tracer=tracer(t, lead))
         if checkpointer is not None:
             checkpointer.wait()
     except ckpt_lib.SaveFailed:
@@ -246,6 +283,7 @@ def train(job: Job, corpus: data_lib.TokenData, train_step, eval_step, *,
         raise
     finally:
         watchdog.close()
+    stopped = after_step.stopped
     if stopped and checkpointer is not None:
         log(f"{stopped}: saved step {int(distributed.local(state.step))} in {checkpointer.directory}")
     return Outcome(state, history, stopped, resumed)

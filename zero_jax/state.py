@@ -133,7 +133,8 @@ class Layout:
 
     def _stacked_state(self) -> TrainState:
         params, opt = self.stacked if self.stacked is not None else (None, None)
-        no = lambda tree: jax.tree.map(lambda _: False, tree)
+        def no(tree):
+            return jax.tree.map(lambda _: False, tree)
         return TrainState(False, params if params is not None else no(self.abstract.params),
                           opt if opt is not None else no(self.abstract.opt_state),
                           no(self.abstract.loss_scale))
@@ -243,7 +244,8 @@ def make_layout(model: ModelFns, tx: optax.GradientTransformation, mesh: Mesh,
             lambda p, st: jax.ShapeDtypeStruct((stages.padded,) + p.shape[1:], p.dtype) if st else p,
             params, stacked_params)
     opt_state = jax.eval_shape(tx.init, params)
-    is_abstract = lambda x: isinstance(x, jax.ShapeDtypeStruct)
+    def is_abstract(x):
+        return isinstance(x, jax.ShapeDtypeStruct)
     stacked_opt = optax.tree_map_params(
         tx, lambda leaf, p, st: bool(st and leaf.ndim and leaf.shape[0] == p.shape[0]),
         opt_state, params, stacked_params, transform_non_params=lambda _: False, is_leaf=is_abstract)

@@ -85,7 +85,8 @@ def train_step(state: TrainState, batch: Any, *, loss_and_grads: Callable,
         new_params, new_opt = master_lib.apply(tx, grads, opt_state, params, to_working)
         # A step with non-finite gradients leaves parameters and optimizer state
         # bitwise as they were; only the step count and the loss scale move.
-        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+        def keep(new, old):
+            return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
         return keep(new_params, params), keep(new_opt, opt_state)
 
     run = update if host is None else functools.partial(host.run, update)

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 from zero_jax.runtime import cpu
 from zero_jax.runtime import distributed
-from zero_jax.planner import devices as hardware
+from zero_jax.planner.devices import for_device_kind
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +106,7 @@ def device_peak(device: jax.Device, compute_dtype: str, sharing: int | None = No
     if device.platform == "cpu":
         return cpu_peak(compute_dtype,
                         sharing or jax.local_device_count() * processes_on_this_host())
-    kind = hardware.for_device_kind(device.device_kind)
+    kind = for_device_kind(device.device_kind)
     if kind is None:
         return None
     if jnp.dtype(compute_dtype).itemsize == 2:

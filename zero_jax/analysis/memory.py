@@ -71,7 +71,8 @@ def theory(layout: Layout) -> dict[str, float]:
     psi = stored_count(layout)
     per = bytes_per_param(layout)
     scalars = sum(_nbytes(x) for x in jax.tree.leaves(layout.abstract.opt_state) if not x.shape)
-    div = lambda sharded: (n_shard if sharded else 1) * t
+    def div(sharded):
+        return (n_shard if sharded else 1) * t
     return {
         "params": per["params"] * psi / div(stage.params),
         "grads": per["grads"] * psi / div(stage.grads),

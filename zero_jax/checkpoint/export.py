@@ -22,6 +22,7 @@ import numpy as np
 import tensorstore as ts
 
 from zero_jax.checkpoint import integrity
+from zero_jax.checkpoint.manager import CorruptCheckpoint, read_meta
 from zero_jax.sharding.specs import is_spec, path_name
 
 # numpy dtype name -> safetensors dtype
@@ -45,7 +46,7 @@ class ParamReader:
 
     def __init__(self, step_dir: str | Path):
         self.step_dir = Path(step_dir)
-        meta = _read_meta(self.step_dir)
+        meta = read_meta(self.step_dir)
         self.meta = meta
         self.arrays = meta["manifest"]["params"]  # path -> {shape, dtype, checksum}
         self.logical = meta.get("logical_axes", {})  # path -> logical names
@@ -82,8 +83,8 @@ class ParamReader:
         running.add(data, 0 if layer is None else layer * data.size)
         pieces = 1 if layer is None else self.arrays[path]["shape"][0]
         if len(seen) == pieces and running.value != self.arrays[path]["checksum"]:
-            raise CorruptCheckpoint(f"checkpoint step {self.step_dir.name} in "
-                                    f"{self.step_dir.parent}: checksum mismatch in params.{path}")
+            raise CorruptCheckpoint(self.step_dir.parent, int(self.step_dir.name),
+                                    f"checksum mismatch in params.{path}")
 
     def layers(self, path: str) -> int | None:
         """Number of layers if the array is a scanned stack, else None."""
@@ -109,25 +110,6 @@ class ParamReader:
     def total_bytes(self) -> int:
         return sum(int(np.prod(a["shape"])) * np.dtype(_np_dtype(a["dtype"])).itemsize
                    for a in self.arrays.values())
-
-
-class CorruptCheckpoint(RuntimeError):
-    """A parameter whose data does not match the checksum saved with it, or a
-    step whose record of its arrays is missing or unreadable."""
-
-
-def _read_meta(step_dir: Path) -> dict[str, Any]:
-    """A step's meta item, which lists its arrays; a committed step without a
-    readable one is damaged, not a different format."""
-    path = step_dir / "meta" / "metadata"
-    try:
-        meta = json.loads(path.read_text())
-        meta["manifest"]["params"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        reason = e.strerror if isinstance(e, OSError) else f"{type(e).__name__}: {e}"
-        raise CorruptCheckpoint(f"checkpoint step {step_dir.name} in {step_dir.parent}: its "
-                                f"meta item {path} is unreadable ({reason})") from None
-    return meta
 
 
 def _read_by_chunk(store) -> np.ndarray:

@@ -23,6 +23,10 @@ from zero_jax.sharding.specs import named_leaves
 from zero_jax.offload import HOST
 
 _UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
+# The second sum's constants: an element's index is mixed into its word by
+# the golden-ratio constant and weighted by Knuth's multiplicative hash.
+_MIX = 0x9E3779B9
+_WEIGHT = 2654435761
 
 
 def _words(x: jax.Array) -> jax.Array:
@@ -43,8 +47,8 @@ def _checksum(x: jax.Array) -> jax.Array:
         index = index + jax.lax.broadcasted_iota(jnp.uint32, x.shape, d) * jnp.uint32(stride)
         stride *= x.shape[d]
     first = jnp.sum(w * (2 * index + 1), dtype=jnp.uint32)
-    mixed = w ^ (w >> 16) ^ (index * jnp.uint32(0x9E3779B9))
-    second = jnp.sum(mixed * ((index * jnp.uint32(2654435761)) | 1), dtype=jnp.uint32)
+    mixed = w ^ (w >> 16) ^ (index * jnp.uint32(_MIX))
+    second = jnp.sum(mixed * ((index * jnp.uint32(_WEIGHT)) | 1), dtype=jnp.uint32)
     return jnp.stack([first, second])
 
 
@@ -95,14 +99,14 @@ class RunningChecksum:
         if flat.dtype == np.bool_:
             words_all = flat.view(np.uint8)
         else:
-            words_all = flat.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[flat.dtype.itemsize])
+            words_all = flat.view(np.dtype(_UINT[flat.dtype.itemsize]))
         mask = np.uint64(0xFFFFFFFF)
         for start in range(0, flat.size, self._CHUNK):
             w = words_all[start:start + self._CHUNK].astype(np.uint64)
             idx = (np.arange(start, start + w.size, dtype=np.uint64) + np.uint64(offset)) & mask
             self.first = (self.first + int(np.sum(w * ((2 * idx + 1) & mask)))) & 0xFFFFFFFF
-            mixed = (w ^ (w >> np.uint64(16)) ^ ((idx * np.uint64(0x9E3779B9)) & mask)) & mask
-            weight = ((idx * np.uint64(2654435761)) & mask) | np.uint64(1)
+            mixed = (w ^ (w >> np.uint64(16)) ^ ((idx * np.uint64(_MIX)) & mask)) & mask
+            weight = ((idx * np.uint64(_WEIGHT)) & mask) | np.uint64(1)
             self.second = (self.second + int(np.sum((mixed * weight) & mask))) & 0xFFFFFFFF
 
     @property

@@ -36,7 +36,6 @@ from zero_jax.checkpoint import integrity
 from zero_jax.sharding.specs import map_specs, path_name
 from zero_jax.state import TrainState, saved_form
 
-ITEMS = ("params", "opt_state", "scalars")
 COMMIT_MARKER = "commit_success.txt"
 FORMAT = 1  # bumped when the layout of `meta` changes
 
@@ -113,12 +112,20 @@ class CheckpointConfig:
     init_from: str = ""  # start from these parameters: a checkpoint dir, .safetensors, or HF dir
     async_save: bool = True  # commit in the background while training continues
 
-    def __post_init__(self):
-        for flag, value, low in (("--checkpoint-every", self.every, 0),
-                                 ("--keep-last", self.keep_last, 1),
-                                 ("--keep-every", self.keep_every, 0)):
-            if value < low:
-                raise ValueError(f"{flag} {value}: must be a whole number >= {low}")
+def read_meta(step_dir: Path) -> dict[str, Any]:
+    """A step's meta item, which lists its arrays; a committed step without a
+    readable one is damaged, not of another format. The one reader of it:
+    restores and streaming exports alike."""
+    path = step_dir / "meta" / "metadata"
+    try:
+        meta = json.loads(path.read_text())
+        meta["manifest"]["params"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        reason = e.strerror if isinstance(e, OSError) else f"{type(e).__name__}: {e}"
+        step = int(step_dir.name) if step_dir.name.isdigit() else -1
+        raise CorruptCheckpoint(step_dir.parent, step,
+                                f"its meta item {path} is unreadable ({reason})") from None
+    return meta
 
 
 def layer_chunks(names: Any) -> Any:
@@ -261,11 +268,7 @@ class Checkpointer:
 
     # -- restoring ---------------------------------------------------------
     def meta(self, step: int) -> dict[str, Any]:
-        path = self.directory / str(step) / "meta" / "metadata"
-        try:
-            return json.loads(path.read_text())
-        except (OSError, ValueError) as e:
-            raise CorruptCheckpoint(self.directory, step, f"meta item unreadable: {e}") from e
+        return read_meta(self.directory / str(step))
 
     def restore(self, step: int, target: TrainState, params_only: bool = False):
         """(saved state or master weights, meta) of `step`, laid out as

@@ -1,7 +1,7 @@
 """Token data: the corpora a run reads, checked before anything compiles,
 and deterministic, process-local batches.
 
-Three sources, one shape (a split is a list of `shards.Shard`):
+Three sources, one shape (a split is a list of `token_files.Shard`):
 - "stdlib": real text every machine has, the Python standard library's own
   source files, read at run time as bytes (vocabulary 256), with about 5%
   of the files held out for validation;

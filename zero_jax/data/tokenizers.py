@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from zero_jax.data import token_files as shards
+from zero_jax.data import token_files
 
 BYTES = "bytes"
 # Names Hugging Face tokenizers give their end-of-document token, tried in order
@@ -94,7 +94,7 @@ def resolve(name: str, eos_token: str = "") -> Spec:
                              f"{eos or ', '.join(EOS_NAMES)}); name one with --eos-token")
     return Spec(str(file), tok.get_vocab_size(with_added_tokens=True), eos_id, eos,
                 _token_text(cfg.get("bos_token")), template,
-                shards.file_sha256(file))
+                token_files.file_sha256(file))
 
 
 class Encoder:

@@ -23,9 +23,11 @@ Adding a schedule is adding an order function.
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple, Sequence
+import typing
+from typing import Literal, NamedTuple, Sequence
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+ScheduleName = Literal["gpipe", "1f1b", "interleaved"]
+SCHEDULES: tuple[str, ...] = typing.get_args(ScheduleName)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,7 +5,8 @@ names only (`embed`, `heads`, `mlp`, ...). An `AxisRules` object maps each
 name to zero or more mesh axes; presets are plain data. The rules give the
 *compute* layout (tensor and sequence parallelism, the batch split); which
 arrays are also stored sharded over the data-parallel axes is ZeRO's choice
-(see zero.py). Named layouts (`LAYOUTS`) are data: rules plus a default stage.
+(see zero.py). The named layouts a run chooses with `--layout` (`PRESETS`)
+are data: rules plus a default stage.
 """
 
 from __future__ import annotations
@@ -127,8 +128,9 @@ _SEQUENCE = {"res_seq": ("tensor",)}
 
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
-    """A named parallel layout: axis rules and the ZeRO stage it implies."""
+class Preset:
+    """A named parallel layout (`--layout`): axis rules and the ZeRO stage it
+    implies. (Where the train state lives on a mesh is state.Layout.)"""
 
     rules: AxisRules
     zero_stage: int  # used when the run does not set one
@@ -136,21 +138,20 @@ class Layout:
 
 # DP, FSDP and TP are different values of the same rules; ZeRO (zero.py)
 # decides which states are also split over the data-parallel axes.
-LAYOUTS: dict[str, Layout] = {
-    "dp": Layout(_rules("dp", **_DATA), 0),
-    "fsdp": Layout(_rules("fsdp", **_DATA), 3),
-    "fsdp_tp": Layout(_rules("fsdp_tp", **{**_DATA, **_TENSOR}), 3),
-    "fsdp_tp_sp": Layout(_rules("fsdp_tp_sp", **{**_DATA, **_TENSOR, **_SEQUENCE}), 3),
+PRESETS: dict[str, Preset] = {
+    "dp": Preset(_rules("dp", **_DATA), 0),
+    "fsdp": Preset(_rules("fsdp", **_DATA), 3),
+    "fsdp_tp": Preset(_rules("fsdp_tp", **{**_DATA, **_TENSOR}), 3),
+    "fsdp_tp_sp": Preset(_rules("fsdp_tp_sp", **{**_DATA, **_TENSOR, **_SEQUENCE}), 3),
 }
 
 
-def layout(name: str, mesh_sizes: Mapping[str, int]) -> Layout:
-    """A layout by name; "auto" is fsdp, or fsdp_tp when the mesh has a tensor axis."""
+def preset(name: str, mesh_sizes: Mapping[str, int]) -> Preset:
+    """A layout preset by name (config.py checks the name); "auto" is fsdp, or
+    fsdp_tp when the mesh has a tensor axis."""
     if name == "auto":
         name = "fsdp_tp" if mesh_sizes.get("tensor", 1) > 1 else "fsdp"
-    if name not in LAYOUTS:
-        raise ShardingError(f"unknown layout {name!r}; choose auto or one of {', '.join(LAYOUTS)}")
-    chosen = LAYOUTS[name]
+    chosen = PRESETS[name]
     used = {a for axes in chosen.rules.table.values() for a in axes}
     if mesh_sizes.get("tensor", 1) > 1 and "tensor" not in used:
         raise ShardingError(
