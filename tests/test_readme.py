@@ -1,26 +1,29 @@
-"""Every ```sh block of README.md runs as written, shortened.
+"""Every ```sh block of README.md and of docs/*.md runs as written, shortened.
 
 Each block runs in a fresh directory of its own that links the repository's
-scripts/, zero_jax/, models/, meshes/ and .venv, so the README's relative
+scripts/, zero_jax/, models/, meshes/ and .venv, so the pages' relative
 paths work and what the commands write (ckpt/, data/, metrics.jsonl) stays
 there; the commands of one block run in order in that directory, later ones
 reading what earlier ones wrote. A command passes when it exits 0.
 
 Shortening is the table SHORTEN below: per program, flags set to a value (the
-README's value replaced, or the flag appended). Training runs have their step
+block's value replaced, or the flag appended). Training runs have their step
 counts cut 100-fold (--steps, --stop-at and --checkpoint-every keep their
 order), sequences of 32 tokens and one validation batch, at the end, and a
 profile of step 1; memory reports use sequences of 64; the planner searches
-the layouts around the README's --include and compiles none; the benchmark
+the layouts around the block's --include and compiles none; the benchmark
 runs one case for two steps, and the step anatomy traces one. What a command shows (the mesh, the
 schedule, the checkpoint round trip) stays; its length goes. A block added
-to the README needs a row here only if its program is new and slow.
+to the README or a docs page needs a row here only if its program is new
+and slow. A test's id names the file, the block's place in it and the
+section above it (`docs-pipelines-0-run-a-pipeline`).
 
-Not run: blocks holding the line `# needs: a cluster` (srun, gcloud), and
-`make train` and `make test` in the first block (the 4-minute job, and this
-suite itself). The device count is the commands' own business: the test
-removes the suite's forced 8 devices from XLA_FLAGS, so a command that does
-not ask for devices (`--devices 8`) gets one and fails as a user's would.
+Not run: blocks holding the line `# needs: a cluster` (srun, gcloud; at most
+MAX_CLUSTER_BLOCKS in all the files), and `make train` and `make test` in the
+README's first block (the 4-minute job, and this suite itself). The device
+count is the commands' own business: the test removes the suite's forced 8
+devices from XLA_FLAGS, so a command that does not ask for devices
+(`--devices 8`) gets one and fails as a user's would.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from zero_jax.cli import main as cli
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
+DOCS = sorted((ROOT / "docs").glob("*.md"))  # one page per task, run like the README
 CLUSTER = "# needs: a cluster"
 MAX_CLUSTER_BLOCKS = 3
 NOT_RUN = {"make train", "make test"}  # the 4-minute job; the suite this test is part of
@@ -79,7 +83,7 @@ SHORTEN: dict[str, dict[str, object]] = {
 }
 
 
-# -- reading the README ------------------------------------------------------
+# -- reading the README and the docs ---------------------------------------
 
 def sh_blocks(text: str) -> list[tuple[str, str]]:
     """(the section heading above it, its text) for every ```sh block."""
@@ -180,14 +184,27 @@ def workdir(path: Path) -> Path:
     return path
 
 
-BLOCKS = sh_blocks(README.read_text())
-RUN = [(heading, block) for heading, block in BLOCKS if CLUSTER not in block and runnable(block)]
+def slug(text: str) -> str:
+    return re.sub(r"[^a-z]+", "-", text.lower()).strip("-")
+
+
+def file_blocks(path: Path) -> list[tuple[str, str, str]]:
+    """(a test id, the section heading above it, its text) for every ```sh
+    block of one file; the id names the file, the block's place and section."""
+    name = slug(str(path.relative_to(ROOT).with_suffix("")))
+    return [(f"{name}-{i}-{slug(heading)}", heading, block)
+            for i, (heading, block) in enumerate(sh_blocks(path.read_text()))]
+
+
+BLOCKS = [b for path in [README, *DOCS] for b in file_blocks(path)]  # the README's first
+RUN = [b for b in BLOCKS if CLUSTER not in b[2] and runnable(b[2])]
 
 
 def test_the_readme_has_runnable_blocks_and_few_cluster_ones():
-    cluster = [b for _, b in BLOCKS if CLUSTER in b]
+    cluster = [b for _, _, b in BLOCKS if CLUSTER in b]
     assert 0 < len(cluster) <= MAX_CLUSTER_BLOCKS, [b.splitlines()[0] for b in cluster]
-    assert set(commands(BLOCKS[0][1])) == NOT_RUN  # the headline block; nothing else is left out
+    assert BLOCKS[0][0].startswith("readme-")
+    assert set(commands(BLOCKS[0][2])) == NOT_RUN  # the headline block; nothing else is left out
     assert len(RUN) == len(BLOCKS) - len(cluster) - 1
 
 
@@ -196,9 +213,7 @@ def cache(tmp_path_factory):
     return tmp_path_factory.mktemp("readme_jax_cache")
 
 
-@pytest.mark.parametrize("heading,block", RUN,
-                         ids=[f"{i}-{re.sub(r'[^a-z]+', '-', h.lower()).strip('-')}"
-                              for i, (h, _) in enumerate(RUN)])
+@pytest.mark.parametrize("heading,block", [(h, b) for _, h, b in RUN], ids=[i for i, _, _ in RUN])
 def test_readme_block_runs(heading, block, cache, tmp_path):
     cwd, env = workdir(tmp_path / "repo"), environment(cache)
     for command in runnable(block):
