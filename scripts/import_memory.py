@@ -22,10 +22,9 @@ import jax
 import numpy as np
 
 import models
-import procmem
 from models import hf
 from zero_jax import config as config_lib, job as job_lib
-from zero_jax.runtime import cpu
+from zero_jax.runtime import cpu, procmem
 
 
 def largest_tensor_bytes(path: Path) -> int:

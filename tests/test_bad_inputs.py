@@ -1,33 +1,26 @@
-"""Every user error of every script: exit status 2 and one line on stderr,
+"""Every user error of every command: exit status 2 and one line on stderr,
 `error: ...`, naming the parameter or value at fault; never a traceback.
 
-Each script's `main(argv)` runs in this process (8 simulated CPU devices,
+Each command's `main(argv)` (zero_jax/cli/<name>.py, what `zero-jax NAME`
+and scripts/<name>.py run) runs in this process (8 simulated CPU devices,
 conftest.py), and every case fails before anything is compiled or spawned.
 """
 
 from __future__ import annotations
 
-import functools
-import importlib.util
+import importlib
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-SCRIPTS = ROOT / "scripts"
-sys.path.insert(0, str(SCRIPTS))  # the scripts import their neighbours (procmem)
+from zero_jax.cli import main as cli
 
 
-@functools.cache
 def script(name: str):
-    """scripts/<name>.py as a module, loaded once."""
-    spec = importlib.util.spec_from_file_location(f"scripts_{name}", SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """The command behind scripts/<name>.py: zero_jax/cli/<name>.py."""
+    return importlib.import_module(f"zero_jax.cli.{name}")
 
 
 # -- what each case finds in its directory ({d} in its arguments) ----------
@@ -252,17 +245,20 @@ def nothing_compiles_or_spawns(monkeypatch):
     monkeypatch.setattr(script("launch").subprocess, "Popen", refuse)
 
 
+def run_case(main, setup, argv, tmp_path) -> int:
+    """The case's exit status, its directory set up first."""
+    if setup is not None:
+        setup(tmp_path)
+    try:
+        return main([a.replace("{d}", str(tmp_path)) for a in argv])
+    except SystemExit as e:  # argparse
+        return e.code
+
+
 @pytest.mark.parametrize("name,script_name,setup,argv,needle", CASES, ids=[c[0] for c in CASES])
 def test_bad_input_is_one_line_and_exit_2(name, script_name, setup, argv, needle, tmp_path,
                                           capsys):
-    if setup is not None:
-        setup(tmp_path)
-    argv = [a.replace("{d}", str(tmp_path)) for a in argv]
-    main = script(script_name).main
-    try:
-        code = main(argv)
-    except SystemExit as e:  # argparse
-        code = e.code
+    code = run_case(script(script_name).main, setup, argv, tmp_path)
     out, err = capsys.readouterr()
     lines = err.strip("\n").splitlines()
     assert code == 2, f"exit {code}; stderr:\n{err}"
@@ -272,6 +268,20 @@ def test_bad_input_is_one_line_and_exit_2(name, script_name, setup, argv, needle
         assert len(lines) == 1 and lines[0].startswith("error: "), err
     assert needle in lines[-1], err
     assert "Traceback" not in err + out
+
+
+FIRST = list({c[1]: c for c in reversed(CASES)}.values())  # each command's first case
+
+
+@pytest.mark.parametrize("name,script_name,setup,argv,needle", FIRST, ids=[c[0] for c in FIRST])
+def test_zero_jax_subcommands_refuse_alike(name, script_name, setup, argv, needle, tmp_path,
+                                           capsys):
+    """`zero-jax NAME` is the command's own main: the same one line, exit 2."""
+    (subcommand,) = [n for n, stem in cli.COMMANDS.items() if stem == script_name]
+    code = run_case(lambda args: cli.main([subcommand, *args]), setup, argv, tmp_path)
+    lines = capsys.readouterr().err.strip("\n").splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), lines
+    assert needle in lines[0]
 
 
 def test_a_committed_step_without_its_meta_is_a_damaged_checkpoint(tmp_path, capsys):

@@ -1,5 +1,6 @@
-"""scripts/plot.py and scripts/bench.py, called in this process as a user
-calls them (their main(argv)), on small inputs."""
+"""scripts/plot.py and `zero-jax bench` (zero_jax/cli/bench.py, the suites
+in zero_jax/bench/), called in this process as a user calls them (their
+main(argv)), on small inputs."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from pathlib import Path
 import pytest
 
 import models
+from zero_jax.bench import suites
+from zero_jax.cli import bench
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT / "scripts"
@@ -25,7 +28,7 @@ def script(name: str):
     return module
 
 
-plot, bench = script("plot"), script("bench")
+plot = script("plot")
 
 
 def metrics_file(path: Path, steps: int, val_every: int, null_val: bool = False) -> Path:
@@ -109,9 +112,9 @@ def test_bench_bad_arguments_exit_2_before_compiling(argv, message, capsys):
 
 def test_bench_suites_are_well_formed():
     """Names unique; each gpu-1 ladder's rungs in order of size."""
-    for cases in (bench.cpu_suite(), bench.gpu_suite(), bench.gpu_suite(dry_run=True)):
+    for cases in (suites.cpu_suite(), suites.gpu_suite(), suites.gpu_suite(dry_run=True)):
         assert len({c.name for c in cases}) == len(cases)
-    for rungs in bench.GPU_LADDERS.values():
+    for rungs in suites.GPU_LADDERS.values():
         shapes = [models.config(flat["model.name"], 50257) for flat, _ in rungs.values()]
         sizes = [c.n_layer * c.d_model ** 2 for c in shapes]  # parameters, give or take the embeddings
         assert sizes == sorted(sizes)

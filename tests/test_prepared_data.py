@@ -1,8 +1,9 @@
-"""Prepared corpora (scripts/prepare_data.py, zero_jax/data/token_files.py): tokenized
+"""Prepared corpora (zero_jax/data/prepare.py, token_files.py): tokenized
 documents in shards, chat data with a loss mask, bad data refused before
 anything compiles, the same batches on every layout and process count, and
 a masked loss that any microbatching gives alike."""
 
+import importlib.util
 import json
 import os
 import shutil
@@ -14,17 +15,27 @@ import jax
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-
-import make_tokenizer  # noqa: E402
-import prepare_data  # noqa: E402
-from tests.helpers import assert_close, initial_state, make_job, train  # noqa: E402
-from zero_jax import loop, run  # noqa: E402
+from tests.helpers import assert_close, initial_state, make_job, train
+from zero_jax import loop, run
+from zero_jax.cli import prepare_data
 from zero_jax.data import corpus as data_lib
+from zero_jax.data import prepare as prepare_lib
 from zero_jax.data import sampler
 from zero_jax.data import token_files as shards
+from zero_jax.data import tokenizers as tok_lib
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def _script(name: str):
+    """scripts/<name>.py as a module: a tool of the tests, not of the package."""
+    spec = importlib.util.spec_from_file_location(f"scripts_{name}", ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+make_tokenizer = _script("make_tokenizer")
 ENV = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
 
 
@@ -108,6 +119,23 @@ def test_text_documents_become_shards_with_end_of_document_tokens(text_data, tex
     # Bytes are split into train and validation by document, and nothing is lost.
     assert data.tokens("train") + data.tokens("val") == sum(
         p.stat().st_size + 1 for p in texts.glob("*.txt"))
+
+
+def test_the_library_call_writes_what_the_command_writes(text_data, texts, tmp_path):
+    """zero_jax.data.prepare without the command line: the same shards, and
+    the progress callback hears of every input byte."""
+    job = prepare_lib.Job(out=tmp_path / "lib", val_fraction=0.1,
+                          files=prepare_lib.expand([f"{texts}/*.txt"]))
+    seen = []
+    counts = prepare_lib.prepare(job, tok_lib.resolve(tok_lib.BYTES), seen.append)
+    assert sum(seen) == sum(p.stat().st_size for p in texts.glob("*.txt"))
+    meta = json.loads((text_data / "meta.json").read_text())
+    assert {s: c["tokens"] for s, c in counts.items()} == {
+        s: meta["splits"][s]["tokens"] for s in ("train", "val")}
+    ours, theirs = data_lib.load(str(job.out)), data_lib.load(str(text_data))
+    for split in ("train", "val"):
+        np.testing.assert_array_equal(np.concatenate([s.tokens for s in ours.split(split)]),
+                                      np.concatenate([s.tokens for s in theirs.split(split)]))
 
 
 def test_worker_processes_write_the_same_shards(texts, bpe, tmp_path):

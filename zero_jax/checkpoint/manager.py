@@ -216,16 +216,17 @@ class Checkpointer:
 
     def check(self) -> None:
         """Raise SaveFailed if a background commit failed; log those that committed."""
-        try:
-            self.manager.check_for_errors()
-        except Exception as e:  # noqa: BLE001
-            raise self._failed(e) from e
-        self._log_committed()
+        self._settle(self.manager.check_for_errors)
 
     def wait(self) -> None:
+        """Wait for the saves still committing; SaveFailed if one did not."""
+        self._settle(self.manager.wait_until_finished)
+
+    def _settle(self, call: Callable[[], None]) -> None:
+        """`call` orbax, a failed commit re-raised as SaveFailed; then log the committed saves."""
         try:
-            self.manager.wait_until_finished()
-        except Exception as e:  # noqa: BLE001
+            call()
+        except Exception as e:  # noqa: BLE001 - orbax re-raises a failed commit as it was
             raise self._failed(e) from e
         self._log_committed()
 

@@ -1,63 +1,58 @@
-"""`zero-jax SUBCOMMAND [args]`: the scripts in scripts/ under one command.
+"""`zero-jax SUBCOMMAND [args]`: the library's commands under one name.
 
-    zero-jax train --devices 8 --steps 100      # = python scripts/train.py --devices 8 --steps 100
+    zero-jax train --devices 8 --steps 100
     zero-jax train --help
+    python -m zero_jax train --devices 8     # the same, by module
 
-Each subcommand runs its script as `python scripts/<script>.py` would (as
-`__main__`, with scripts/ first on sys.path), so the scripts stay the one
-place their flags are defined and keep working on their own. They live in
-the source tree beside the package, not in it: an editable install
-(`pip install -e .`, what `make` does) finds them; any other install has no
-scripts/ to run, and says so.
+Each subcommand is a module of zero_jax/cli/ with a `main(argv) -> int`;
+scripts/<module>.py in a source tree is the same command by path. `--help`
+lists the subcommands with the first line of each module's docstring, read
+from its file without importing it (the modules import JAX, which takes
+seconds to start).
 """
 
 from __future__ import annotations
 
 import ast
-import runpy
+import importlib
+import importlib.util
 import sys
-from pathlib import Path
 
-SCRIPTS_DIR = Path(__file__).resolve().parent.parent.parent / "scripts"
-# subcommand -> script in scripts/
-COMMANDS = {"train": "train.py", "plan": "plan.py", "memory": "memory_report.py",
-            "export": "export.py", "launch": "launch.py", "bench": "bench.py"}
+PACKAGE = "zero_jax.cli"
+# subcommand -> its module in zero_jax/cli/ (and script in scripts/)
+COMMANDS: dict[str, str] = {"train": "train", "plan": "plan", "memory": "memory_report",
+                            "export": "export", "launch": "launch", "bench": "bench",
+                            "prepare-data": "prepare_data"}
 
 
-def summary(script: Path) -> str:
-    """The first line of a script's docstring, read without running it."""
+def summary(stem: str) -> str:
+    """The first line of a subcommand module's docstring, read without running it."""
+    spec = importlib.util.find_spec(f"{PACKAGE}.{stem}")
     try:
-        doc = ast.get_docstring(ast.parse(script.read_text()))
-    except (OSError, SyntaxError):
+        with open(spec.origin, encoding="utf-8") as f:
+            doc = ast.get_docstring(ast.parse(f.read()))
+    except (AttributeError, TypeError, OSError, SyntaxError):  # no module, or no source file
         doc = None
-    return doc.strip().splitlines()[0] if doc else f"({script.name} is missing)"
+    return doc.strip().splitlines()[0] if doc else f"({stem}.py has no docstring)"
 
 
-def usage(scripts_dir: Path = SCRIPTS_DIR) -> str:
-    rows = [f"  {name:<8}{summary(scripts_dir / script)}" for name, script in COMMANDS.items()]
+def usage() -> str:
+    width = max(map(len, COMMANDS)) + 2
+    rows = [f"  {name:<{width}}{summary(stem)}" for name, stem in COMMANDS.items()]
     return "\n".join(["usage: zero-jax SUBCOMMAND [args ...]", "",
                       "subcommands (zero-jax SUBCOMMAND --help: its flags):", *rows])
 
 
-def missing(name: str, script: Path) -> str:
-    if not script.parent.is_dir():
-        return (f"error: zero-jax {name} runs {script.parent.name}/{script.name} from the source "
-                f"tree, and there is no {script.parent} beside this installed package; install "
-                "from a clone with `pip install -e .` (or `make`), or run the script from a clone")
-    return f"error: zero-jax {name}: {script} is not in this checkout"
-
-
-def run_script(script: Path, argv: list[str]) -> int:
-    """Run `script` as `python script argv...` would, in this process; its exit status."""
-    sys.argv = [str(script), *argv]
-    sys.path.insert(0, str(script.parent))  # the scripts import their neighbours (timing, procmem)
+def run(name: str, argv: list[str]) -> int:
+    """Subcommand `name`'s main(argv), its usage lines naming it `zero-jax NAME`."""
+    module = importlib.import_module(f"{PACKAGE}.{COMMANDS[name]}")
+    saved = sys.argv[:1]
+    # argparse names the program in usage lines after sys.argv[0].
+    sys.argv[:1] = [f"zero-jax {name}"]
     try:
-        runpy.run_path(str(script), run_name="__main__")
-    except SystemExit as e:  # the scripts end with sys.exit(main())
-        if isinstance(e.code, str):  # sys.exit("message"): Python would print it
-            print(e.code, file=sys.stderr)
-        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    return 0
+        return module.main(argv)
+    finally:
+        sys.argv[:1] = saved
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,11 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: zero-jax {name}: no such subcommand; choose from {', '.join(COMMANDS)}",
               file=sys.stderr)
         return 2
-    script = SCRIPTS_DIR / COMMANDS[name]
-    if not script.is_file():
-        print(missing(name, script), file=sys.stderr)
-        return 2
-    return run_script(script, rest)
+    return run(name, rest)
 
 
 if __name__ == "__main__":

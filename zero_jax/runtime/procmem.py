@@ -1,5 +1,6 @@
-"""This process's resident memory, from /proc (Linux): what the export and
-import scripts report their peaks with."""
+"""This process's resident memory, from /proc (Linux): what `zero-jax
+export`, `zero-jax prepare-data` and scripts/import_memory.py report their
+peaks with."""
 
 from __future__ import annotations
 

@@ -1,0 +1,143 @@
+"""Export a sharded checkpoint's parameters as consolidated weights.
+
+    zero-jax export --checkpoint-dir ckpt --out model.safetensors
+    zero-jax export --checkpoint-dir ckpt --hf-dir hf-export   # Hugging Face layout
+    zero-jax export --checkpoint-dir ckpt --step 200 --out m.safetensors --report-memory
+
+(`python scripts/export.py ...` is the same command.) Reads one array (one
+layer of a stacked array) at a time straight from the checkpoint's storage
+and writes it out before reading the next, so host memory stays near the
+largest such piece, whatever the model's size. Every array is verified
+against the checksum saved with it. Import the files back with
+`zero-jax train --init-from`.
+
+`--hf-dir` writes what `save_pretrained` writes for the model's architecture
+(GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM):
+config.json and the weights in files of at most `--max-shard-size` bytes
+(5 GB, as save_pretrained), with model.safetensors.index.json when there
+are several.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import models
+from models import hf
+from zero_jax.checkpoint import export
+from zero_jax.checkpoint import manager as ckpt_lib
+from zero_jax.runtime import procmem
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--checkpoint-dir", required=True)
+    parser.add_argument("--step", type=int, help="default: the newest complete checkpoint")
+    parser.add_argument("--out", help="consolidated .safetensors file to write")
+    parser.add_argument("--hf-dir", help="directory for a Hugging Face export")
+    parser.add_argument("--max-shard-size", type=float, default=hf.MAX_SHARD_BYTES,
+                        help="bytes per safetensors file of the Hugging Face export")
+    parser.add_argument("--report-memory", action="store_true",
+                        help="print the peak resident memory the export added, as JSON")
+    return parser.parse_args(argv)
+
+
+def write(args: argparse.Namespace, reader: export.ParamReader, step: int,
+          directory: Path) -> list[Path]:
+    """Every file asked for, written; on a failure, those written are removed."""
+    written = []
+    try:
+        if args.out:
+            export.write_safetensors(args.out, reader.consolidated(),
+                                     {"step": str(step), "source": str(directory)})
+            written.append(Path(args.out))
+        if args.hf_dir:
+            cfg = models.config_from(reader.meta["model"])
+            written += hf.save(Path(args.hf_dir), cfg, reader.read, int(args.max_shard_size))
+    except (ckpt_lib.CorruptCheckpoint, OSError):  # OSError: no space, no permission
+        for path in written + [Path(p) for p in (args.out,) if p]:
+            path.unlink(missing_ok=True)
+        raise
+    return written
+
+
+def failed(e: Exception) -> int:
+    """A failed write as one line: exit 4 for a corrupt checkpoint, else 2."""
+    corrupt = isinstance(e, ckpt_lib.CorruptCheckpoint)
+    what = e if corrupt else f"writing {e.filename}: {e.strerror}"
+    print(f"error: {what}; nothing written", file=sys.stderr)
+    return 4 if corrupt else 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    directory = Path(args.checkpoint_dir)
+    try:
+        check_outputs(args.out, args.hf_dir, args.max_shard_size)
+        step = choose_step(directory, args.step)
+        reader = export.ParamReader(directory / str(step))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except ckpt_lib.CorruptCheckpoint as e:
+        print(f"error: {e}; nothing written", file=sys.stderr)
+        return 4
+    baseline = procmem.reset_peak()  # measure from here
+    try:
+        written = write(args, reader, step, directory)
+    except (ckpt_lib.CorruptCheckpoint, OSError) as e:
+        return failed(e)
+    print(describe(written, step, directory))
+    if args.report_memory:
+        print(json.dumps({"peak_added_bytes": procmem.resident("VmHWM") - baseline,
+                          "largest_piece_bytes": reader.largest_piece_bytes(),
+                          "param_bytes": reader.total_bytes()}))
+    return 0
+
+
+def check_outputs(out: str | None, hf_dir: str | None, max_shard_size: float) -> None:
+    """What the export would write, checked before anything is read."""
+    if not (out or hf_dir):
+        raise ValueError("nothing to write: give --out FILE (one .safetensors file) and/or "
+                         "--hf-dir DIR (the Hugging Face layout)")
+    if out and not Path(out).parent.is_dir():
+        raise ValueError(f"--out {out}: the directory {Path(out).parent} does not exist; "
+                         "create it first")
+    if out and Path(out).is_dir():
+        raise ValueError(f"--out {out}: is a directory; give a file name (model.safetensors)")
+    if hf_dir and Path(hf_dir).exists() and not Path(hf_dir).is_dir():
+        raise ValueError(f"--hf-dir {hf_dir}: exists and is not a directory")
+    if hf_dir and not (max_shard_size >= 1 and math.isfinite(max_shard_size)):
+        raise ValueError(f"--max-shard-size {max_shard_size:g}: must be a number of bytes >= 1 "
+                         f"(default {hf.MAX_SHARD_BYTES:g}, as save_pretrained)")
+
+
+def choose_step(directory: Path, step: int | None) -> int:
+    """The checkpoint step to export: `step`, else the newest complete one."""
+    if not directory.is_dir():
+        raise ValueError(f"--checkpoint-dir {directory}: no such directory")
+    steps = ckpt_lib.complete_steps(directory)
+    if not steps:
+        never = ckpt_lib.incomplete(directory)
+        raise ValueError(f"--checkpoint-dir {directory}: no complete checkpoint there"
+                         + (f" (saves that never committed: {', '.join(never)})" if never else "")
+                         + "; give the directory a run saved into (zero-jax train --checkpoint-dir)")
+    if step is None:
+        return steps[-1]
+    if step not in steps:
+        raise ValueError(f"--step {step}: no complete checkpoint of that step in {directory}; "
+                         f"complete steps: {', '.join(map(str, steps))}")
+    return step
+
+
+def describe(written: list[Path], step: int, directory: Path) -> str:
+    """One line: the files written, their tensors and bytes, and the source."""
+    files = [p for p in written if p.suffix == ".safetensors"]
+    tensors = sum(len(export.SafetensorsFile(p).keys()) for p in files)
+    size = sum(p.stat().st_size for p in files)
+    return (f"wrote {', '.join(map(str, written))}: {tensors} tensors, {size:,} bytes, from "
+            f"checkpoint step {step} of {directory}")

@@ -1,0 +1,263 @@
+"""Plan a cluster run before booking it: search the layouts, rank them.
+
+    zero-jax plan --model bloom-176b --cluster a100-80gb --nodes 48 \\
+        --gpus-per-node 8 --global-batch 2048 --seq-len 2048 [--json] [--top 10] \\
+        [--write-config DIR] [--include 'PP=12 TP=4 DP=8 ZeRO-1 full mb=2']
+
+(`python scripts/plan.py ...` is the same command.) Every layout that
+divides the model and the cluster (zero_jax/planner/cost.py) is estimated
+from abstract shapes: model-state bytes exact from the shardings, a step's
+temporaries and its time analytic. Layouts that cannot fit are pruned; of
+the rest, the fastest `--compile` (and any `--include`d) are compiled on
+simulated CPU devices in worker processes, each with the cluster's device
+count, cached by config hash (zero_jax/planner/search.py): the compiled
+memory is shown beside the estimate and the program's collective bytes
+replace the analytic traffic. XLA:CPU widens bf16 temporaries to float32, so
+compiled temporaries are an upper bound of a GPU's; fitting is decided on
+the estimate. XLA:CPU compiles at most 2048 devices in one process: larger
+clusters are planned from the estimates alone.
+
+Time: compute at peak x the device's published efficiency, plus each mesh
+axis's collectives over its link, nothing overlapped (conservative), and for
+a pipeline the cost of its lockstep schedule (bubble included).
+
+Offload layouts (`--offload`, where the device kind has host figures) keep
+the optimizer state, and at ZeRO-3 the parameters, in host memory: they fit
+when the device's bytes fit its memory and the node's devices' host bytes
+fit the node's host memory; their time adds the host link's transfers and
+the host update at the node's memory bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from tqdm import tqdm
+
+import models
+from zero_jax import config as config_lib, precision, remat
+from zero_jax.planner import configs, cost, search
+from zero_jax.planner import devices as hardware
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--vocab-size", type=int, default=50257, help="for presets without one")
+    p.add_argument("--cluster", required=True, help="a device kind in meshes/devices/")
+    p.add_argument("--nodes", type=int, required=True)
+    p.add_argument("--gpus-per-node", type=int, default=0, help="default: the device kind's")
+    p.add_argument("--global-batch", type=int, required=True, help="sequences per step")
+    p.add_argument("--seq-len", type=int, required=True)
+    p.add_argument("--precision", default="bf16")
+    p.add_argument("--stages", default="0,1,2,3", help="ZeRO stages to consider")
+    p.add_argument("--remat", default="full,none", help="activation policies to consider")
+    p.add_argument("--micro", default="1,2,4,8", help="microbatch sizes to consider")
+    p.add_argument("--offload", default="none,opt,opt+params",
+                   help="host offload to consider: none, opt (optimizer state), opt+params (ZeRO-3)")
+    p.add_argument("--top", type=int, default=10)
+    p.add_argument("--compile", type=int, default=4, help="compile the best N that fit (0: none)")
+    p.add_argument("--include", action="append", default=[],
+                   help="a layout to show and compile whatever its rank (label prefix)")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--cache-dir", default=os.path.expanduser("~/.cache/zero_jax/plan"))
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--write-config", metavar="DIR")
+    return p.parse_args(argv)
+
+
+def base_config(args) -> dict:
+    return {"model.name": args.model, "model.vocab_size": 0, "precision.policy": args.precision,
+            "data.seq_len": args.seq_len, "train.batch_size": args.global_batch,
+            "activations.remat": "full"}
+
+
+def check_counts(args) -> None:
+    """The counts given on the command line: each a whole number in range."""
+    for flag, value, low in (("--nodes", args.nodes, 1), ("--gpus-per-node", args.gpus_per_node, 0),
+                             ("--global-batch", args.global_batch, 1),
+                             ("--vocab-size", args.vocab_size, 1), ("--top", args.top, 1),
+                             ("--compile", args.compile, 0), ("--workers", args.workers, 1)):
+        if value < low:
+            raise ValueError(f"{flag} {value}: must be at least {low}")
+
+
+def int_list(flag: str, text: str, allowed=None) -> tuple[int, ...]:
+    """"1,2,4" -> (1, 2, 4): positive whole numbers (or those `allowed`)."""
+    try:
+        values = tuple(int(s) for s in text.split(","))
+    except ValueError:
+        raise ValueError(f"{flag} {text}: expected whole numbers separated by commas, "
+                         "e.g. 1,2,4") from None
+    bad = [v for v in values if (v not in allowed if allowed is not None else v < 1)]
+    if bad:
+        raise ValueError(f"{flag} {text}: {', '.join(map(str, bad))} not allowed; choose from "
+                         + (", ".join(map(str, allowed)) if allowed is not None
+                            else "numbers >= 1"))
+    return values
+
+
+def names(flag: str, text: str, known) -> tuple[str, ...]:
+    """"full,none" -> ("full", "none"), each one of `known`."""
+    values = tuple(text.split(","))
+    if unknown := [v for v in values if v not in known]:
+        raise ValueError(f"{flag} {text}: unknown {', '.join(unknown)}; choose from "
+                         f"{', '.join(known)}")
+    return values
+
+
+def cluster_of(args) -> cost.Cluster:
+    try:
+        device = hardware.load(args.cluster)
+    except ValueError as e:
+        raise ValueError(f"--cluster {args.cluster}: {e}") from None
+    return cost.Cluster(device, args.nodes, args.gpus_per_node or device.devices_per_node)
+
+
+def layout_options(args) -> dict:
+    """The choices to search over (cost.choices' keywords), from the flags."""
+    offloads = names("--offload", args.offload, ("none", "opt", "opt+params"))
+    return {"stages": int_list("--stages", args.stages, allowed=range(4)),
+            "remats": names("--remat", args.remat, remat.POLICIES),
+            "micros": int_list("--micro", args.micro),
+            "offloads": tuple("" if o == "none" else o for o in offloads)}
+
+
+def problem_of(args) -> tuple[search.Problem, str, dict]:
+    """The planned run, its model's line and the layout options; every flag
+    checked (ValueError, ConfigError) before anything is estimated."""
+    check_counts(args)
+    cluster = cluster_of(args)
+    base = base_config(args)
+    run = config_lib.build(None, base)
+    precision.resolve(args.precision, "gpu")  # each layout's job would refuse it, unsaid
+    build, model_line = models.for_run(run.model, args.vocab_size)
+    return search.Problem(base, build, cluster, args.vocab_size), model_line, layout_options(args)
+
+
+def no_layout(shapes: list[tuple[int, int, int]], args) -> str:
+    """Why no layout fits the batch, and what to change."""
+    sizes = sorted({data for _, _, data in shapes})
+    if not any(args.global_batch % d == 0 for d in sizes):
+        least = sizes[0]
+        return (f"--global-batch {args.global_batch}: divisible by none of the data-parallel "
+                f"sizes this model and cluster allow ({', '.join(map(str, sizes))}: the devices "
+                f"left over by tensor inside a node and pipe up to the layer count); use a "
+                f"multiple of {least}, e.g. {-(-args.global_batch // least) * least}")
+    return (f"--global-batch {args.global_batch} with --micro {args.micro}: no microbatch size "
+            "divides a data-parallel replica's rows (with at least as many microbatches as "
+            "pipeline stages); add smaller sizes to --micro, e.g. 1")
+
+
+def progress_bar(items, desc: str):
+    return tqdm(items, desc=desc, file=sys.stderr)
+
+
+def announce(args, problem: search.Problem, model_line: str, layouts: int, offloads) -> None:
+    """What is searched, on stderr (stdout holds the table or the JSON)."""
+    cluster = problem.cluster
+    print(f"{model_line}\n{cluster.size} x {cluster.device.name} ({args.nodes} nodes x "
+          f"{cluster.per_node}), global batch {args.global_batch} x {args.seq_len}: "
+          f"{layouts} layouts", file=sys.stderr)
+    if any(offloads) and not cluster.device.can_offload:
+        print(f"no offload layouts: {args.cluster} has no host memory and link figures "
+              "(meshes/devices/)", file=sys.stderr)
+
+
+def row(e: cost.Estimate, cluster: cost.Cluster, rank: int) -> dict:
+    """One ranked layout as a JSON row (--json; the table prints from it too)."""
+    n, dev = cluster.size, cluster.device
+    out = {"rank": rank, "layout": e.choice.label, "fits": e.fits,
+           "bytes": {"params": e.state["params"], "opt_state": e.state["opt_state"],
+                     **{f"step_{k}": v for k, v in e.step_bytes.items()},
+                     "total_estimate": e.analytic_bytes, "host": e.host_bytes},
+           "headroom": e.headroom, "step_s": e.step_s, "compute_s": e.compute_s,
+           "comm_s": e.comm_s, "bubble": e.bubble, "tokens_per_s": e.tokens_per_s,
+           "tflops_per_device": e.tflops_per_device(n), "mfu": e.mfu(n, dev.peak_flops)}
+    if e.compiled:
+        keys = ("error", "argument_bytes", "temp_bytes", "collective_bytes", "collectives")
+        out["compiled"] = {k: e.compiled[k] for k in keys if k in e.compiled}
+    return out
+
+
+def table_line(r: dict) -> str:
+    c = r.get("compiled") or {}
+    cpu = f"{(c['argument_bytes'] + c['temp_bytes']) / 1e9:.1f}" if "temp_bytes" in c else \
+        ("err" if "error" in c else "-")
+    return (f"{r['rank']:>4}  {r['layout']:<72}{'yes' if r['fits'] else 'no':>5}"
+            f"{r['bytes']['total_estimate'] / 1e9:>7.1f}{cpu:>8}{r['bytes']['host'] / 1e9:>8.1f}"
+            f"{r['headroom']:>7.0%}"
+            f"{r['step_s']:>9.2f}{r['tokens_per_s']:>13,.0f}{r['tflops_per_device']:>9.1f}"
+            f"{r['mfu']:>6.0%}")
+
+
+def top_line(r: dict) -> str:
+    """The best layout's bytes and time, each with where it comes from."""
+    b = r["bytes"]
+    return (f"top: {r['layout']}: params {b['params'] / 1e9:.2f} GB + optimizer state "
+            f"{b['opt_state'] / 1e9:.2f} GB stored (exact, from the shardings); step "
+            f"temporaries, estimated (the largest counts): "
+            + ", ".join(f"{k[5:]} {v / 1e9:.2f} GB" for k, v in b.items() if k.startswith("step_"))
+            + f"; time: compute {r['compute_s']:.2f} s"
+            + "".join(f", {a} {s:.2f} s" for a, s in r["comm_s"].items())
+            + (" (collectives measured in the compiled program)" if "collectives" in
+               (r.get("compiled") or {}) else " (all estimated)")
+            + (f", bubble {r['bubble']:.1%} of the schedule" if r["bubble"] else ""))
+
+
+def print_table(rows: list[dict], device, fitting: int, total: int) -> None:
+    host = (f" and {device.host_bytes_per_node / 2**40:.0f} TiB of host memory per node"
+            if device.can_offload else "")
+    print(f"{fitting} of {total} layouts fit in {device.hbm_bytes / 1e9:.1f} GB{host} "
+          f"(estimate; 'CPU GB': compiled here, bf16 temporaries widened, an upper bound; "
+          f"'host GB': offloaded, per device)")
+    print(f"{'#':>4}  {'layout':<72}{'fits':>5}{'GB':>7}{'CPU GB':>8}{'host GB':>8}{'head':>7}"
+          f"{'step s':>9}{'tok/s':>13}{'TFLOP/s':>9}{'MFU':>6}")
+    for r in rows:
+        print(table_line(r))
+    if rows:
+        print(top_line(rows[0]))
+
+
+def report(args, problem: search.Problem, ranked: list, model_line: str, layouts: int,
+           fitting: int) -> None:
+    """The top --top layouts and every --include'd one: a table or JSON."""
+    shown = ranked[:args.top] + search.matching(ranked[args.top:], args.include)
+    rows = [row(e, problem.cluster, rank=ranked.index(e) + 1) for e in shown]
+    device = problem.cluster.device
+    if args.json:
+        print(json.dumps({"model": model_line, "cluster": device.name,
+                          "devices": problem.cluster.size, "layouts": layouts,
+                          "fitting": fitting, "top": rows}, indent=1))
+    else:
+        print_table(rows, device, fitting, layouts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    try:
+        problem, model_line, options = problem_of(args)
+    except (ValueError, config_lib.ConfigError, FileNotFoundError) as e:  # hf:DIR, no config.json
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    cfg = problem.build(1).config
+    layouts = cost.choices(cfg, problem.cluster, args.global_batch, **options)
+    if not layouts:
+        print(f"error: {no_layout(cost.mesh_shapes(cfg, problem.cluster), args)}", file=sys.stderr)
+        return 2
+    announce(args, problem, model_line, len(layouts), options["offloads"])
+    estimates = search.estimate_all(problem, layouts, progress_bar)
+    results = search.compile_best(problem, estimates, search.matching(estimates, args.include),
+                                  count=args.compile, workers=args.workers,
+                                  cache_dir=Path(args.cache_dir), progress=progress_bar)
+    ranked = search.rank(estimates, results, problem.cluster)
+    report(args, problem, ranked, model_line, len(layouts), len(search.fitting(estimates)))
+    if args.write_config and ranked and ranked[0].fits:
+        configs.write(Path(args.write_config), ranked[0].choice, problem.base, problem.cluster)
+        print(f"wrote {args.write_config}/mesh.toml and run.toml: "
+              f"zero-jax train --config {args.write_config}/run.toml", file=sys.stderr)
+    return 0

@@ -1,0 +1,124 @@
+"""Tokenize a corpus into the shards `zero-jax train` reads with --data.
+
+    zero-jax prepare-data --input 'corpus/*.txt' --tokenizer bytes --out data/
+    zero-jax prepare-data --input web.jsonl --tokenizer llama-dir/ --out data/
+    zero-jax prepare-data --format chat --input sft.jsonl --tokenizer llama-dir/ --out sft/
+    zero-jax prepare-data --format flat --input 'corpus/*.txt' --out tokens.bin
+    zero-jax train --data data/ ...
+
+(`python scripts/prepare_data.py ...` is the same command.) Inputs
+(--input, repeatable, globs allowed) are read as a stream: with --format
+text each text file is one document (read a megabyte at a time, cut at line
+ends), and each line of a .jsonl file is one document (its --text-field);
+--format jsonl reads every input as JSON lines. --format chat reads JSON
+lines of {"prompt", "response"} or {"messages": [{"role", "content"}, ...]},
+renders them with the tokenizer directory's chat template (or the plain one,
+see zero_jax/data/tokenizers.py) and writes a loss mask: training counts the
+assistant's tokens only. --format flat writes one flat uint16 file and its
+`.json` sidecar, the format read before prepared directories.
+
+--tokenizer is `bytes` (UTF-8 bytes, end of document 256) or a Hugging Face
+directory (or file) with tokenizer.json. Worker processes tokenize in
+parallel; every document ends with the end-of-document token. A document
+goes to validation when the CRC32 of "<input path>\\0<index>" falls in the
+first --val-fraction of its range: the split is stable, and by document.
+The output directory holds uint16 shards (uint32 when the vocabulary needs
+it) and a meta.json, written last (zero_jax/data/prepare.py, token_files.py).
+Exit status: 0 done, 2 bad input (one line on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from zero_jax.data import prepare
+from zero_jax.data import tokenizers as tok_lib
+from zero_jax.runtime import procmem
+
+
+def parse(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--input", action="append", required=True,
+                   help="a file or glob (quote it); repeat for more")
+    p.add_argument("--tokenizer", default=tok_lib.BYTES,
+                   help="'bytes', or a directory (or file) with a Hugging Face tokenizer.json")
+    p.add_argument("--out", required=True,
+                   help="directory to create (a file for --format flat); must not exist or be "
+                        "empty")
+    p.add_argument("--format", choices=prepare.FORMATS, default="text",
+                   help="text: a file per document, JSON lines for .jsonl files; jsonl: every "
+                        "input is JSON lines; chat: conversations with a loss mask; flat: one "
+                        "uint16 file")
+    p.add_argument("--text-field", default="text", help="the JSON field holding a document")
+    p.add_argument("--val-fraction", type=float, default=0.05,
+                   help="share of documents held out for validation")
+    p.add_argument("--shard-tokens", type=int, default=1 << 28,
+                   help="start a new shard after this many tokens")
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                   help="tokenizer processes (1: tokenize in this process; bytes always are)")
+    p.add_argument("--eos-token", default="",
+                   help="end-of-document token, where the tokenizer's configs do not name one")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p.parse_args(argv)
+
+
+def checked_job(args: argparse.Namespace) -> tuple[prepare.Job, tok_lib.Spec]:
+    """The job and its tokenizer, every flag checked before anything is written."""
+    job = prepare.Job(out=Path(args.out), fmt=args.format, text_field=args.text_field,
+                      val_fraction=args.val_fraction, shard_tokens=args.shard_tokens,
+                      workers=args.workers)
+    prepare.check(job)  # the numbers and --out first, then the inputs
+    job = dataclasses.replace(job, files=prepare.expand(args.input))
+    spec = tok_lib.resolve(args.tokenizer, args.eos_token)
+    prepare.dtype_for(job, spec)
+    return job, spec
+
+
+def describe(counts: dict[str, dict]) -> str:
+    return "; ".join(f"{s}: {c['documents']:,} documents, {c['tokens']:,} tokens in "
+                     f"{len(c['shards'])} shard{'s' * (len(c['shards']) != 1)}"
+                     for s, c in counts.items())
+
+
+def summary(job: prepare.Job, counts: dict, total: int, seconds: float, workers: int) -> str:
+    """The closing line: what was written, how fast, and the peak memory."""
+    # VmHWM, not ru_maxrss: the latter keeps the peak of the parent this
+    # process was started from.
+    peak = {"this process": procmem.resident("VmHWM") / 2 ** 20,
+            "a worker": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}
+    return (f"wrote {job.out}: {describe(counts)}; {total / 1e6:.1f} MB of input in "
+            f"{seconds:.1f} s ({total / 1e6 / seconds:.1f} MB/s, {workers} "
+            f"worker{'s' * (workers > 1)}); peak resident "
+            + ", ".join(f"{mb:.0f} MB in {who}" for who, mb in peak.items() if mb))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    started = time.perf_counter()
+    try:
+        job, spec = checked_job(args)
+        total = sum(f.stat().st_size for f in job.files)
+    except (ValueError, OSError) as e:  # TokenizerError is a ValueError
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    bar = tqdm(total=total, unit="B", unit_scale=True, disable=args.no_progress,
+               mininterval=1.0, desc="tokenizing", leave=False)
+    try:
+        with bar:
+            counts = prepare.prepare(job, spec, bar.update)
+    except (ValueError, OSError) as e:  # shards.DataError is a ValueError
+        prepare.remove_partial(job.out, job.flat)  # this run's only: check refused anything else
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    seconds = time.perf_counter() - started
+    print(summary(job, counts, total, seconds, prepare.workers_for(job, spec)))
+    return 0

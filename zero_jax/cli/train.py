@@ -1,0 +1,152 @@
+"""Train a model with ZeRO sharding on a device mesh.
+
+    zero-jax train                       # the main job: gpt-tiny, ZeRO-3, cpu-8
+    zero-jax train --mesh data=2,fsdp=4 --zero-stage 1 --steps 100
+    zero-jax train --checkpoint-dir ckpt --checkpoint-every 100 [--resume]
+    zero-jax train --config run.toml --metrics-out metrics.jsonl
+
+(`python scripts/train.py ...` is the same command.) Prints the resolved
+plan, then trains with a progress bar and periodic validation. Every flag
+is also a key of the TOML run config (see --help).
+Exit status: 0 done (or preempted and saved), 2 bad input, 3 training halted
+(non-finite gradients), 4 a checkpoint could not be saved or restored, 5 a
+step ran far past the recent median (the watchdog), 6 processes disagree
+on the config or the compiled step.
+
+Under `zero-jax launch`, SLURM, Open MPI or on a TPU pod each process runs
+this same command; `jax.distributed` is set up from the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+
+import jax
+
+import models
+from zero_jax import flags
+from zero_jax import config as config_lib, job as job_lib, loop, run
+from zero_jax.analysis import flops, hlo
+from zero_jax.analysis import summary
+from zero_jax.checkpoint import manager as ckpt_lib
+from zero_jax.data import corpus as data_lib
+from zero_jax.runtime import cpu, distributed
+from zero_jax.sharding.mesh import MeshError
+from zero_jax.sharding.rules import ShardingError
+
+# What a bad input raises before anything compiles: exit status 2.
+INPUT_ERRORS = (config_lib.ConfigError, MeshError, ShardingError, ValueError, FileNotFoundError,
+                distributed.DistributedError)
+# What ends a run that started -> its exit status (the module docstring).
+RUN_ERRORS = {loop.TrainingHalted: 3, ckpt_lib.CheckpointError: 4, run.InitFromError: 2}
+
+
+def parse(argv: list[str] | None = None) -> tuple[config_lib.RunConfig, argparse.Namespace]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", help="TOML run config; flags override it")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    cpu.add_devices_flag(parser)
+    flags.add_flags(parser)
+    args = parser.parse_args(argv)
+    return flags.from_args(args, args.config), args
+
+
+def start_up_fingerprint(cfg: config_lib.RunConfig, lowered) -> dict[str, str]:
+    """A hash of the program each process compiles (the lowered train step:
+    compiled text differs when one process finds it in the compilation
+    cache), and every config field but this process's own."""
+    flat = {f"{section}.{key}": value for section, fields in cfg.to_dict().items()
+            for key, value in fields.items() if section != "distributed"}
+    return {"train_step": distributed.fingerprint(lowered.as_text()), **flat}
+
+
+def prepare(argv: list[str] | None):
+    """(config, flags, corpus, job, model line): every input checked (INPUT_ERRORS)."""
+    cfg, args = parse(argv)
+    # Both before anything asks JAX for devices.
+    cpu.simulate(args.devices)
+    distributed.initialize(cfg.distributed)
+    corpus = data_lib.load(cfg.data.source)
+    build, model_line = models.for_run(cfg.model, corpus.vocab_size)
+    job = job_lib.prepare(cfg, build)
+    # Bad data stops here, before anything compiles.
+    data_lib.check(corpus, job.model.config.vocab_size, cfg.data.seq_len,
+                   models.weight_dirs(cfg.model.name, cfg.checkpoint.init_from))
+    return cfg, args, corpus, job, model_line
+
+
+def compile_train_step(job: job_lib.Job):
+    """(lowered, compiled, partitioned HLO or None). The process that prints
+    the plan compiles with the HLO after partitioning written out, for its
+    collective bytes (this compile skips the persistent cache); the others
+    compile as usual."""
+    lowered = job.lower_train_step()
+    if jax.process_index() == 0:
+        return (lowered, *hlo.compile_partitioned(lowered))
+    return lowered, lowered.compile(), None
+
+
+def data_line(corpus) -> str:
+    return (f"{corpus.name}: {corpus.tokens('train'):,} train / {corpus.tokens('val'):,} "
+            f"validation tokens, vocab {corpus.vocab_size}"
+            + (", loss on masked targets only" if corpus.masked else ""))
+
+
+def final_line(outcome, throughput) -> str:
+    """The run's last step, its losses and its median rate."""
+    history = outcome.history
+    last = history[-1]
+    # The first step compiles nothing (compiled ahead) but warms caches: left out.
+    tokens_per_s = sorted(r["tokens_per_s"] for r in history[1:] or history)
+    median = tokens_per_s[len(tokens_per_s) // 2]
+    rate = throughput.fields(median)
+    val = f", validation loss {last['val_loss']:.4f} nats/token" if "val_loss" in last else ""
+    mfu = f", MFU {rate['mfu']:.1%}" if "mfu" in rate else ""
+    return (f"{outcome.stopped or 'done'}: step {last['step']}, train loss {last['loss']:.4f}{val}, "
+            f"median {median:,.0f} tokens/s on {jax.device_count()} devices"
+            + (f" in {jax.process_count()} processes" if jax.process_count() > 1 else "")
+            + f" ({rate['model_tflops_per_device'] * 1e3:,.1f} model GFLOP/s per device{mfu})")
+
+
+def error(e: Exception, code: int) -> int:
+    print(f"error: {e}", file=sys.stderr)
+    return code
+
+
+def status_of(e: Exception) -> int:
+    """The exit status of a run that `e` ended (RUN_ERRORS)."""
+    return next(code for kind, code in RUN_ERRORS.items() if isinstance(e, kind))
+
+
+def main(argv: list[str] | None = None) -> int:
+    # A size limit on files (disk quota) must fail the write, not kill the process.
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    try:
+        cfg, args, corpus, job, model_line = prepare(argv)
+    except INPUT_ERRORS as e:
+        return error(e, 2)
+    lowered, train_step, partitioned = compile_train_step(job)
+    try:
+        # Processes about to run different programs would hang in the first
+        # collective: compare before running anything.
+        distributed.agree("start-up", start_up_fingerprint(cfg, lowered),
+                          cfg.distributed.barrier_timeout_s)
+    except distributed.DistributedError as e:
+        return error(e, 6)
+    eval_step = job.compile_eval_step()
+    throughput = flops.throughput(job)  # on CPU, the first run measures the peak (seconds)
+    if jax.process_index() == 0:
+        print(summary.describe(job, data_line(corpus), model_line, train_step, partitioned), flush=True)
+        print(flops.describe(throughput), flush=True)
+    try:
+        outcome = run.train(job, corpus, train_step, eval_step, loaders=[models.hf_loader],
+                            progress=not args.no_progress, throughput=throughput)
+    except tuple(RUN_ERRORS) as e:
+        return error(e, status_of(e))
+    if not outcome.history:
+        print(f"nothing to do: the state is already at step {int(distributed.local(outcome.state.step))}")
+        return 0
+    print(final_line(outcome, throughput))
+    return 0
