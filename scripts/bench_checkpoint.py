@@ -34,11 +34,7 @@ def main(argv=None) -> int:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--steps", type=int, default=6, help="timed steps per phase")
     cpu.add_devices_flag(parser)
-    args = parser.parse_args(argv)
-    try:
-        cpu.simulate(args.devices)  # before anything asks JAX for devices
-    except cpu.DevicesError as e:
-        parser.error(str(e))
+    args = cpu.parse_args(parser, argv)
 
     corpus = data_lib.load("stdlib")
     cfg = config_lib.build(None, {"model.name": args.model, "parallel.mesh": args.mesh,

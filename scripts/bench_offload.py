@@ -48,11 +48,7 @@ def main(argv=None) -> int:
     parser.add_argument("--remat", default="none")
     parser.add_argument("--json", action="store_true")
     cpu.add_devices_flag(parser)
-    args = parser.parse_args(argv)
-    try:
-        cpu.simulate(args.devices)  # before anything asks JAX for devices
-    except cpu.DevicesError as e:
-        parser.error(str(e))
+    args = cpu.parse_args(parser, argv)
 
     corpus = data_lib.load("stdlib")
     runs, failed = {}, {}

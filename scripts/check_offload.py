@@ -37,11 +37,7 @@ def main(argv=None) -> int:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=16)
     cpu.add_devices_flag(parser)
-    args = parser.parse_args(argv)
-    try:
-        cpu.simulate(args.devices)  # before anything asks JAX for devices
-    except cpu.DevicesError as e:
-        parser.error(str(e))
+    args = cpu.parse_args(parser, argv)
     corpus = data_lib.load("stdlib")
     variants = {"save_names": dict(remat="save_names"), "remat offload": dict(remat="offload"),
                 "optimizer offload": dict(remat="save_names", optimizer=True)}

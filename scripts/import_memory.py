@@ -39,11 +39,7 @@ def main(argv=None) -> int:
     parser.add_argument("--mesh", default="fsdp=-1", help="default: every device on fsdp")
     parser.add_argument("--zero-stage", type=int, default=3)
     cpu.add_devices_flag(parser)
-    args = parser.parse_args(argv)
-    try:
-        cpu.simulate(args.devices)  # before anything asks JAX for devices
-    except cpu.DevicesError as e:
-        parser.error(str(e))
+    args = cpu.parse_args(parser, argv)
     run = config_lib.build(None, {"model.name": f"hf:{args.dir}", "parallel.mesh": args.mesh,
                                   "parallel.zero_stage": args.zero_stage, "data.seq_len": 8,
                                   "train.batch_size": jax.device_count()})

@@ -14,7 +14,6 @@ measured numbers.
 from __future__ import annotations
 
 import argparse
-import sys
 
 import jax
 import numpy as np
@@ -48,12 +47,7 @@ def main(argv=None) -> int:
     parser.add_argument("--mesh", action="append", help=f"default: {', '.join(MESHES)}")
     parser.add_argument("--steps", type=int, default=10)
     cpu.add_devices_flag(parser, default_help="XLA_FLAGS's, else 8")
-    args = parser.parse_args(argv)
-    try:
-        cpu.simulate(args.devices, default=8)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    args = cpu.parse_args(parser, argv, default=8)
     corpus = data_lib.load("stdlib")
     policy = {"precision.policy": args.precision}
     if args.grad_dtype:

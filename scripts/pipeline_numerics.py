@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import sys
 
 import jax
 import numpy as np
@@ -54,12 +53,7 @@ def main(argv=None) -> int:
     parser.add_argument("--zero-stage", action="append", type=int,
                         help=f"default: {', '.join(map(str, ZERO_STAGES))}")
     cpu.add_devices_flag(parser, default_help="XLA_FLAGS's, else 8")
-    args = parser.parse_args(argv)
-    try:
-        cpu.simulate(args.devices, default=8)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    args = cpu.parse_args(parser, argv, default=8)
     corpus = data_lib.load("stdlib")
     ref_loss, ref_grads = loss_and_grads(corpus, jax.devices()[:1], **{"parallel.mesh": "fsdp=1"})
     worst = [0.0, 0.0]

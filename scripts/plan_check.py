@@ -15,7 +15,6 @@ bf16 temporaries does not enter the comparison.
 from __future__ import annotations
 
 import argparse
-import sys
 
 import jax
 
@@ -72,12 +71,7 @@ def main(argv=None) -> int:
     parser.add_argument("--seq-len", type=int, action="append")
     parser.add_argument("--layouts", type=int, default=len(LAYOUTS))
     cpu.add_devices_flag(parser, default_help="XLA_FLAGS's, else 8")
-    args = parser.parse_args(argv)
-    try:
-        cpu.simulate(args.devices, default=8)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    args = cpu.parse_args(parser, argv, default=8)
     cluster = planner.Cluster(hardware.load("a100-80gb"), 1, 8)
     rows = []
     print(f"{'layout':<58}{'seq':>6}{'analytic MB':>13}{'compiled MB':>13}{'error':>8}"

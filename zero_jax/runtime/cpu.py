@@ -42,6 +42,21 @@ def add_devices_flag(parser: argparse.ArgumentParser,
              "its --devices-per-process wins); no effect on GPU or TPU devices")
 
 
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None,
+               default: int | None = None) -> argparse.Namespace:
+    """`parser`'s arguments (with `add_devices_flag` among them), then the
+    device count they ask for simulated (`simulate`), before anything asks
+    JAX for devices. A count that cannot be set ends the program as a user
+    error: one line on stderr, exit status 2."""
+    args = parser.parse_args(argv)
+    try:
+        simulate(args.devices, default)
+    except DevicesError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    return args
+
+
 def xla_flags_count(environ=os.environ) -> int | None:
     """The count XLA_FLAGS forces, if it names one (the last one given counts)."""
     counts = [f[len(_XLA_COUNT):] for f in environ.get("XLA_FLAGS", "").split()
