@@ -37,15 +37,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import models  # noqa: E402
 from zero_jax import config as config_lib  # noqa: E402
 from zero_jax.planner import devices as hardware
-from zero_jax.planner import cost as planner
+from zero_jax.planner import choices as layouts, cost as planner
 
 VOCAB = 50257
 SEQ = 2048
 MODES = {"none": ("", (0, 1, 2, 3)), "opt": ("opt", (1, 2, 3)), "opt+params": ("opt+params", (3,))}
 
 
-def flat(layers: int, stage: int, offload: str, grads: str) -> tuple[dict, planner.Choice]:
-    choice = planner.Choice(1, 1, 1, stage, "full", 1, 1, offload=offload)
+def flat(layers: int, stage: int, offload: str, grads: str) -> tuple[dict, layouts.Choice]:
+    choice = layouts.Choice(1, 1, 1, stage, "full", 1, 1, offload=offload)
     base = {"model.name": "", "model.n_layer": layers, "model.n_head": layers,
             "model.d_model": 128 * layers, "model.vocab_size": VOCAB, "model.max_seq_len": SEQ,
             "precision.policy": "bf16", "data.seq_len": SEQ, "train.batch_size": 1,
@@ -59,8 +59,8 @@ def estimate(device: hardware.Device, layers: int, stage: int, offload: str,
              grads: str) -> planner.Estimate:
     run_flat, choice = flat(layers, stage, offload, grads)
     build = models.for_run(config_lib.build(None, run_flat).model, VOCAB)[0]
-    job = planner.abstract_job(run_flat, build, 1)
-    return planner.estimate(job, choice, planner.Cluster(device, 1, 1))
+    job = layouts.abstract_job(run_flat, build, 1)
+    return planner.estimate(job, choice, layouts.Cluster(device, 1, 1))
 
 
 def largest(device: hardware.Device, offload: str, stage: int,

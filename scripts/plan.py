@@ -4,7 +4,7 @@
         --gpus-per-node 8 --global-batch 2048 --seq-len 2048 [--json] [--top 10] \\
         [--write-config DIR] [--include 'PP=12 TP=4 DP=8 ZeRO-1 full mb=2']
 
-Every layout that divides the model and the cluster (zero_jax/planner/cost.py) is
+Every layout that divides the model and the cluster (zero_jax/planner/choices.py) is
 estimated from abstract shapes: model-state bytes exact from the shardings,
 a step's temporaries and its time analytic. Layouts that cannot fit are
 pruned; of the rest, the fastest `--compile` (and any `--include`d) are
@@ -115,14 +115,14 @@ def main(argv=None) -> int:
     import models
     from zero_jax import config as config_lib, precision, remat
     from zero_jax.planner import devices as hardware
-    from zero_jax.planner import cost as planner
+    from zero_jax.planner import choices as layouts, cost as planner
     try:
         check_counts(args)
         try:
             device = hardware.load(args.cluster)
         except ValueError as e:
             raise ValueError(f"--cluster {args.cluster}: {e}") from None
-        cluster = planner.Cluster(device, args.nodes, args.gpus_per_node or device.devices_per_node)
+        cluster = layouts.Cluster(device, args.nodes, args.gpus_per_node or device.devices_per_node)
         base = base_config(args)
         run = config_lib.build(None, base)
         precision.resolve(args.precision, "gpu")  # each layout's job would refuse it, unsaid
@@ -136,10 +136,10 @@ def main(argv=None) -> int:
     except (ValueError, config_lib.ConfigError, FileNotFoundError) as e:  # hf:DIR, no config.json
         print(f"error: {e}", file=sys.stderr)
         return 2
-    all_choices = planner.choices(cfg, cluster, args.global_batch, stages=stages, remats=remats,
+    all_choices = layouts.choices(cfg, cluster, args.global_batch, stages=stages, remats=remats,
                                   micros=micros, offloads=offloads)
     if not all_choices:
-        print(f"error: {no_layout(planner.mesh_shapes(cfg, cluster), args)}", file=sys.stderr)
+        print(f"error: {no_layout(layouts.mesh_shapes(cfg, cluster), args)}", file=sys.stderr)
         return 2
     n = cluster.size
     print(f"{model_line}\n{n} x {device.name} ({args.nodes} nodes x {cluster.per_node}), global "
@@ -154,7 +154,7 @@ def main(argv=None) -> int:
         key = (choice.pipe, choice.tensor, choice.data, choice.zero, choice.virtual, choice.offload)
         if key not in jobs:
             try:
-                jobs[key] = planner.abstract_job(choice.flat(base), build, n)
+                jobs[key] = layouts.abstract_job(choice.flat(base), build, n)
             except (ValueError, config_lib.ConfigError) as e:
                 jobs[key] = e
         if isinstance(jobs[key], Exception):

@@ -1,9 +1,7 @@
-"""Search the layouts of a training run on a cluster, without the cluster.
+"""The cost of one layout (choices.Choice) on a cluster, without the cluster.
 
-A `Choice` is one layout: pipe, tensor and data-parallel sizes, ZeRO stage,
-activation policy, microbatch size and count, pipeline schedule. For each,
-`estimate` works from abstract shapes only (an AbstractMesh of the cluster's
-size, nothing allocated, nothing compiled):
+For each layout `estimate` works from abstract shapes only (an AbstractMesh
+of the cluster's size, nothing allocated, nothing compiled):
 
   memory   the model states per device, exact from the shardings, plus an
            analytic estimate of what a step adds: gradient buffers, the
@@ -26,146 +24,19 @@ bytes of the real program, which replace the analytic traffic.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import AbstractMesh, AxisType
 
 from zero_jax import config as config_lib, job as job_lib
 from zero_jax.analysis import memory
-from zero_jax.sharding import mesh as mesh_lib
 from zero_jax import remat as remat_lib
 from zero_jax.pipeline import schedule as sched_lib
 from zero_jax.sharding import zero as zero_lib
-from zero_jax.planner.devices import Device
+from zero_jax.planner.choices import Choice, Cluster, pipeline_schedule
 from zero_jax.sharding.specs import bytes_per_device, leaf_bytes, map_specs, shard_elements, spec_leaves, without_axis
-
-
-@dataclasses.dataclass(frozen=True)
-class Cluster:
-    device: Device
-    nodes: int
-    per_node: int  # devices per node
-
-    @property
-    def size(self) -> int:
-        return self.nodes * self.per_node
-
-
-@dataclasses.dataclass(frozen=True, order=True)
-class Choice:
-    """One layout of the run."""
-
-    pipe: int
-    tensor: int
-    data: int
-    zero: int
-    remat: str  # activation policy (remat.py)
-    micro: int  # rows per microbatch per data-parallel replica
-    microbatches: int
-    schedule: str = ""  # with pipe > 1
-    virtual: int = 1
-    offload: str = ""  # in host memory: "" nothing, "opt" the optimizer state, "opt+params" both
-
-    @property
-    def label(self) -> str:
-        s = f"{self.schedule}{f' v={self.virtual}' if self.virtual > 1 else ''}" if self.pipe > 1 else "-"
-        return (f"PP={self.pipe} TP={self.tensor} DP={self.data} ZeRO-{self.zero} {self.remat} "
-                f"mb={self.micro}x{self.microbatches} {s}"
-                + (f" offload={self.offload}" if self.offload else ""))
-
-    def mesh(self, cluster: Cluster) -> dict[str, dict[str, int]]:
-        """[ici] and [dcn] sizes: tensor inside a node first, then data, then pipe."""
-        room = cluster.device.fast_domain if cluster.device.ici_domain else cluster.per_node
-        ici, dcn = {}, {}
-        for axis, size in (("tensor", self.tensor), ("data", self.data), ("pipe", self.pipe)):
-            inside = math.gcd(size, room)
-            room //= inside
-            ici[axis], dcn[axis] = inside, size // inside
-        return {"ici": ici, "dcn": dcn}
-
-    def crosses_nodes(self, cluster: Cluster, axis: str) -> bool:
-        return self.mesh(cluster)["dcn"][axis] > 1
-
-    def flat(self, base: dict[str, Any]) -> dict[str, Any]:
-        """Run-config fields (section.field) of this layout on top of `base`."""
-        out = {**base, "parallel.mesh": f"pipe={self.pipe},data={self.data},tensor={self.tensor}",
-               "parallel.zero_stage": self.zero, "activations.remat": self.remat,
-               "train.microbatches": self.microbatches,
-               # The vocabulary padded so that tensor and pipe split the embedding.
-               "model.vocab_multiple": self.tensor * self.pipe * 8}
-        if self.pipe > 1:
-            out["parallel.pipeline_schedule"] = self.schedule
-            out["parallel.virtual_stages"] = self.virtual
-        if self.offload:
-            out["offload.optimizer"] = True
-            out["offload.params"] = self.offload == "opt+params"
-        return out
-
-
-OFFLOADS = ("", "opt", "opt+params")
-
-
-def choices(model_cfg, cluster: Cluster, global_batch: int, *, stages=(0, 1, 2, 3),
-            remats=("full", "none"), micros=(1, 2, 4, 8), schedules=("1f1b", "interleaved"),
-            offloads=OFFLOADS) -> list[Choice]:
-    """Every layout that divides the model and the cluster: tensor inside a
-    node and dividing the heads, pipe up to the layer count, the global batch
-    split evenly, and a pipeline with at least as many microbatches as stages.
-    gpipe is left out: 1f1b has its cost and holds fewer inputs. Offload
-    where the device kind has host figures: the optimizer state at ZeRO-1
-    and up, the parameters too at ZeRO-3 without a pipeline (job.py)."""
-    if not cluster.device.can_offload:
-        offloads = tuple(o for o in offloads if not o)
-    out = []
-    for tensor, pipe, data in mesh_shapes(model_cfg, cluster):
-        if global_batch % data:
-            continue
-        rows = global_batch // data
-        for micro in micros:
-            if rows % micro:
-                continue
-            m = rows // micro
-            if pipe > 1 and m < pipe:
-                continue
-            plans = [("", 1)] if pipe == 1 else [
-                (s, v) for s in schedules for v in ((2,) if s == "interleaved" else (1,))
-                if not (s == "interleaved" and (m % pipe or model_cfg.n_layer < pipe * v))]
-            for zero in stages:
-                kept = [o for o in offloads if not o or (zero >= 1 and (
-                    o == "opt" or (zero == 3 and pipe == 1)))]
-                for remat in remats:
-                    for schedule, v in plans:
-                        out += [Choice(pipe, tensor, data, zero, remat, micro, m, schedule, v, o)
-                                for o in kept]
-    return out
-
-
-def mesh_shapes(model_cfg, cluster: Cluster) -> list[tuple[int, int, int]]:
-    """(tensor, pipe, data) of every mesh the model fits on the cluster:
-    tensor inside a node and dividing the heads and the MLP, pipe up to the
-    layer count, data the rest of the devices."""
-    n = cluster.size
-    return [(tensor, pipe, n // (tensor * pipe))
-            for tensor in _divisors(min(cluster.per_node, n))
-            if not (model_cfg.n_head % tensor or model_cfg.d_mlp % tensor or n % tensor)
-            for pipe in _divisors(n // tensor) if pipe <= model_cfg.n_layer]
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def abstract_job(flat: dict[str, Any], build_model, devices: int) -> job_lib.Job:
-    """The job of a run config on an abstract mesh of `devices` (no devices needed)."""
-    run = config_lib.build(None, flat)
-    shape = job_lib.mesh_config(run).resolve(devices)
-    mesh = AbstractMesh(tuple(shape.sizes.values()), mesh_lib.AXES,
-                        axis_types=(AxisType.Auto,) * len(mesh_lib.AXES))
-    return job_lib.prepare_on(run, build_model, mesh, shape)
 
 
 @dataclasses.dataclass
@@ -250,7 +121,7 @@ def estimate(job: job_lib.Job, choice: Choice, cluster: Cluster, platform: str =
     cfg = model.config
     if choice.pipe > 1:
         stages = layout.stages
-        s = _schedule(choice.schedule, choice.pipe, choice.microbatches, choice.virtual)
+        s = pipeline_schedule(choice)
         stash = s.max_in_flight() * rows * T * cfg.d_model * c
         # A backward tick rebuilds one chunk's layers (its slots); the last
         # stage's forward tick runs the head, whose logits it holds whole.
@@ -332,7 +203,7 @@ def estimate(job: job_lib.Job, choice: Choice, cluster: Cluster, platform: str =
         compute = cost.total * layer_fwd / choice.tensor / rate
         bubble = cost.bubble
         act_bytes = rows * T * cfg.d_model * c / (choice.tensor if seq_parallel else 1)
-        comm["pipe"] = s.ticks * act_bytes / _bw(choice, cluster, "pipe")
+        comm["pipe"] = s.ticks * act_bytes / choice.link_bw(cluster, "pipe")
     else:
         hardware = model_flops * ((4 / 3) if recompute else 1.0)
         compute = hardware / cluster.size / rate
@@ -344,7 +215,7 @@ def estimate(job: job_lib.Job, choice: Choice, cluster: Cluster, platform: str =
         per = (6 if (recompute or choice.pipe > 1) else 4) * rows * T * cfg.d_model * c
         layers_here = cfg.n_layer / choice.pipe
         comm["tensor"] = (choice.microbatches * layers_here * per * 2 * (t - 1) / t
-                          / _bw(choice, cluster, "tensor"))
+                          / choice.link_bw(cluster, "tensor"))
     if layout.host_opt or layout.host_params:
         comm.update(_host_time(layout, choice, cluster, in_host, opt_elements, on_device, c, g))
     if choice.data > 1:
@@ -354,7 +225,7 @@ def estimate(job: job_lib.Job, choice: Choice, cluster: Cluster, platform: str =
         grad_bytes = psi * g * reductions * (2 if not stage.grads else 1) * (n - 1) / n
         gathers = (2 * choice.microbatches if stage.params else 1 if stage.opt_state else 0)
         param_bytes = psi * c * gathers * (n - 1) / n
-        comm["data"] = (grad_bytes + param_bytes) / _bw(choice, cluster, "data")
+        comm["data"] = (grad_bytes + param_bytes) / choice.link_bw(cluster, "data")
     return Estimate(choice, state, step_bytes, dev.hbm_bytes, compute, comm, bubble, tokens,
                     model_flops, host=in_host,
                     host_step=opt_elements * g if layout.host_opt else 0.0,
@@ -393,11 +264,6 @@ def _host_time(layout, choice: Choice, cluster: Cluster, in_host: dict, opt_elem
     return out
 
 
-@functools.lru_cache(maxsize=256)
-def _schedule(name: str, p: int, m: int, v: int) -> sched_lib.Schedule:
-    return sched_lib.build(name, p, m, v)
-
-
 def _split_bytes(layout, abstract, specs) -> tuple[float, float]:
     """Bytes per device of `abstract` laid out by `specs`: (outside the layer stack, the stack)."""
     out = [0.0, 0.0]
@@ -421,12 +287,6 @@ def _gathered_once(layout, model) -> float:
                               spec_leaves(layout.specs.compute.get(key, {})))))
 
 
-def _bw(choice: Choice, cluster: Cluster, axis: str) -> float:
-    """A ring over `axis` runs at the slowest link it crosses."""
-    dev = cluster.device
-    return dev.inter_node_bw if choice.crosses_nodes(cluster, axis) else dev.intra_node_bw
-
-
 RING = {"all-reduce": lambda n: 2 * (n - 1) / n, "all-gather": lambda n: (n - 1) / n,
         "reduce-scatter": lambda n: (n - 1) / n, "all-to-all": lambda n: (n - 1) / n,
         "collective-permute": lambda n: 1.0}
@@ -442,7 +302,7 @@ def with_measured(est: Estimate, measured: dict[str, Any], cluster: Cluster) -> 
         op, _, axes = key.partition("@")
         names = [a for a in axes.split(",") if a in sizes] or ["data"]
         n = math.prod(sizes[a] for a in names)
-        link = min(_bw(est.choice, cluster, a) for a in names)
+        link = min(est.choice.link_bw(cluster, a) for a in names)
         where = "+".join(names)
         comm[where] = comm.get(where, 0.0) + payload * RING.get(op, RING["all-gather"])(max(n, 2)) / link
     if est.choice.pipe > 1:  # the schedule's sends stay as the cost model counts them
