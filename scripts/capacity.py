@@ -19,9 +19,9 @@ what may be offloaded):
 
 From shapes only, as memory_report.py counts them: the model states exact
 from the layout's shardings and memory kinds, a step's temporaries from
-the planner's estimate (zero_jax/planner/cost.py); nothing is allocated or
-compiled. The device must hold its states and the step's largest phase,
-the host its offloaded states and the update's gradients.
+the planner's estimate (zero_jax/planner/step_bytes.py); nothing is
+allocated or compiled. The device must hold its states and the step's
+largest phase, the host its offloaded states and the update's gradients.
 """
 
 from __future__ import annotations
@@ -84,12 +84,12 @@ def row(kind: str, device: hardware.Device, mode: str, grads: str) -> dict:
                              key=lambda t: t[0])
     model = config_lib.build(None, flat(layers, stage, offload, grads)[0]).model
     params = models.for_run(model, VOCAB)[0](1).config.param_count
-    stored = {k: est.state[k] - est.host.get(k, 0) for k in ("params", "grads", "opt_state")}
+    stored = {k: est.state[k] - est.memory.host.get(k, 0) for k in ("params", "grads", "opt_state")}
     return {"device": kind, "offload": mode, "zero_stage": stage, "n_layer": layers,
             "d_model": 128 * layers, "params": params,
             "device_bytes_per_param": sum(stored.values()) / params,
-            "host_bytes_per_param": sum(est.host.values()) / params,
-            "device_states": stored, "host_states": est.host,
+            "host_bytes_per_param": sum(est.memory.host.values()) / params,
+            "device_states": stored, "host_states": est.memory.host,
             "step_peak_bytes": max(est.step_bytes.values()),
             "device_total_bytes": est.analytic_bytes, "hbm_bytes": est.hbm,
             "host_total_bytes": est.host_bytes, "host_limit_bytes": est.host_limit,

@@ -100,7 +100,7 @@ def test_offload_layouts_move_states_to_the_host_within_its_memory():
     jobs = {c: layouts.abstract_job(c.flat(BASE), build, 8) for c in (plain, off)}
     est = {c: planner.estimate(jobs[c], c, cluster) for c in (plain, off)}
     split = memory.by_memory_kind(jobs[off].layout)
-    assert est[off].host == split["host"] and split["host"]["opt_state"] == est[plain].state["opt_state"]
+    assert est[off].memory.host == split["host"] and split["host"]["opt_state"] == est[plain].state["opt_state"]
     assert est[off].host_bytes == split["host"]["opt_state"] + est[off].state["grads"]
     assert est[off].analytic_bytes < est[plain].analytic_bytes - split["host"]["opt_state"] * 0.99
     # fp32, ZeRO-2: the gradient shard out, the parameter shard (same size) back.
