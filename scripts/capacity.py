@@ -19,9 +19,9 @@ what may be offloaded):
 
 From shapes only, as memory_report.py counts them: the model states exact
 from the layout's shardings and memory kinds, a step's temporaries from
-the planner's estimate (zero_jax/planner/cost.py); nothing is allocated or
-compiled. The device must hold its states and the step's largest phase,
-the host its offloaded states and the update's gradients.
+the planner's estimate (zero_jax/planner/step_bytes.py); nothing is
+allocated or compiled. The device must hold its states and the step's
+largest phase, the host its offloaded states and the update's gradients.
 """
 
 from __future__ import annotations
@@ -37,15 +37,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import models  # noqa: E402
 from zero_jax import config as config_lib  # noqa: E402
 from zero_jax.planner import devices as hardware
-from zero_jax.planner import cost as planner
+from zero_jax.planner import choices as layouts, cost as planner
 
 VOCAB = 50257
 SEQ = 2048
 MODES = {"none": ("", (0, 1, 2, 3)), "opt": ("opt", (1, 2, 3)), "opt+params": ("opt+params", (3,))}
 
 
-def flat(layers: int, stage: int, offload: str, grads: str) -> tuple[dict, planner.Choice]:
-    choice = planner.Choice(1, 1, 1, stage, "full", 1, 1, offload=offload)
+def flat(layers: int, stage: int, offload: str, grads: str) -> tuple[dict, layouts.Choice]:
+    choice = layouts.Choice(1, 1, 1, stage, "full", 1, 1, offload=offload)
     base = {"model.name": "", "model.n_layer": layers, "model.n_head": layers,
             "model.d_model": 128 * layers, "model.vocab_size": VOCAB, "model.max_seq_len": SEQ,
             "precision.policy": "bf16", "data.seq_len": SEQ, "train.batch_size": 1,
@@ -59,8 +59,8 @@ def estimate(device: hardware.Device, layers: int, stage: int, offload: str,
              grads: str) -> planner.Estimate:
     run_flat, choice = flat(layers, stage, offload, grads)
     build = models.for_run(config_lib.build(None, run_flat).model, VOCAB)[0]
-    job = planner.abstract_job(run_flat, build, 1)
-    return planner.estimate(job, choice, planner.Cluster(device, 1, 1))
+    job = layouts.abstract_job(run_flat, build, 1)
+    return planner.estimate(job, choice, layouts.Cluster(device, 1, 1))
 
 
 def largest(device: hardware.Device, offload: str, stage: int,
@@ -84,12 +84,12 @@ def row(kind: str, device: hardware.Device, mode: str, grads: str) -> dict:
                              key=lambda t: t[0])
     model = config_lib.build(None, flat(layers, stage, offload, grads)[0]).model
     params = models.for_run(model, VOCAB)[0](1).config.param_count
-    stored = {k: est.state[k] - est.host.get(k, 0) for k in ("params", "grads", "opt_state")}
+    stored = {k: est.state[k] - est.memory.host.get(k, 0) for k in ("params", "grads", "opt_state")}
     return {"device": kind, "offload": mode, "zero_stage": stage, "n_layer": layers,
             "d_model": 128 * layers, "params": params,
             "device_bytes_per_param": sum(stored.values()) / params,
-            "host_bytes_per_param": sum(est.host.values()) / params,
-            "device_states": stored, "host_states": est.host,
+            "host_bytes_per_param": sum(est.memory.host.values()) / params,
+            "device_states": stored, "host_states": est.memory.host,
             "step_peak_bytes": max(est.step_bytes.values()),
             "device_total_bytes": est.analytic_bytes, "hbm_bytes": est.hbm,
             "host_total_bytes": est.host_bytes, "host_limit_bytes": est.host_limit,

@@ -14,10 +14,10 @@ import models
 from zero_jax import config as config_lib, job as job_lib
 from zero_jax.planner import devices as hardware
 from zero_jax.analysis import memory
-from zero_jax.planner import cost as planner
+from zero_jax.planner import choices as layouts, cost as planner
 
 ROOT = Path(__file__).resolve().parent.parent
-A100 = planner.Cluster(hardware.load("a100-80gb"), 48, 8)
+A100 = layouts.Cluster(hardware.load("a100-80gb"), 48, 8)
 BASE = {"model.name": "gpt-tiny", "model.vocab_size": 256, "precision.policy": "fp32",
         "data.seq_len": 32, "train.batch_size": 16}
 
@@ -33,8 +33,8 @@ def test_every_device_kind_loads_with_its_numbers():
 
 def test_bloom_layout_is_enumerated_with_tensor_inside_a_node():
     cfg = models.for_run(config_lib.ModelConfig(name="bloom-176b"), 0)[0](1).config
-    found = planner.choices(cfg, A100, 2048)
-    bloom = planner.Choice(12, 4, 8, 1, "full", 2, 128, "1f1b")
+    found = layouts.choices(cfg, A100, 2048)
+    bloom = layouts.Choice(12, 4, 8, 1, "full", 2, 128, "1f1b")
     assert bloom in found
     assert all(c.tensor <= 8 and c.pipe * c.tensor * c.data == 384 for c in found)
     assert bloom.mesh(A100) == {"ici": {"tensor": 4, "data": 2, "pipe": 1},
@@ -48,14 +48,14 @@ def _held(tree) -> int:
 
 
 @pytest.mark.parametrize("choice", [
-    planner.Choice(1, 2, 4, 3, "none", 4, 1),
-    planner.Choice(4, 1, 2, 1, "full", 2, 4, "1f1b"),  # 6 layers on 4 stages: padded slots
+    layouts.Choice(1, 2, 4, 3, "none", 4, 1),
+    layouts.Choice(4, 1, 2, 1, "full", 2, 4, "1f1b"),  # 6 layers on 4 stages: padded slots
 ], ids=lambda c: c.label.replace(" ", "_"))
 def test_model_state_bytes_are_exact_and_the_estimate_is_near_the_compiled(choice):
     flat = choice.flat({**BASE, "model.n_layer": 6})
     run = config_lib.build(None, flat)
     build = models.for_run(run.model, 256)[0]
-    est = planner.estimate(planner.abstract_job(flat, build, 8), choice, A100, platform="cpu")
+    est = planner.estimate(layouts.abstract_job(flat, build, 8), choice, A100, platform="cpu")
     job = job_lib.prepare(run, build)
     state = job.init_state()
     assert est.state["params"] + est.state["opt_state"] == _held(state.params) + _held(state.opt_state)
@@ -88,19 +88,19 @@ def test_offload_layouts_move_states_to_the_host_within_its_memory():
     shard out and the new parameter shard back; a node without the host
     memory for it does not fit. No offload is planned without host figures."""
     build = models.for_run(config_lib.ModelConfig(name="gpt-tiny"), 256)[0]
-    cluster = planner.Cluster(A100.device, 1, 8)
-    found = planner.choices(build(1).config, cluster, 16)
+    cluster = layouts.Cluster(A100.device, 1, 8)
+    found = layouts.choices(build(1).config, cluster, 16)
     assert {c.offload for c in found if c.zero == 0} == {""}
     assert {c.offload for c in found if c.zero == 3 and c.pipe == 1} == {"", "opt", "opt+params"}
     assert {c.offload for c in found if c.zero == 3 and c.pipe > 1} == {"", "opt"}
-    tpu = planner.Cluster(hardware.load("tpu-v5p"), 2, 4)
-    assert {c.offload for c in planner.choices(build(1).config, tpu, 16)} == {""}
+    tpu = layouts.Cluster(hardware.load("tpu-v5p"), 2, 4)
+    assert {c.offload for c in layouts.choices(build(1).config, tpu, 16)} == {""}
 
-    plain, off = (planner.Choice(1, 1, 8, 2, "full", 2, 1, offload=o) for o in ("", "opt"))
-    jobs = {c: planner.abstract_job(c.flat(BASE), build, 8) for c in (plain, off)}
+    plain, off = (layouts.Choice(1, 1, 8, 2, "full", 2, 1, offload=o) for o in ("", "opt"))
+    jobs = {c: layouts.abstract_job(c.flat(BASE), build, 8) for c in (plain, off)}
     est = {c: planner.estimate(jobs[c], c, cluster) for c in (plain, off)}
     split = memory.by_memory_kind(jobs[off].layout)
-    assert est[off].host == split["host"] and split["host"]["opt_state"] == est[plain].state["opt_state"]
+    assert est[off].memory.host == split["host"] and split["host"]["opt_state"] == est[plain].state["opt_state"]
     assert est[off].host_bytes == split["host"]["opt_state"] + est[off].state["grads"]
     assert est[off].analytic_bytes < est[plain].analytic_bytes - split["host"]["opt_state"] * 0.99
     # fp32, ZeRO-2: the gradient shard out, the parameter shard (same size) back.
@@ -108,6 +108,6 @@ def test_offload_layouts_move_states_to_the_host_within_its_memory():
         2 * est[off].state["grads"] / A100.device.host_link_bw)
     assert "host link" not in est[plain].comm_s and est[off].fits
 
-    small = planner.Cluster(dataclasses.replace(A100.device, host_bytes_per_node=8), 1, 8)
+    small = layouts.Cluster(dataclasses.replace(A100.device, host_bytes_per_node=8), 1, 8)
     assert not planner.estimate(jobs[off], off, small).fits
     assert planner.estimate(jobs[plain], plain, small).fits

@@ -9,6 +9,7 @@ import pytest
 import models
 from zero_jax import config as config_lib
 from zero_jax.planner import cost, search
+from zero_jax.planner.choices import Choice, Cluster, choices
 from zero_jax.planner import devices as hardware
 
 BASE = {"model.name": "gpt-tiny", "model.vocab_size": 256, "precision.policy": "fp32",
@@ -19,13 +20,13 @@ NARROW = {"stages": (1, 3), "remats": ("full",), "micros": (2,), "offloads": (""
 @pytest.fixture(scope="module")
 def problem():
     build = models.for_run(config_lib.ModelConfig(name="gpt-tiny"), 256)[0]
-    cluster = cost.Cluster(hardware.load("a100-80gb"), 1, 8)
+    cluster = Cluster(hardware.load("a100-80gb"), 1, 8)
     return search.Problem(BASE, build, cluster, 256)
 
 
 @pytest.fixture(scope="module")
 def estimates(problem):
-    layouts = cost.choices(problem.build(1).config, problem.cluster, 16, **NARROW)
+    layouts = choices(problem.build(1).config, problem.cluster, 16, **NARROW)
     return search.estimate_all(problem, layouts)
 
 
@@ -41,7 +42,7 @@ def test_every_layout_is_estimated_and_ranked_fitting_and_fastest_first(problem,
 
 def test_measured_figures_replace_the_traffic_and_an_offload_twin_shares_them(problem, estimates):
     best = search.fitting(estimates)[0]
-    twin = cost.Choice(**{**best.choice.__dict__, "offload": "opt"})
+    twin = Choice(**{**best.choice.__dict__, "offload": "opt"})
     assert search.compiled_as(twin) == best.choice
     figures = {"argument_bytes": 1, "temp_bytes": 2, "collectives": {}, "collective_bytes": 0}
     (ranked,) = [e for e in search.rank([best], {best.choice: figures}, problem.cluster)]

@@ -10,7 +10,7 @@ and the new stored parameters come back to the device.
 
 Why on the host rather than streamed through the device: streaming brings
 the whole optimizer state to the device at the update, which is where a
-step's temporaries already peak when activations are small (planner/cost.py), so
+step's temporaries peak when activations are small (planner/step_bytes.py), so
 the device would need the bytes offload is meant to save. Run on the host,
 the device never holds the optimizer state or the masters. The cost is per
 step, per device: the gradient shard to the host (g bytes per parameter it

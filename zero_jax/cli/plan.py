@@ -41,6 +41,7 @@ from tqdm import tqdm
 import models
 from zero_jax import config as config_lib, precision, remat
 from zero_jax.planner import configs, cost, search
+from zero_jax.planner.choices import Cluster, choices, mesh_shapes
 from zero_jax.planner import devices as hardware
 
 
@@ -110,16 +111,16 @@ def names(flag: str, text: str, known) -> tuple[str, ...]:
     return values
 
 
-def cluster_of(args) -> cost.Cluster:
+def cluster_of(args) -> Cluster:
     try:
         device = hardware.load(args.cluster)
     except ValueError as e:
         raise ValueError(f"--cluster {args.cluster}: {e}") from None
-    return cost.Cluster(device, args.nodes, args.gpus_per_node or device.devices_per_node)
+    return Cluster(device, args.nodes, args.gpus_per_node or device.devices_per_node)
 
 
 def layout_options(args) -> dict:
-    """The choices to search over (cost.choices' keywords), from the flags."""
+    """The choices to search over (choices' keywords), from the flags."""
     offloads = names("--offload", args.offload, ("none", "opt", "opt+params"))
     return {"stages": int_list("--stages", args.stages, allowed=range(4)),
             "remats": names("--remat", args.remat, remat.POLICIES),
@@ -168,7 +169,7 @@ def announce(args, problem: search.Problem, model_line: str, layouts: int, offlo
               "(meshes/devices/)", file=sys.stderr)
 
 
-def row(e: cost.Estimate, cluster: cost.Cluster, rank: int) -> dict:
+def row(e: cost.Estimate, cluster: Cluster, rank: int) -> dict:
     """One ranked layout as a JSON row (--json; the table prints from it too)."""
     n, dev = cluster.size, cluster.device
     out = {"rank": rank, "layout": e.choice.label, "fits": e.fits,
@@ -245,9 +246,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     cfg = problem.build(1).config
-    layouts = cost.choices(cfg, problem.cluster, args.global_batch, **options)
+    layouts = choices(cfg, problem.cluster, args.global_batch, **options)
     if not layouts:
-        print(f"error: {no_layout(cost.mesh_shapes(cfg, problem.cluster), args)}", file=sys.stderr)
+        print(f"error: {no_layout(mesh_shapes(cfg, problem.cluster), args)}", file=sys.stderr)
         return 2
     announce(args, problem, model_line, len(layouts), options["offloads"])
     estimates = search.estimate_all(problem, layouts, progress_bar)

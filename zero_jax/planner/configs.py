@@ -7,10 +7,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from zero_jax.planner import cost
+from zero_jax.planner.choices import Choice, Cluster
 
 
-def mesh_toml(choice: cost.Choice, cluster: cost.Cluster) -> str:
+def mesh_toml(choice: Choice, cluster: Cluster) -> str:
     mesh = choice.mesh(cluster)
     lines = [f'description = "{choice.label} on {cluster.size} x {cluster.device.name}"']
     for table in ("ici", "dcn"):
@@ -33,8 +33,8 @@ def run_toml(flat: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
-def write(directory: Path, choice: cost.Choice, base: dict[str, Any],
-          cluster: cost.Cluster) -> None:
+def write(directory: Path, choice: Choice, base: dict[str, Any],
+          cluster: Cluster) -> None:
     """DIR/mesh.toml and DIR/run.toml of `choice` on top of `base`; the run
     names the mesh file by its absolute path, so it runs from anywhere."""
     directory.mkdir(parents=True, exist_ok=True)

@@ -1,201 +1,71 @@
-"""Search the layouts of a training run on a cluster, without the cluster.
+"""The cost of one layout (choices.Choice) on a cluster, without the cluster.
 
-A `Choice` is one layout: pipe, tensor and data-parallel sizes, ZeRO stage,
-activation policy, microbatch size and count, pipeline schedule. For each,
-`estimate` works from abstract shapes only (an AbstractMesh of the cluster's
-size, nothing allocated, nothing compiled):
+`estimate` works from abstract shapes only (an AbstractMesh of the
+cluster's size, nothing allocated, nothing compiled) and gives an
+`Estimate`: the step's bytes per device (step_bytes.py) and its time
+(step_time.py), beside the device's memory and its share of the host's.
 
-  memory   the model states per device, exact from the shardings, plus an
-           analytic estimate of what a step adds: gradient buffers, the
-           activations the remat policy keeps (a pipeline: its stashed stage
-           inputs and one chunk's), gathered ZeRO-3 weights;
-  time     compute at the device's peak times its published efficiency, plus
-           each mesh axis's collectives over that axis's link (inside a node
-           or across nodes), with nothing overlapped: a pipeline's compute is
-           the cost of its lockstep schedule (schedule.cost), bubble included.
+  exact      the model states per device as stored (params, grads,
+             opt_state), from the layout's shardings, and which of them are
+             in host memory, from their memory kinds;
+  estimated  what a step adds to them: gradient buffers, the activations
+             the remat policy keeps (a pipeline: its stashed stage inputs
+             and one chunk's), gathered ZeRO-3 weights, the update's
+             working copies; and all of the time: compute at the device's
+             peak times its published efficiency (a pipeline: its lockstep
+             schedule's cost, bubble included), each mesh axis's
+             collectives over its link and, with offload, the host link and
+             the host update, nothing overlapped.
 
-With host offload (offload.py) the states in host memory leave the device's
-bytes and count against the node's host memory; the host link's transfers
-and the update on the host add to the time.
-
-The search (scripts/plan.py) prunes with these, then compiles the best on
-simulated CPU devices (`measure`) for the compiled memory and the collective
-bytes of the real program, which replace the analytic traffic.
+The search prunes with these, then compiles the best on simulated CPU
+devices (`measure`) for the compiled memory and the collective bytes of the
+real program, which replace the analytic traffic (`with_measured`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Any
 
-import jax
-import numpy as np
-from jax.sharding import AbstractMesh, AxisType
-
 from zero_jax import config as config_lib, job as job_lib
 from zero_jax.analysis import memory
-from zero_jax.sharding import mesh as mesh_lib
-from zero_jax import remat as remat_lib
-from zero_jax.pipeline import schedule as sched_lib
-from zero_jax.sharding import zero as zero_lib
-from zero_jax.planner.devices import Device
-from zero_jax.sharding.specs import bytes_per_device, leaf_bytes, map_specs, shard_elements, spec_leaves, without_axis
+from zero_jax.planner.choices import Choice, Cluster
+from zero_jax.planner.step_bytes import StepBytes, step_bytes
+from zero_jax.planner.step_time import StepTime, step_time
 
 
-@dataclasses.dataclass(frozen=True)
-class Cluster:
-    device: Device
-    nodes: int
-    per_node: int  # devices per node
-
-    @property
-    def size(self) -> int:
-        return self.nodes * self.per_node
-
-
-@dataclasses.dataclass(frozen=True, order=True)
-class Choice:
-    """One layout of the run."""
-
-    pipe: int
-    tensor: int
-    data: int
-    zero: int
-    remat: str  # activation policy (remat.py)
-    micro: int  # rows per microbatch per data-parallel replica
-    microbatches: int
-    schedule: str = ""  # with pipe > 1
-    virtual: int = 1
-    offload: str = ""  # in host memory: "" nothing, "opt" the optimizer state, "opt+params" both
-
-    @property
-    def label(self) -> str:
-        s = f"{self.schedule}{f' v={self.virtual}' if self.virtual > 1 else ''}" if self.pipe > 1 else "-"
-        return (f"PP={self.pipe} TP={self.tensor} DP={self.data} ZeRO-{self.zero} {self.remat} "
-                f"mb={self.micro}x{self.microbatches} {s}"
-                + (f" offload={self.offload}" if self.offload else ""))
-
-    def mesh(self, cluster: Cluster) -> dict[str, dict[str, int]]:
-        """[ici] and [dcn] sizes: tensor inside a node first, then data, then pipe."""
-        room = cluster.device.fast_domain if cluster.device.ici_domain else cluster.per_node
-        ici, dcn = {}, {}
-        for axis, size in (("tensor", self.tensor), ("data", self.data), ("pipe", self.pipe)):
-            inside = math.gcd(size, room)
-            room //= inside
-            ici[axis], dcn[axis] = inside, size // inside
-        return {"ici": ici, "dcn": dcn}
-
-    def crosses_nodes(self, cluster: Cluster, axis: str) -> bool:
-        return self.mesh(cluster)["dcn"][axis] > 1
-
-    def flat(self, base: dict[str, Any]) -> dict[str, Any]:
-        """Run-config fields (section.field) of this layout on top of `base`."""
-        out = {**base, "parallel.mesh": f"pipe={self.pipe},data={self.data},tensor={self.tensor}",
-               "parallel.zero_stage": self.zero, "activations.remat": self.remat,
-               "train.microbatches": self.microbatches,
-               # The vocabulary padded so that tensor and pipe split the embedding.
-               "model.vocab_multiple": self.tensor * self.pipe * 8}
-        if self.pipe > 1:
-            out["parallel.pipeline_schedule"] = self.schedule
-            out["parallel.virtual_stages"] = self.virtual
-        if self.offload:
-            out["offload.optimizer"] = True
-            out["offload.params"] = self.offload == "opt+params"
-        return out
-
-
-OFFLOADS = ("", "opt", "opt+params")
-
-
-def choices(model_cfg, cluster: Cluster, global_batch: int, *, stages=(0, 1, 2, 3),
-            remats=("full", "none"), micros=(1, 2, 4, 8), schedules=("1f1b", "interleaved"),
-            offloads=OFFLOADS) -> list[Choice]:
-    """Every layout that divides the model and the cluster: tensor inside a
-    node and dividing the heads, pipe up to the layer count, the global batch
-    split evenly, and a pipeline with at least as many microbatches as stages.
-    gpipe is left out: 1f1b has its cost and holds fewer inputs. Offload
-    where the device kind has host figures: the optimizer state at ZeRO-1
-    and up, the parameters too at ZeRO-3 without a pipeline (job.py)."""
-    if not cluster.device.can_offload:
-        offloads = tuple(o for o in offloads if not o)
-    out = []
-    for tensor, pipe, data in mesh_shapes(model_cfg, cluster):
-        if global_batch % data:
-            continue
-        rows = global_batch // data
-        for micro in micros:
-            if rows % micro:
-                continue
-            m = rows // micro
-            if pipe > 1 and m < pipe:
-                continue
-            plans = [("", 1)] if pipe == 1 else [
-                (s, v) for s in schedules for v in ((2,) if s == "interleaved" else (1,))
-                if not (s == "interleaved" and (m % pipe or model_cfg.n_layer < pipe * v))]
-            for zero in stages:
-                kept = [o for o in offloads if not o or (zero >= 1 and (
-                    o == "opt" or (zero == 3 and pipe == 1)))]
-                for remat in remats:
-                    for schedule, v in plans:
-                        out += [Choice(pipe, tensor, data, zero, remat, micro, m, schedule, v, o)
-                                for o in kept]
-    return out
-
-
-def mesh_shapes(model_cfg, cluster: Cluster) -> list[tuple[int, int, int]]:
-    """(tensor, pipe, data) of every mesh the model fits on the cluster:
-    tensor inside a node and dividing the heads and the MLP, pipe up to the
-    layer count, data the rest of the devices."""
-    n = cluster.size
-    return [(tensor, pipe, n // (tensor * pipe))
-            for tensor in _divisors(min(cluster.per_node, n))
-            if not (model_cfg.n_head % tensor or model_cfg.d_mlp % tensor or n % tensor)
-            for pipe in _divisors(n // tensor) if pipe <= model_cfg.n_layer]
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def abstract_job(flat: dict[str, Any], build_model, devices: int) -> job_lib.Job:
-    """The job of a run config on an abstract mesh of `devices` (no devices needed)."""
-    run = config_lib.build(None, flat)
-    shape = job_lib.mesh_config(run).resolve(devices)
-    mesh = AbstractMesh(tuple(shape.sizes.values()), mesh_lib.AXES,
-                        axis_types=(AxisType.Auto,) * len(mesh_lib.AXES))
-    return job_lib.prepare_on(run, build_model, mesh, shape)
-
-
+# Not frozen: the search attaches the figures it measures (`compiled`).
 @dataclasses.dataclass
 class Estimate:
     """One layout's bytes per device and step time; figures in bytes and seconds."""
 
     choice: Choice
-    state: dict[str, int]  # params, grads, opt_state as stored (memory.sharded)
-    step_bytes: dict[str, float]  # temporaries at each phase of a step; the largest counts
-    hbm: int
-    compute_s: float  # the layers and head at peak x efficiency (a pipeline: its schedule's cost)
-    comm_s: dict[str, float]  # per mesh axis, not overlapped
-    bubble: float  # a pipeline's idle fraction of its schedule's cost
-    tokens: int  # per step
-    model_flops: float  # per step, 6 N + attention per token
+    memory: StepBytes  # the states and each phase of a step, per device
+    time: StepTime  # compute and communication of a step
+    hbm: int  # the device's memory
+    host_limit: float  # this device's share of its node's host memory
     compiled: dict[str, Any] | None = None  # measure(): memory and collectives of the real program
-    host: dict[str, int] = dataclasses.field(default_factory=dict)  # of `state`, in host memory
-    host_step: float = 0.0  # host bytes a step adds: the gradient shard the update reads
-    host_limit: float = 0.0  # this device's share of its node's host memory
+
+    @property
+    def state(self) -> dict[str, int]:
+        """params, grads, opt_state as stored, exact (memory.sharded)."""
+        return self.memory.state
+
+    @property
+    def step_bytes(self) -> dict[str, float]:
+        """Temporaries at each phase of a step; the largest counts."""
+        return self.memory.phases
 
     @property
     def analytic_bytes(self) -> float:
         """Device bytes: the states left on the device and the largest phase."""
-        stored = sum(self.state[k] - self.host.get(k, 0) for k in ("params", "opt_state"))
-        return stored + max(self.step_bytes.values())
+        return self.memory.device_bytes
 
     @property
     def host_bytes(self) -> float:
         """Host memory this device uses: its offloaded states and the update's gradients."""
-        return sum(self.host.values()) + self.host_step
+        return self.memory.host_bytes
 
     @property
     def peak_bytes(self) -> float:
@@ -212,18 +82,30 @@ class Estimate:
         return 1 - self.peak_bytes / self.hbm
 
     @property
+    def compute_s(self) -> float:
+        return self.time.compute_s
+
+    @property
+    def comm_s(self) -> dict[str, float]:
+        return self.time.comm_s
+
+    @property
+    def bubble(self) -> float:
+        return self.time.bubble
+
+    @property
     def step_s(self) -> float:
-        return self.compute_s + sum(self.comm_s.values())
+        return self.time.step_s
 
     @property
     def tokens_per_s(self) -> float:
-        return self.tokens / self.step_s
+        return self.time.tokens_per_s
 
     def tflops_per_device(self, devices: int) -> float:
-        return self.model_flops / self.step_s / devices / 1e12
+        return self.time.tflops_per_device(devices)
 
     def mfu(self, devices: int, peak: float) -> float:
-        return self.model_flops / self.step_s / devices / peak
+        return self.time.mfu(devices, peak)
 
 
 def estimate(job: job_lib.Job, choice: Choice, cluster: Cluster, platform: str = "gpu") -> Estimate:
@@ -231,226 +113,50 @@ def estimate(job: job_lib.Job, choice: Choice, cluster: Cluster, platform: str =
     its mesh, ZeRO stage and stage cut (the rest is read from `choice`).
     `platform` "cpu" models XLA:CPU's reduce-scatter (an all-reduce and a
     slice), to compare with programs compiled here."""
-    layout, model, run = job.layout, job.model, job.run
     dev = cluster.device
-    T = run.data.seq_len
-    c = np.dtype(job.policy.dtype("compute")).itemsize
-    g = np.dtype(layout.grad_dtype).itemsize
-    state = memory.sharded(layout)
-    split = memory.by_memory_kind(layout)
-    on_device, in_host = split["device"], split["host"]
-    stage = zero_lib.stage(choice.zero)
-    compute_grads = bytes_per_device(layout.abstract_grads, layout.specs.compute, layout.mesh)
-    outer_grads, stack_grads = _split_bytes(layout, layout.abstract_grads, layout.specs.compute)
-    layers_here = layout.stages.padded // choice.pipe if choice.pipe > 1 else max(model.layers, 1)
-    per_layer = stack_grads / layers_here  # one layer's gradient, compute layout
-    seq_parallel = job.sequence_parallel
-    rows = choice.micro
-    policy = remat_lib.Remat(choice.remat)
-    cfg = model.config
-    if choice.pipe > 1:
-        stages = layout.stages
-        s = _schedule(choice.schedule, choice.pipe, choice.microbatches, choice.virtual)
-        stash = s.max_in_flight() * rows * T * cfg.d_model * c
-        # A backward tick rebuilds one chunk's layers (its slots); the last
-        # stage's forward tick runs the head, whose logits it holds whole.
-        acts = dataclasses.replace(cfg, n_layer=stages.slots).activation_parts(
-            rows, T, c, policy, choice.tensor, seq_parallel, job.hooks.attention)
-    else:
-        acts = cfg.activation_parts(rows, T, c, policy, choice.tensor, seq_parallel,
-                                    job.hooks.attention)
-    # A step's temporaries peak in one of three phases, whose buffers XLA
-    # reuses for one another (activations are dead when the optimizer runs):
-    # the backward pass, the gradients' reduction, the update. Within the
-    # backward pass the head's and a layer's working sets are never live
-    # together: the larger counts. XLA:CPU copies the donated optimizer state
-    # at the start of the program (the update selects between old and new
-    # values, for skipped steps) and holds the copy throughout; a GPU's
-    # memory-aware scheduler makes it at the update.
-    held = on_device["opt_state"] if platform == "cpu" else 0.0
-    per_microbatch = stage.params and not job.reduce_once
-    layer_gathers = 2 * per_layer / g * c if stage.params else 0.0  # this layer's and the next
-    if layout.host_params:  # and their stored shards, fetched from host memory
-        _, stack_stored = _split_bytes(layout, layout.abstract.params, layout.specs.params)
-        layer_gathers += 2 * stack_stored / layers_here
-    if choice.pipe > 1:
-        # Throughout: accumulators in the gradient layout (reduced each
-        # microbatch) or the compute layout (partial sums), `pipe` left out
-        # for the embedding and head, which are gathered whole for the step;
-        # the stash. A forward tick of the last stage adds the head and the
-        # embedding's and head's full gradient; a backward tick the rebuilt
-        # chunk, its gradients and its layers' gathers. They are branches of
-        # one switch: never live together.
-        specs = layout.specs.grads if per_microbatch else layout.specs.compute
-        outer_acc, _ = _split_bytes(layout, layout.abstract_grads, map_specs(
-            lambda sp: without_axis(sp, "pipe"), specs))
-        _, stack_acc = _split_bytes(layout, layout.abstract_grads, specs)
-        base = outer_acc + stack_acc + outer_grads / g * c + stash
-        forward = acts.head + outer_grads
-        backward_tick = acts.kept + acts.rebuilt + stack_acc / choice.virtual + layer_gathers
-        backward = base + max(forward, backward_tick)
-    elif per_microbatch:  # ZeRO-3, reduced on the spot: the shard, one layer's full gradient
-        tied = _gathered_once(layout, model)  # gathered once, its gradient kept per batch shard
-        base = state["grads"] + acts.kept + tied * c
-        layer = acts.rebuilt + tied * g + 2 * per_layer + layer_gathers
-        backward = base + max(acts.head, layer)
-    else:  # full-size partial sums in the compute layout, and the microbatch's own gradients
-        base = compute_grads * (2 if choice.microbatches > 1 else 1) + acts.kept
-        backward = base + max(acts.head, acts.rebuilt + layer_gathers)
-    backward += held
-    # Reducing partial sums into a sharded layout: a reduce-scatter, which
-    # XLA:CPU lowers to an all-reduce (a full-size result) and a slice, one
-    # array at a time: the partial sums and the largest array's result.
-    sharded_result = _largest(layout, layout.abstract_grads, layout.specs.compute) \
-        if platform == "cpu" else state["grads"]
-    reduction = compute_grads + sharded_result + held if (stage.grads and not per_microbatch) else 0.0
-    # The update: the gradients, two float32 working copies of the parameters
-    # in the optimizer's layout (new moments before they replace the donated
-    # ones), and, with a replicated working copy, the gathered new parameters.
-    opt_specs = layout.specs.sharded if stage.opt_state else layout.specs.params
-    f32 = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, np.float32), layout.abstract.params)
-    opt_elements = bytes_per_device(f32, opt_specs, layout.mesh) / 4  # the update's shard
-    working = state["params"] if stage.opt_state and not stage.params else 0.0
-    if layout.host_opt:
-        # Run on the host (offload.py): the device holds the gradients it
-        # sends and the new parameters that come back beside the old.
-        update = state["grads"] + on_device["params"]
-    else:  # offloaded parameters alone are fetched whole for an update on the device
-        update = state["grads"] + 8 * opt_elements + working + in_host["params"]
-    step_bytes = {"backward": backward, "reduction": reduction, "update": update}
-
-    tokens = choice.data * choice.micro * choice.microbatches * T
-    flops_token = model.flops_per_token(T)
-    model_flops = flops_token * tokens
-    rate = dev.peak_flops * dev.efficiency
-    layer_fwd = (8 * cfg.d_model ** 2 + 4 * cfg.d_model * cfg.d_mlp + 4 * T * cfg.d_model) * rows * T
-    recompute = choice.remat == "full"
-    comm = {}
-    if choice.pipe > 1:
-        backward = 4 if recompute else 3  # the chunk's recompute, plus each block's under full remat
-        cost = sched_lib.cost(s, stages.counts, head=model.head_cost(T), backward=backward)
-        compute = cost.total * layer_fwd / choice.tensor / rate
-        bubble = cost.bubble
-        act_bytes = rows * T * cfg.d_model * c / (choice.tensor if seq_parallel else 1)
-        comm["pipe"] = s.ticks * act_bytes / _bw(choice, cluster, "pipe")
-    else:
-        hardware = model_flops * ((4 / 3) if recompute else 1.0)
-        compute = hardware / cluster.size / rate
-        bubble = 0.0
-    # Tensor parallelism: per layer and microbatch, two all-reduces of the
-    # activations forward and two backward (two more to recompute).
-    if choice.tensor > 1:
-        t = choice.tensor
-        per = (6 if (recompute or choice.pipe > 1) else 4) * rows * T * cfg.d_model * c
-        layers_here = cfg.n_layer / choice.pipe
-        comm["tensor"] = (choice.microbatches * layers_here * per * 2 * (t - 1) / t
-                          / _bw(choice, cluster, "tensor"))
-    if layout.host_opt or layout.host_params:
-        comm.update(_host_time(layout, choice, cluster, in_host, opt_elements, on_device, c, g))
-    if choice.data > 1:
-        n = choice.data
-        psi = compute_grads / g  # parameters this device computes with
-        reductions = choice.microbatches if (stage.params and not job.reduce_once) else 1
-        grad_bytes = psi * g * reductions * (2 if not stage.grads else 1) * (n - 1) / n
-        gathers = (2 * choice.microbatches if stage.params else 1 if stage.opt_state else 0)
-        param_bytes = psi * c * gathers * (n - 1) / n
-        comm["data"] = (grad_bytes + param_bytes) / _bw(choice, cluster, "data")
-    return Estimate(choice, state, step_bytes, dev.hbm_bytes, compute, comm, bubble, tokens,
-                    model_flops, host=in_host,
-                    host_step=opt_elements * g if layout.host_opt else 0.0,
-                    host_limit=dev.host_bytes_per_node / cluster.per_node)
+    return Estimate(choice, step_bytes(job, choice, platform), step_time(job, choice, cluster),
+                    dev.hbm_bytes, dev.host_bytes_per_node / cluster.per_node)
 
 
-# Bytes of host memory the update reads and writes per parameter it updates:
-# the float32 master and two Adam moments read and written (24), the
-# gradient read, the new working parameter written.
-UPDATE_TOUCHES = 24
-
-
-def _host_time(layout, choice: Choice, cluster: Cluster, in_host: dict, opt_elements: float,
-               on_device: dict, c: int, g: int) -> dict[str, float]:
-    """Seconds per step over the host link and in the host's update, not
-    overlapped. Under optimizer offload each device sends its shard of the
-    gradients (g bytes per parameter it updates) and receives the new
-    parameters it stores on the device (its working shard at ZeRO-1/2, its
-    stored shard at ZeRO-3); the update streams the optimizer state through
-    host memory, whose bandwidth the node's devices share (a floor: a host
-    update reaches a fraction of it). Under parameter offload every
-    microbatch fetches the stored shards forward and backward, and again
-    to recompute under full remat."""
-    dev = cluster.device
-    link = 0.0
-    out = {}
-    if layout.host_opt:
-        back = on_device["params"] if zero_lib.stage(layout.zero_stage).params else opt_elements * c
-        link += opt_elements * g + back
-        touched = opt_elements * (UPDATE_TOUCHES + g + c)
-        out["host update"] = touched / (dev.host_mem_bw / cluster.per_node)
-    if layout.host_params:
-        fetches = 3 if choice.remat == "full" else 2
-        link += in_host["params"] * fetches * choice.microbatches
-    out["host link"] = link / dev.host_link_bw
-    return out
-
-
-@functools.lru_cache(maxsize=256)
-def _schedule(name: str, p: int, m: int, v: int) -> sched_lib.Schedule:
-    return sched_lib.build(name, p, m, v)
-
-
-def _split_bytes(layout, abstract, specs) -> tuple[float, float]:
-    """Bytes per device of `abstract` laid out by `specs`: (outside the layer stack, the stack)."""
-    out = [0.0, 0.0]
-    for size, stacked in zip(leaf_bytes(abstract, specs, layout.mesh),
-                             jax.tree.leaves(layout.stacked[0])):
-        out[bool(stacked)] += size
-    return out[0], out[1]
-
-
-def _largest(layout, abstract, specs) -> float:
-    """Bytes per device of the largest array of `abstract` laid out by `specs`."""
-    return max(leaf_bytes(abstract, specs, layout.mesh))
-
-
-def _gathered_once(layout, model) -> float:
-    """Elements a device holds of the parameters the model gathers once (ZeRO-3)."""
-    return float(sum(
-        shard_elements(leaf.shape, jax.sharding.NamedSharding(layout.mesh, spec))
-        for key in model.gathered_once
-        for leaf, spec in zip(jax.tree.leaves(layout.abstract.params.get(key, {})),
-                              spec_leaves(layout.specs.compute.get(key, {})))))
-
-
-def _bw(choice: Choice, cluster: Cluster, axis: str) -> float:
-    """A ring over `axis` runs at the slowest link it crosses."""
-    dev = cluster.device
-    return dev.inter_node_bw if choice.crosses_nodes(cluster, axis) else dev.intra_node_bw
-
-
-RING = {"all-reduce": lambda n: 2 * (n - 1) / n, "all-gather": lambda n: (n - 1) / n,
-        "reduce-scatter": lambda n: (n - 1) / n, "all-to-all": lambda n: (n - 1) / n,
-        "collective-permute": lambda n: 1.0}
+def ring_factor(op: str, n: int) -> float:
+    """Bytes a device sends per payload byte of collective `op` over a ring
+    of `n` devices; ops not named move as an all-gather does."""
+    if op == "all-reduce":
+        return 2 * (n - 1) / n
+    if op == "collective-permute":
+        return 1.0
+    return (n - 1) / n  # all-gather, reduce-scatter, all-to-all
 
 
 def with_measured(est: Estimate, measured: dict[str, Any], cluster: Cluster) -> Estimate:
     """`est` with the compiled program's figures: its memory beside the
     estimate, and its collective bytes per axis in place of the analytic
     traffic (payload x ring factor over the axis's link)."""
-    sizes = {"pipe": est.choice.pipe, "data": est.choice.data, "tensor": est.choice.tensor, "fsdp": 1}
-    comm: dict[str, float] = {}
-    for key, payload in measured["collectives"].items():
-        op, _, axes = key.partition("@")
-        names = [a for a in axes.split(",") if a in sizes] or ["data"]
-        n = math.prod(sizes[a] for a in names)
-        link = min(_bw(est.choice, cluster, a) for a in names)
-        where = "+".join(names)
-        comm[where] = comm.get(where, 0.0) + payload * RING.get(op, RING["all-gather"])(max(n, 2)) / link
+    comm = _measured_comm(est.choice, measured["collectives"], cluster)
     if est.choice.pipe > 1:  # the schedule's sends stay as the cost model counts them
         comm["pipe"] = est.comm_s.get("pipe", 0.0)
     for key in ("host link", "host update"):  # no collectives: as estimated
         if key in est.comm_s:
             comm[key] = est.comm_s[key]
-    return dataclasses.replace(est, comm_s=comm, compiled=measured)
+    return dataclasses.replace(est, time=dataclasses.replace(est.time, comm_s=comm),
+                               compiled=measured)
+
+
+def _measured_comm(choice: Choice, collectives: dict[str, float],
+                   cluster: Cluster) -> dict[str, float]:
+    """Seconds per group of mesh axes of the collectives measured as
+    {"op@axis,axis": payload bytes}; a collective over no named axis counts
+    as over data."""
+    sizes = {"pipe": choice.pipe, "data": choice.data, "tensor": choice.tensor, "fsdp": 1}
+    comm: dict[str, float] = {}
+    for key, payload in collectives.items():
+        op, _, axes = key.partition("@")
+        names = [a for a in axes.split(",") if a in sizes] or ["data"]
+        n = math.prod(sizes[a] for a in names)
+        link = min(choice.link_bw(cluster, a) for a in names)
+        where = "+".join(names)
+        comm[where] = comm.get(where, 0.0) + payload * ring_factor(op, max(n, 2)) / link
+    return comm
 
 
 def measure(flat: dict[str, Any], build_model) -> dict[str, Any]:

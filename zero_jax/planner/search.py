@@ -1,7 +1,7 @@
 """The layout search: estimate every choice, compile the best, re-rank.
 
 1. Analytic: one abstract job per mesh, ZeRO stage, stage cut and offload
-   (cost.abstract_job); every layout on it estimated (cost.estimate).
+   (choices.abstract_job); every layout on it estimated (cost.estimate).
 2. Compiled: the fastest `count` layouts that fit, and any pinned ones, are
    compiled on simulated CPU devices (cost.measure) in worker processes,
    each process with the cluster's device count, cached on disk by the hash
@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterable
 
 from zero_jax import config as config_lib
 from zero_jax.planner import cost
+from zero_jax.planner.choices import Choice, Cluster, abstract_job
 
 MAX_CPU_DEVICES = 2048  # XLA:CPU: "Multiprocess computations aren't implemented" above this
 ROUNDS = 2  # compile rounds: the second catches layouts that measured traffic promoted
@@ -49,7 +50,7 @@ class Problem:
 
     base: dict[str, Any]  # run-config fields (section.field) shared by every layout
     build: Callable  # models.for_run(...)[0]: devices -> model
-    cluster: cost.Cluster
+    cluster: Cluster
     vocab: int  # the vocabulary for presets without one (the workers build the model again)
 
 
@@ -66,7 +67,7 @@ def code_version(packages: tuple[str, ...] = ("zero_jax", "models")) -> str:
     return h.hexdigest()[:12]
 
 
-def estimate_all(problem: Problem, layouts: list[cost.Choice],
+def estimate_all(problem: Problem, layouts: list[Choice],
                  progress: Progress = quiet) -> list[cost.Estimate]:
     """Every layout's estimate, but those whose job the config checks refuse."""
     jobs: dict[tuple, Any] = {}
@@ -75,7 +76,7 @@ def estimate_all(problem: Problem, layouts: list[cost.Choice],
         key = (choice.pipe, choice.tensor, choice.data, choice.zero, choice.virtual, choice.offload)
         if key not in jobs:
             try:
-                jobs[key] = cost.abstract_job(choice.flat(problem.base), problem.build,
+                jobs[key] = abstract_job(choice.flat(problem.base), problem.build,
                                               problem.cluster.size)
             except (ValueError, config_lib.ConfigError) as e:
                 jobs[key] = e
@@ -94,12 +95,12 @@ def matching(estimates: list[cost.Estimate], prefixes: list[str]) -> list[cost.E
     return [e for e in estimates if any(e.choice.label.startswith(p) for p in prefixes)]
 
 
-def compiled_as(choice: cost.Choice) -> cost.Choice:
+def compiled_as(choice: Choice) -> Choice:
     """The layout compiled for `choice`'s figures: itself without offload."""
     return dataclasses.replace(choice, offload="")
 
 
-def rank(estimates: list[cost.Estimate], results: dict, cluster: cost.Cluster) -> list[cost.Estimate]:
+def rank(estimates: list[cost.Estimate], results: dict, cluster: Cluster) -> list[cost.Estimate]:
     """Estimates with the compiled figures where measured, fitting and fastest first.
     An offload layout takes its twin's collectives, not its memory."""
     out = []
@@ -148,7 +149,7 @@ def submit(flat: dict, devices: int, vocab: int, cache: Path, pool) -> cf.Future
     return future
 
 
-def _todo(ranked: list, pinned: list, results: dict, count: int) -> list[cost.Choice]:
+def _todo(ranked: list, pinned: list, results: dict, count: int) -> list[Choice]:
     """The layouts to compile this round: the best `count`, and the pinned, not yet done."""
     best = list(dict.fromkeys(compiled_as(e.choice) for e in ranked))[:count]
     return [c for c in dict.fromkeys(best + [compiled_as(e.choice) for e in pinned])
@@ -169,7 +170,7 @@ def _collect(pending: dict, progress: Progress, desc: str) -> dict:
 
 def compile_best(problem: Problem, estimates: list[cost.Estimate], pinned: list[cost.Estimate], *,
                  count: int, workers: int, cache_dir: Path,
-                 progress: Progress = quiet) -> dict[cost.Choice, dict]:
+                 progress: Progress = quiet) -> dict[Choice, dict]:
     """Compiled figures of the best `count` layouts that fit, and of `pinned`,
     keyed by the layout compiled (compiled_as)."""
     results: dict = {}

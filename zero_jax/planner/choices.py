@@ -1,0 +1,165 @@
+"""The candidate layouts of a training run on a cluster.
+
+A `Choice` is one layout: pipe, tensor and data-parallel sizes, ZeRO stage,
+activation policy, microbatch size and count, pipeline schedule, host
+offload. `choices` enumerates every layout that divides the model and the
+cluster; `abstract_job` turns one into the job its cost is read from
+(cost.py), on an AbstractMesh of the cluster's size: nothing allocated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+from jax.sharding import AbstractMesh, AxisType
+
+from zero_jax import config as config_lib, job as job_lib
+from zero_jax.pipeline import schedule as sched_lib
+from zero_jax.planner.devices import Device
+from zero_jax.sharding import mesh as mesh_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    device: Device
+    nodes: int
+    per_node: int  # devices per node
+
+    @property
+    def size(self) -> int:
+        return self.nodes * self.per_node
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Choice:
+    """One layout of the run."""
+
+    pipe: int
+    tensor: int
+    data: int
+    zero: int
+    remat: str  # activation policy (remat.py)
+    micro: int  # rows per microbatch per data-parallel replica
+    microbatches: int
+    schedule: str = ""  # with pipe > 1
+    virtual: int = 1
+    offload: str = ""  # in host memory: "" nothing, "opt" the optimizer state, "opt+params" both
+
+    @property
+    def label(self) -> str:
+        s = f"{self.schedule}{f' v={self.virtual}' if self.virtual > 1 else ''}" if self.pipe > 1 else "-"
+        return (f"PP={self.pipe} TP={self.tensor} DP={self.data} ZeRO-{self.zero} {self.remat} "
+                f"mb={self.micro}x{self.microbatches} {s}"
+                + (f" offload={self.offload}" if self.offload else ""))
+
+    def mesh(self, cluster: Cluster) -> dict[str, dict[str, int]]:
+        """[ici] and [dcn] sizes: tensor inside a node first, then data, then pipe."""
+        room = cluster.device.fast_domain if cluster.device.ici_domain else cluster.per_node
+        ici, dcn = {}, {}
+        for axis, size in (("tensor", self.tensor), ("data", self.data), ("pipe", self.pipe)):
+            inside = math.gcd(size, room)
+            room //= inside
+            ici[axis], dcn[axis] = inside, size // inside
+        return {"ici": ici, "dcn": dcn}
+
+    def crosses_nodes(self, cluster: Cluster, axis: str) -> bool:
+        return self.mesh(cluster)["dcn"][axis] > 1
+
+    def link_bw(self, cluster: Cluster, axis: str) -> float:
+        """Bytes/s per device of a ring over `axis`: it runs at the slowest link it crosses."""
+        dev = cluster.device
+        return dev.inter_node_bw if self.crosses_nodes(cluster, axis) else dev.intra_node_bw
+
+    def flat(self, base: dict[str, Any]) -> dict[str, Any]:
+        """Run-config fields (section.field) of this layout on top of `base`."""
+        out = {**base, "parallel.mesh": f"pipe={self.pipe},data={self.data},tensor={self.tensor}",
+               "parallel.zero_stage": self.zero, "activations.remat": self.remat,
+               "train.microbatches": self.microbatches,
+               # The vocabulary padded so that tensor and pipe split the embedding.
+               "model.vocab_multiple": self.tensor * self.pipe * 8}
+        if self.pipe > 1:
+            out["parallel.pipeline_schedule"] = self.schedule
+            out["parallel.virtual_stages"] = self.virtual
+        if self.offload:
+            out["offload.optimizer"] = True
+            out["offload.params"] = self.offload == "opt+params"
+        return out
+
+
+OFFLOADS = ("", "opt", "opt+params")
+
+
+def choices(model_cfg, cluster: Cluster, global_batch: int, *, stages=(0, 1, 2, 3),
+            remats=("full", "none"), micros=(1, 2, 4, 8), schedules=("1f1b", "interleaved"),
+            offloads=OFFLOADS) -> list[Choice]:
+    """Every layout that divides the model and the cluster: tensor inside a
+    node and dividing the heads, pipe up to the layer count, the global batch
+    split evenly, and a pipeline with at least as many microbatches as stages.
+    gpipe is left out: 1f1b has its cost and holds fewer inputs. Offload
+    where the device kind has host figures: the optimizer state at ZeRO-1
+    and up, the parameters too at ZeRO-3 without a pipeline (job.py)."""
+    if not cluster.device.can_offload:
+        offloads = tuple(o for o in offloads if not o)
+    out = []
+    for tensor, pipe, data in mesh_shapes(model_cfg, cluster):
+        if global_batch % data:
+            continue
+        rows = global_batch // data
+        for micro in micros:
+            if rows % micro:
+                continue
+            m = rows // micro
+            if pipe > 1 and m < pipe:
+                continue
+            plans = [("", 1)] if pipe == 1 else [
+                (s, v) for s in schedules for v in ((2,) if s == "interleaved" else (1,))
+                if not (s == "interleaved" and (m % pipe or model_cfg.n_layer < pipe * v))]
+            for zero in stages:
+                kept = [o for o in offloads if not o or (zero >= 1 and (
+                    o == "opt" or (zero == 3 and pipe == 1)))]
+                for remat in remats:
+                    for schedule, v in plans:
+                        out += [Choice(pipe, tensor, data, zero, remat, micro, m, schedule, v, o)
+                                for o in kept]
+    return out
+
+
+def mesh_shapes(model_cfg, cluster: Cluster) -> list[tuple[int, int, int]]:
+    """(tensor, pipe, data) of every mesh the model fits on the cluster:
+    tensor inside a node and dividing the heads and the MLP, pipe up to the
+    layer count, data the rest of the devices."""
+    n = cluster.size
+    return [(tensor, pipe, n // (tensor * pipe))
+            for tensor in _divisors(min(cluster.per_node, n))
+            if not (model_cfg.n_head % tensor or model_cfg.d_mlp % tensor or n % tensor)
+            for pipe in _divisors(n // tensor) if pipe <= model_cfg.n_layer]
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def abstract_job(flat: dict[str, Any], build_model, devices: int) -> job_lib.Job:
+    """The job of a run config on an abstract mesh of `devices` (no devices needed)."""
+    run = config_lib.build(None, flat)
+    shape = job_lib.mesh_config(run).resolve(devices)
+    mesh = AbstractMesh(tuple(shape.sizes.values()), mesh_lib.AXES,
+                        axis_types=(AxisType.Auto,) * len(mesh_lib.AXES))
+    return job_lib.prepare_on(run, build_model, mesh, shape)
+
+
+def pipeline_schedule(choice: Choice) -> sched_lib.Schedule:
+    """The tick table of a pipelined `choice` (pipe > 1); layouts that differ
+    only in stage, policy or offload share one."""
+    return _built(choice.schedule, choice.pipe, choice.microbatches, choice.virtual)
+
+
+# Cached: a search estimates many layouts of each pipeline shape, and a long
+# schedule (12 stages x 128 microbatches: about 20 ms) takes longer to build
+# than the estimate that reads it.
+@functools.lru_cache(maxsize=256)
+def _built(name: str, p: int, m: int, v: int) -> sched_lib.Schedule:
+    return sched_lib.build(name, p, m, v)

@@ -1,0 +1,245 @@
+"""The bytes per device of one training step of a layout.
+
+The model states as stored (params, grads, opt_state) are exact, from the
+layout's shardings (memory.sharded), and so is which of them live in host
+memory (its memory kinds). What a step adds to them is estimated: its
+temporaries peak in one of three phases, whose buffers XLA reuses for one
+another (activations are dead when the optimizer runs):
+
+  backward   gradient buffers, the activations the remat policy keeps and
+             rebuilds, gathered ZeRO-3 weights (a pipeline: its stashed
+             stage inputs and one chunk's);
+  reduction  partial sums reduced into the gradients' sharded layout;
+  update     the gradients and the optimizer's working copies.
+
+Within the backward pass the head's and a layer's working sets are never
+live together: the larger counts. XLA:CPU copies the donated optimizer
+state at the start of the program (the update selects between old and new
+values, for skipped steps) and holds the copy throughout; a GPU's
+memory-aware scheduler makes it at the update. `platform="cpu"` counts
+that copy, and XLA:CPU's reduce-scatter, to compare with programs compiled
+here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from zero_jax import job as job_lib, remat as remat_lib
+from zero_jax.analysis import memory
+from zero_jax.planner.choices import Choice, pipeline_schedule
+from zero_jax.sharding import zero as zero_lib
+from zero_jax.sharding.specs import (bytes_per_device, leaf_bytes, map_specs, shard_elements,
+                                     spec_leaves, without_axis)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepBytes:
+    """Bytes per device of a layout's states and of each phase of its step."""
+
+    state: dict[str, int]  # params, grads, opt_state as stored (memory.sharded)
+    host: dict[str, int]  # of `state`, in host memory (memory.by_memory_kind)
+    backward: float  # the backward pass's temporaries
+    reduction: float  # reducing partial sums into a sharded layout (0: no such phase)
+    update: float  # the optimizer's update
+    host_step: float = 0.0  # host bytes a step adds: the gradient shard the update reads
+
+    @property
+    def phases(self) -> dict[str, float]:
+        """The temporaries of each phase of a step; the largest counts."""
+        return {"backward": self.backward, "reduction": self.reduction, "update": self.update}
+
+    @property
+    def device_bytes(self) -> float:
+        """Device bytes: the parameters and optimizer state left on the device,
+        and the largest phase (which counts the gradients' buffers)."""
+        stored = sum(self.state[k] - self.host.get(k, 0) for k in ("params", "opt_state"))
+        return stored + max(self.phases.values())
+
+    @property
+    def host_bytes(self) -> float:
+        """Host memory this device uses: its offloaded states and the update's gradients."""
+        return sum(self.host.values()) + self.host_step
+
+
+def step_bytes(job: job_lib.Job, choice: Choice, platform: str = "gpu") -> StepBytes:
+    """The states and phase temporaries of `choice`, with `job` the abstract
+    job of its mesh, ZeRO stage and stage cut."""
+    layout = job.layout
+    state = memory.sharded(layout)
+    split = memory.by_memory_kind(layout)
+    stage = zero_lib.stage(choice.zero)
+    held = split["device"]["opt_state"] if platform == "cpu" else 0.0  # XLA:CPU's early copy
+    per_microbatch = reduces_each_microbatch(job, stage)
+    backward = _backward(job, choice, state, per_microbatch) + held
+    reduction = (_reduction(layout, state, platform) + held
+                 if (stage.grads and not per_microbatch) else 0.0)
+    _, g = dtype_bytes(job)
+    host_step = update_elements(layout, stage) * g if layout.host_opt else 0.0
+    return StepBytes(state, split["host"], backward, reduction,
+                     _update(layout, stage, state, split), host_step)
+
+
+def dtype_bytes(job: job_lib.Job) -> tuple[int, int]:
+    """Bytes per element of the activations (the compute dtype) and of the gradients."""
+    return (np.dtype(job.policy.dtype("compute")).itemsize,
+            np.dtype(job.layout.grad_dtype).itemsize)
+
+
+def reduces_each_microbatch(job: job_lib.Job, stage: zero_lib.ZeroStage) -> bool:
+    """ZeRO-3 gradients reduced into their shards after every microbatch
+    rather than summed whole and reduced once per step (job.reduce_once)."""
+    return stage.params and not job.reduce_once
+
+
+def compute_grad_bytes(layout) -> int:
+    """Bytes per device of the gradients in the compute layout: what a
+    device's backward pass produces before any reduction."""
+    return bytes_per_device(layout.abstract_grads, layout.specs.compute, layout.mesh)
+
+
+def update_elements(layout, stage: zero_lib.ZeroStage) -> float:
+    """Parameters this device updates: its shard in the optimizer's layout."""
+    specs = layout.specs.sharded if stage.opt_state else layout.specs.params
+    f32 = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, np.float32), layout.abstract.params)
+    return bytes_per_device(f32, specs, layout.mesh) / 4
+
+
+def _backward(job: job_lib.Job, choice: Choice, state: dict[str, int],
+              per_microbatch: bool) -> float:
+    """The backward pass's peak: a pipeline's, ZeRO-3's reduced per
+    microbatch, or that of full-size partial sums."""
+    acts = _activations(job, choice)
+    gathers = _layer_gathers(job, choice)
+    if choice.pipe > 1:
+        return _pipeline_backward(job, choice, acts, gathers, per_microbatch)
+    if per_microbatch:
+        return _reduced_backward(job, choice, state, acts, gathers)
+    return _partial_sums_backward(job, choice, acts, gathers)
+
+
+def _activations(job: job_lib.Job, choice: Choice):
+    """One microbatch's activation parts (the model's activation_parts).
+    In a pipeline a backward tick rebuilds one chunk's layers (its slots);
+    the last stage's forward tick runs the head, whose logits it holds whole."""
+    cfg = job.model.config
+    if choice.pipe > 1:
+        cfg = dataclasses.replace(cfg, n_layer=job.layout.stages.slots)
+    c, _ = dtype_bytes(job)
+    return cfg.activation_parts(choice.micro, job.run.data.seq_len, c, remat_lib.Remat(choice.remat),
+                                choice.tensor, job.sequence_parallel, job.hooks.attention)
+
+
+def _layers_here(job: job_lib.Job, choice: Choice) -> int:
+    """Layers of the stack one device runs: its stage's slots in a pipeline."""
+    return job.layout.stages.padded // choice.pipe if choice.pipe > 1 else max(job.model.layers, 1)
+
+
+def _per_layer(job: job_lib.Job, choice: Choice) -> float:
+    """One layer's gradient bytes in the compute layout."""
+    _, stack = _split_bytes(job.layout, job.layout.abstract_grads, job.layout.specs.compute)
+    return stack / _layers_here(job, choice)
+
+
+def _layer_gathers(job: job_lib.Job, choice: Choice) -> float:
+    """ZeRO-3's gathered weights, this layer's and the next (prefetched);
+    with parameter offload, their stored shards fetched from host memory too."""
+    layout = job.layout
+    c, g = dtype_bytes(job)
+    gathers = 2 * _per_layer(job, choice) / g * c if zero_lib.stage(choice.zero).params else 0.0
+    if layout.host_params:
+        _, stack_stored = _split_bytes(layout, layout.abstract.params, layout.specs.params)
+        gathers += 2 * stack_stored / _layers_here(job, choice)
+    return gathers
+
+
+def _pipeline_backward(job: job_lib.Job, choice: Choice, acts, gathers: float,
+                       per_microbatch: bool) -> float:
+    """Throughout: accumulators in the gradient layout (reduced each
+    microbatch) or the compute layout (partial sums), `pipe` left out for
+    the embedding and head, which are gathered whole for the step; the
+    stash. A forward tick of the last stage adds the head and the
+    embedding's and head's full gradient; a backward tick the rebuilt chunk,
+    its gradients and its layers' gathers. They are branches of one switch:
+    never live together."""
+    layout, cfg = job.layout, job.model.config
+    c, g = dtype_bytes(job)
+    stash = (pipeline_schedule(choice).max_in_flight() * choice.micro * job.run.data.seq_len
+             * cfg.d_model * c)
+    specs = layout.specs.grads if per_microbatch else layout.specs.compute
+    outer_acc, _ = _split_bytes(layout, layout.abstract_grads, map_specs(
+        lambda sp: without_axis(sp, "pipe"), specs))
+    _, stack_acc = _split_bytes(layout, layout.abstract_grads, specs)
+    outer_grads, _ = _split_bytes(layout, layout.abstract_grads, layout.specs.compute)
+    base = outer_acc + stack_acc + outer_grads / g * c + stash
+    forward = acts.head + outer_grads
+    backward_tick = acts.kept + acts.rebuilt + stack_acc / choice.virtual + gathers
+    return base + max(forward, backward_tick)
+
+
+def _reduced_backward(job: job_lib.Job, choice: Choice, state: dict[str, int], acts,
+                      gathers: float) -> float:
+    """ZeRO-3 reduced on the spot: the gradient shard and one layer's full
+    gradient; the parameters gathered once (tied embeddings) keep their
+    gradient per batch shard."""
+    c, g = dtype_bytes(job)
+    tied = _gathered_once(job.layout, job.model)
+    base = state["grads"] + acts.kept + tied * c
+    layer = acts.rebuilt + tied * g + 2 * _per_layer(job, choice) + gathers
+    return base + max(acts.head, layer)
+
+
+def _partial_sums_backward(job: job_lib.Job, choice: Choice, acts, gathers: float) -> float:
+    """Full-size partial sums in the compute layout, and with several
+    microbatches the microbatch's own gradients beside them."""
+    base = compute_grad_bytes(job.layout) * (2 if choice.microbatches > 1 else 1) + acts.kept
+    return base + max(acts.head, acts.rebuilt + gathers)
+
+
+def _reduction(layout, state: dict[str, int], platform: str) -> float:
+    """Reducing partial sums into a sharded layout: a reduce-scatter, which
+    XLA:CPU lowers to an all-reduce (a full-size result) and a slice, one
+    array at a time: the partial sums and the largest array's result."""
+    result = (_largest(layout, layout.abstract_grads, layout.specs.compute)
+              if platform == "cpu" else state["grads"])
+    return compute_grad_bytes(layout) + result
+
+
+def _update(layout, stage: zero_lib.ZeroStage, state: dict[str, int],
+            split: dict[str, dict[str, int]]) -> float:
+    """The gradients, two float32 working copies of the parameters in the
+    optimizer's layout (new moments before they replace the donated ones),
+    and, with a replicated working copy, the gathered new parameters. Run on
+    the host (offload.py), the device holds the gradients it sends and the
+    new parameters that come back beside the old; offloaded parameters alone
+    are fetched whole for an update on the device."""
+    if layout.host_opt:
+        return state["grads"] + split["device"]["params"]
+    working = state["params"] if stage.opt_state and not stage.params else 0.0
+    return state["grads"] + 8 * update_elements(layout, stage) + working + split["host"]["params"]
+
+
+def _split_bytes(layout, abstract, specs) -> tuple[float, float]:
+    """Bytes per device of `abstract` laid out by `specs`: (outside the layer stack, the stack)."""
+    out = [0.0, 0.0]
+    for size, stacked in zip(leaf_bytes(abstract, specs, layout.mesh),
+                             jax.tree.leaves(layout.stacked[0])):
+        out[bool(stacked)] += size
+    return out[0], out[1]
+
+
+def _largest(layout, abstract, specs) -> float:
+    """Bytes per device of the largest array of `abstract` laid out by `specs`."""
+    return max(leaf_bytes(abstract, specs, layout.mesh))
+
+
+def _gathered_once(layout, model) -> float:
+    """Elements a device holds of the parameters the model gathers once (ZeRO-3)."""
+    return float(sum(
+        shard_elements(leaf.shape, jax.sharding.NamedSharding(layout.mesh, spec))
+        for key in model.gathered_once
+        for leaf, spec in zip(jax.tree.leaves(layout.abstract.params.get(key, {})),
+                              spec_leaves(layout.specs.compute.get(key, {})))))
