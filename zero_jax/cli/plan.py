@@ -5,7 +5,7 @@
         [--write-config DIR] [--include 'PP=12 TP=4 DP=8 ZeRO-1 full mb=2']
 
 (`python scripts/plan.py ...` is the same command.) Every layout that
-divides the model and the cluster (zero_jax/planner/cost.py) is estimated
+divides the model and the cluster (zero_jax/planner/choices.py) is estimated
 from abstract shapes: model-state bytes exact from the shardings, a step's
 temporaries and its time analytic. Layouts that cannot fit are pruned; of
 the rest, the fastest `--compile` (and any `--include`d) are compiled on
