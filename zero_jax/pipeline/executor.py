@@ -12,7 +12,7 @@ A forward keeps only its chunk's input (the stash); the backward recomputes
 the chunk's forward from it (activation checkpointing at chunk granularity),
 so what a device holds is the stash: m inputs under gpipe, at most p under
 1f1b. Buffer slots for the stash and for messages waiting to be used are
-assigned when the table is compiled (`Program`), so the loop indexes fixed
+assigned when the table is compiled (program.py), so the loop indexes fixed
 arrays.
 
 The layer stack is stored in the slots of its cut (cut.py): device d's
@@ -35,12 +35,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from zero_jax.accumulate import split_microbatches
 from zero_jax.hooks import RowSplit, psum
 from zero_jax.loss import cross_entropy
-from zero_jax.pipeline.schedule import Schedule
 from zero_jax.pipeline.cut import Stages
+from zero_jax.pipeline.program import BWD, FWD, Program
+from zero_jax.pipeline.schedule import Schedule
 from zero_jax.sharding.specs import entry_axes, map_specs, named_leaves, spec_leaves
-
-NOP, FWD, BWD = 0, 1, 2
-
 
 @dataclasses.dataclass(frozen=True)
 class PipelineFns:
@@ -54,99 +52,6 @@ class PipelineFns:
     # embed only reads table rows through hooks.lookup, and head's logits run
     # over the rows of a table: both can run on row blocks (hooks.RowSplit)
     vocab_parallel: bool = False
-
-
-@dataclasses.dataclass(frozen=True)
-class Program:
-    """A schedule as arrays the loop indexes with (tick, device)."""
-
-    kind: np.ndarray  # NOP / FWD / BWD
-    mb: np.ndarray  # microbatch
-    chunk: np.ndarray  # local chunk k
-    first: np.ndarray  # global chunk 0: forward starts from the embedding
-    last: np.ndarray  # global chunk G - 1: forward ends in the loss
-    stash: np.ndarray  # stash slot written by F, read by B
-    read: np.ndarray  # F: inbox slot of its input; B: inbox slot of its gradient
-    dy: np.ndarray  # F on the last chunk: gradient slot its loss gradient goes to
-    fwd_arrival: np.ndarray  # slot for the activation arriving at the end of this tick
-    bwd_arrival: np.ndarray  # slot for the gradient arriving at the end of this tick
-    slots: tuple[int, int, int]  # (stash, forward inbox, backward inbox) sizes
-
-    @classmethod
-    def tables(cls) -> tuple[str, ...]:
-        """The per-(tick, device) arrays, by field name."""
-        return tuple(f.name for f in dataclasses.fields(cls) if f.name != "slots")
-
-    @classmethod
-    def of(cls, s: Schedule) -> "Program":
-        T, p, G = s.ticks, s.p, s.chunks
-        z = lambda: np.zeros((T, p), np.int32)
-        arr = {k: z() for k in cls.tables()}
-        free = {name: [[] for _ in range(p)] for name in ("stash", "fwd", "bwd")}
-        used = {name: [0] * p for name in free}  # slots each device has opened
-        held: dict[tuple, int] = {}
-
-        def take(name, d):
-            if free[name][d]:
-                return free[name][d].pop()
-            used[name][d] += 1
-            return used[name][d] - 1
-
-        def alloc(name, d, key):
-            # Slots are per device; the arrays are sized by the largest need.
-            slot = take(name, d)
-            held[(name, d) + key] = slot
-            return slot
-
-        def release(name, d, key):
-            slot = held.pop((name, d) + key)
-            free[name][d].append(slot)
-            return slot
-
-        for t, row in enumerate(s.table):
-            for d, a in enumerate(row):
-                if a is None:
-                    continue
-                g = a.chunk * p + d
-                arr["kind"][t, d] = FWD if a.kind == "F" else BWD
-                arr["mb"][t, d], arr["chunk"][t, d] = a.mb, a.chunk
-                arr["first"][t, d], arr["last"][t, d] = g == 0, g == G - 1
-                key = (a.mb, a.chunk)
-                if a.kind == "F":
-                    if g > 0:
-                        arr["read"][t, d] = release("fwd", d, key)
-                    arr["stash"][t, d] = alloc("stash", d, key)
-                    if g == G - 1:
-                        arr["dy"][t, d] = alloc("bwd", d, key)
-                else:
-                    arr["stash"][t, d] = release("stash", d, key)
-                    arr["read"][t, d] = release("bwd", d, key)
-            for d in range(p):  # messages sent this tick, stored by their receivers
-                arr["fwd_arrival"][t, d] = arr["bwd_arrival"][t, d] = -1
-                sender = row[(d - 1) % p]
-                if sender is not None and sender.kind == "F":
-                    g = sender.chunk * p + (d - 1) % p
-                    if g < G - 1:
-                        arr["fwd_arrival"][t, d] = alloc("fwd", d, (sender.mb, (g + 1) // p))
-                sender = row[(d + 1) % p]
-                if sender is not None and sender.kind == "B":
-                    g = sender.chunk * p + (d + 1) % p
-                    if g > 0:
-                        arr["bwd_arrival"][t, d] = alloc("bwd", d, (sender.mb, (g - 1) // p))
-        slots = tuple(max(max(used[name]), 1) for name in ("stash", "fwd", "bwd"))
-        # "No arrival" writes into a spare slot past the end.
-        arr["fwd_arrival"][arr["fwd_arrival"] < 0] = slots[1]
-        arr["bwd_arrival"][arr["bwd_arrival"] < 0] = slots[2]
-        return cls(**arr, slots=slots)
-
-    def ends(self) -> tuple[np.ndarray, np.ndarray]:
-        """Per tick, the microbatch whose forward starts (on the first chunk)
-        and the one whose forward finishes (on the last chunk), or -1."""
-        out = []
-        for at in (self.first, self.last):
-            hit = (self.kind == FWD) & (at == 1)
-            out.append(np.where(hit.any(1), (self.mb * hit).sum(1), -1).astype(np.int32))
-        return out[0], out[1]
 
 
 @dataclasses.dataclass(frozen=True)
