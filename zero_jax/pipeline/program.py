@@ -1,5 +1,5 @@
 """A schedule (schedule.py) compiled into the index tables the pipeline loop
-reads at each (tick, device).
+reads at each (tick, device), and one device's row of them at a tick.
 
 The loop (executor.py) runs traced, in lockstep, and can only index fixed
 arrays. So everything a schedule decides is worked out here, in numpy,
@@ -15,7 +15,10 @@ stashed inputs under gpipe, at most p under 1f1b.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from zero_jax.pipeline.schedule import Action, Schedule
@@ -148,3 +151,34 @@ class _Compiler:
                 if g > 0:
                     arr["bwd_arrival"][t, d] = self.bwd.take(d, (sender.mb, (g - 1) // p))
 
+
+class Row(NamedTuple):
+    """One device's entries of a Program at one tick (traced scalars, the
+    fields as Program's), and the number of layers in the chunk it runs.
+    Evaluation uses fewer of them; XLA drops the reads it does not use."""
+
+    kind: jax.Array
+    mb: jax.Array
+    chunk: jax.Array
+    first: jax.Array
+    last: jax.Array
+    stash: jax.Array
+    read: jax.Array
+    dy: jax.Array
+    fwd_arrival: jax.Array
+    bwd_arrival: jax.Array
+    layers: jax.Array  # of the chunk's slots, how many hold layers (the rest pass x through)
+
+
+class Tables:
+    """A Program's tables as device arrays, read at a traced (tick, device)."""
+
+    def __init__(self, program: Program, counts: np.ndarray):
+        self.ticks, self.p = program.kind.shape
+        self.slots = program.slots
+        self.arrays = {k: jnp.asarray(getattr(program, k)) for k in Program.tables()}
+        self.counts = jnp.asarray(counts)  # layers in each (device, local chunk)
+
+    def at(self, t: jax.Array, d: jax.Array) -> Row:
+        entries = {k: a[t, d] for k, a in self.arrays.items()}
+        return Row(**entries, layers=self.counts[d, entries["chunk"]])
