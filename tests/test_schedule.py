@@ -3,7 +3,7 @@
 import pytest
 
 from zero_jax.pipeline import schedule as sched
-from zero_jax.pipeline.executor import FWD, NOP, Program
+from zero_jax.pipeline.program import FWD, NOP, Program
 
 CASES = [(name, p, m, (2 if name == "interleaved" else 1))
          for name in sched.SCHEDULES for p in (2, 4) for m in (4, 8, 16)]

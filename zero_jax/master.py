@@ -20,7 +20,8 @@ replicated; stage 3, both sharded) a second copy would only add bytes: there
 the float32 parameters are the master weights and are cast at use.
 
 The working dtype of a parameter is the one the model uses it in
-(`hooks.use_dtypes`): matrices and tables in the compute dtype, but
+(`use_dtypes`, found by tracing the model with hooks that record each use):
+matrices and tables in the compute dtype, but
 LayerNorm scales and biases, which the model asks for in float32, stay
 float32. So a ZeRO stage changes where bytes live, never the model's
 arithmetic.
@@ -31,7 +32,10 @@ from __future__ import annotations
 from typing import Any, Callable, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import optax
+
+from zero_jax.hooks import Gathered, Hooks
 
 
 class MasterState(NamedTuple):
@@ -75,3 +79,63 @@ def apply(tx: optax.GradientTransformation, grads: Any, opt_state: Any, params: 
 def cast_to(dtypes: Any) -> Callable[[Any], Any]:
     """Casts a parameter tree leaf by leaf to `dtypes` (a tree of dtypes)."""
     return lambda tree: jax.tree.map(lambda x, d: x.astype(d), tree, dtypes)
+
+
+def _array(w):
+    """A parameter, or one copy of a gathered one."""
+    if isinstance(w, Gathered):
+        return w.table[0] if w.axes else w.table
+    return w
+
+
+class _Recording(Hooks):
+    """Hooks that note the dtype each parameter is used in (no mesh, no remat)."""
+
+    def __init__(self, compute_dtype: str, uses: dict):
+        super().__init__(compute_dtype=compute_dtype)
+        object.__setattr__(self, "uses", uses)
+
+    def _note(self, w, names, dtype):
+        key = (tuple(names), tuple(_array(w).shape))
+        widest = self.uses.get(key)
+        dtype = jnp.dtype(dtype)
+        if widest is None or dtype.itemsize > widest.itemsize:
+            self.uses[key] = dtype
+
+    def weight(self, w, names, dtype=None):
+        self._note(w, names, dtype or self.dtype)
+        return super().weight(w, names, dtype)
+
+    def dense(self, eq, x, w, names):
+        self._note(w, names, self.dtype)
+        return super().dense(eq, x, w, names)
+
+    def lookup(self, w, ids, names, out_dtype=None):
+        self._note(w, names, self.dtype)
+        return super().lookup(w, ids, names, out_dtype)
+
+    def gathered(self, w, names):
+        self._note(w, names, self.dtype)
+        return super().gathered(w, names)
+
+
+def use_dtypes(apply, abstract_params, names, compute_dtype: str, tokens_shape=(1, 8),
+               unused_dtype=jnp.float32):
+    """The dtype the model uses each parameter in, found by tracing `apply`.
+
+    Parameters are matched to their uses by logical names and shape, with a
+    scanned `layers` dimension left out (the model sees one layer's slice).
+    A parameter used in several dtypes gets the widest; one never used gets
+    `unused_dtype`.
+    """
+    uses: dict = {}
+    tokens = jax.ShapeDtypeStruct(tokens_shape, jnp.int32)
+    jax.eval_shape(lambda p, t: apply(p, t, _Recording(compute_dtype, uses)),
+                   abstract_params, tokens)
+
+    def per_leaf(leaf, spec):
+        kept = [(n, size) for n, size in zip(tuple(spec), leaf.shape) if n != "layers"]
+        key = (tuple(n for n, _ in kept), tuple(size for _, size in kept))
+        return uses.get(key, jnp.dtype(unused_dtype))
+
+    return jax.tree.map(per_leaf, abstract_params, names)

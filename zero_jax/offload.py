@@ -19,10 +19,10 @@ and the update at the host's speed (scripts/bench_offload.py measures it).
 
 With `[offload] params = true` (ZeRO-3 only) the stored parameter shards
 live in `pinned_host` too. Each use brings this device's shard of one
-layer to the device before it is cast and all-gathered (hooks.py), inside
-the layer scan, so the device holds a layer's shard at a time and never
-the stack; the backward pass keeps the host shard and fetches it again,
-as it gathers again. The fetch depends on the loop index only, so with
+layer to the device before it is cast and all-gathered (param_use.py,
+`Use.gather`), inside the layer scan, so the device holds a layer's shard
+at a time and never the stack; the backward pass keeps the host shard and
+fetches it again, as it gathers again. The fetch depends on the loop index only, so with
 while-loop double buffering (`compiler_options`) XLA:GPU starts the next
 layer's copy while this layer computes. Shards move in their stored dtype
 (float32 at ZeRO-3): 4 bytes per parameter this device stores, forward

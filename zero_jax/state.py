@@ -24,7 +24,6 @@ from zero_jax import master as master_lib
 from zero_jax import offload as offload_lib
 from zero_jax import precision as precision_lib
 from zero_jax.sharding import zero as zero_lib
-from zero_jax.hooks import use_dtypes
 from zero_jax.sharding.mesh import DATA_AXES, MeshShape
 from zero_jax.model import ModelFns
 from zero_jax.sharding.rules import AxisRules
@@ -237,8 +236,8 @@ def make_layout(model: ModelFns, tx: optax.GradientTransformation, mesh: Mesh,
     master = compute_dtype is not None and needs_master(zero_stage, param_dtype, compute_dtype)
     if master:  # traced in layer order, before any padding
         tokens = (1, min(8, model.max_seq_len or 8))
-        dtypes = use_dtypes(model.apply, params, names, jnp.dtype(compute_dtype).name, tokens,
-                            unused_dtype=param_dtype)
+        dtypes = master_lib.use_dtypes(model.apply, params, names, jnp.dtype(compute_dtype).name,
+                                       tokens, unused_dtype=param_dtype)
     if stages is not None:
         params = jax.tree.map(
             lambda p, st: jax.ShapeDtypeStruct((stages.padded,) + p.shape[1:], p.dtype) if st else p,

@@ -1,0 +1,168 @@
+"""The three ways a model uses a parameter, and the one gather shared by
+several uses, as custom VJPs (what `Hooks.weight`, `dense`, `lookup` and
+`gathered` run).
+
+Each casts w to the compute dtype (elementwise uses may ask for float32),
+pins the cast copy to w's stored layout and then to its compute layout: a
+ZeRO-3 parameter, stored sharded, is all-gathered there, one layer at a time
+inside the scanned stack, in the compute dtype. In the backward pass `dense`
+and `lookup` compute the parameter's gradient in the gradient dtype
+(bf16 x bf16 products accumulated in float32), so the reduction over the
+batch that XLA inserts runs in that dtype, and reduce-scatter it into the
+stored layout. They keep x and the stored shard for the backward pass, never
+the gathered copy: it is gathered again, as FSDP does. Stored in host memory
+(`host_params`, offload.py), the shard is brought to the device first.
+
+Custom VJPs, not plain sharding constraints, because autodiff would
+otherwise decide both where the gradient is reduced and in which dtype,
+and would keep the gathered copy for the backward pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+
+from zero_jax.sharding.specs import entry_axes
+
+
+def put(x, sharding):
+    """x constrained to `sharding`, or x itself where there is none (one device)."""
+    return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
+
+
+@dataclasses.dataclass(frozen=True)
+class Use:
+    """How one parameter is used: static, so the custom VJPs take it whole."""
+
+    stored: NamedSharding | None  # where the parameter lives (ZeRO-3: sharded)
+    compute: NamedSharding | None  # where it is used
+    dtype: Any  # it is cast to this before it is gathered
+    grad_dtype: Any  # its gradient is computed and reduced in this dtype
+    param_dtype: Any  # the gradient's dtype on the way out (the parameter's)
+    reduce_to: NamedSharding | None  # the gradient's layout (None: this device's partial sum)
+    # w is already gathered (Hooks.gathered): the backward pass keeps the cast
+    # copy, and leaves the gradient unconstrained for the gather's own reduction
+    gathered: bool = False
+    # w is stored in host memory (offload.py): this device's shard is brought
+    # to the device, in this layout, before it is cast and gathered
+    fetch: NamedSharding | None = None
+
+    def gather(self, w):
+        if self.fetch is not None:
+            w = jax.device_put(w, self.fetch)
+        # Pinning the cast to the stored layout first makes the gather that the
+        # compute layout needs move `dtype` bytes: without it XLA may gather the
+        # float32 master copy and cast afterwards.
+        return put(put(w.astype(self.dtype), self.stored), self.compute)
+
+    def reduce(self, g):
+        if self.gathered:
+            return g.astype(self.param_dtype)
+        return put(put(g, self.compute), self.reduce_to).astype(self.param_dtype)
+
+
+# --- weight: elementwise use -------------------------------------------------
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def weight(use: Use, w):
+    """w gathered for elementwise use (LayerNorm, biases)."""
+    return use.gather(w)
+
+
+def _weight_fwd(use, w):
+    return use.gather(w), None
+
+
+def _weight_bwd(use, _, g):
+    return (use.reduce(g.astype(use.grad_dtype)),)
+
+
+weight.defvjp(_weight_fwd, _weight_bwd)
+
+
+# --- dense: use in a matrix product ------------------------------------------
+
+def _operands(eq: str) -> tuple[str, str, str]:
+    inputs, out = eq.replace(" ", "").split("->")
+    x, w = inputs.split(",")
+    return x, w, out
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def dense(use: Use, eq: str, x, w):
+    """einsum(eq, x, w) with w gathered; its gradient in the gradient dtype."""
+    return jnp.einsum(eq, x, use.gather(w))
+
+
+def _dense_fwd(use, eq, x, w):
+    return dense(use, eq, x, w), (x, use.gather(w) if use.gathered else w)
+
+
+def _dense_bwd(use, eq, res, g):
+    x, w = res
+    xs, ws, ys = _operands(eq)
+    dx = jnp.einsum(f"{ys},{ws}->{xs}", g, w if use.gathered else use.gather(w))
+    dw = jnp.einsum(f"{xs},{ys}->{ws}", x, g, preferred_element_type=use.grad_dtype)
+    return dx.astype(x.dtype), use.reduce(dw)
+
+
+dense.defvjp(_dense_fwd, _dense_bwd)
+
+
+# --- lookup: rows of a table -------------------------------------------------
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def lookup(use: Use, out_dtype, w, ids):
+    """Rows `ids` of the gathered table w, in `out_dtype`."""
+    return jnp.take(use.gather(w), ids, axis=0).astype(out_dtype)
+
+
+def _lookup_fwd(use, out_dtype, w, ids):
+    # Only the table's shape is needed backward: keep a zero-size stand-in.
+    return lookup(use, out_dtype, w, ids), (jnp.zeros((0,) + w.shape, w.dtype), ids)
+
+
+def _lookup_bwd(use, out_dtype, res, g):
+    shape, ids = res
+    dw = jnp.zeros(shape.shape[1:], use.grad_dtype).at[ids].add(g.astype(use.grad_dtype))
+    return use.reduce(dw), None
+
+
+lookup.defvjp(_lookup_fwd, _lookup_bwd)
+
+
+# --- gathered: one gather for several uses ------------------------------------
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def gather_once(use: Use, split: NamedSharding | None, w):
+    """w gathered once for several uses (Hooks.gathered)."""
+    # Returned in the gradient dtype, so that the uses' gradients are summed
+    # in it; each use casts back to the compute dtype, which XLA folds into
+    # the gather's output. With `split`, one copy per shard of the batch (a
+    # leading dimension over the batch axes, no extra bytes per device): each
+    # shard's gradient stays a partial sum until the one reduction.
+    w = use.gather(w).astype(use.grad_dtype)
+    if split is None:
+        return w
+    n = math.prod(split.mesh.shape[a] for a in entry_axes(split.spec[0]))
+    return put(jnp.broadcast_to(w, (n,) + w.shape), split)
+
+
+def _gather_once_fwd(use, split, w):
+    return gather_once(use, split, w), None
+
+
+def _gather_once_bwd(use, split, _, g):
+    if split is not None:
+        g = put(g, split).sum(0, dtype=use.grad_dtype)
+    return (use.reduce(g.astype(use.grad_dtype)),)
+
+
+gather_once.defvjp(_gather_once_fwd, _gather_once_bwd)

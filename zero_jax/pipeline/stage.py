@@ -1,0 +1,128 @@
+"""One device's stage inside the pipeline loop: what it holds (its chunks of
+the layer stack, the embedding and head, the microbatches) and the pieces
+every action is built from: running a chunk, the layouts its tensors are
+pinned to, and the per-shard split of weight gradients.
+
+Training (train_stage.py) and evaluation (eval_stage.py) build their
+actions from these; the loop itself is in executor.py.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+
+from zero_jax.sharding.specs import map_specs
+
+if TYPE_CHECKING:
+    from zero_jax.pipeline.executor import PipelineFns, StageLayout
+
+
+def constrain(tree: Any, mesh, specs: Any) -> Any:
+    """`tree` pinned to the spec tree `specs` on `mesh`."""
+    return jax.lax.with_sharding_constraint(
+        tree, map_specs(lambda s: NamedSharding(mesh, s), specs))
+
+
+def chunks_of(stack: Any, v: int) -> Any:
+    """A device's part of the stack, (v * slots, ...) -> (v, slots, ...): its chunks."""
+    return jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), stack)
+
+
+class LocalStage:
+    """A device's chunks, embedding and head, and microbatches, with the
+    hooks (and so the mesh) of the loop's inside.
+
+    Activations and their gradients keep the model's layout (batch split).
+    Gradients of weights are computed under `vmap` per shard of the batch
+    over `where.shard_axes` (as in accumulate.py), so none is reduced over
+    those axes inside the loop.
+    """
+
+    def __init__(self, fns: PipelineFns, hooks, where: StageLayout, outer, chunks, micro,
+                 x_shape: jax.ShapeDtypeStruct):
+        self.fns, self.hooks, self.where = fns, hooks, where
+        self.outer, self.chunks, self.micro = outer, chunks, micro
+        self.x_zero = jnp.zeros(x_shape.shape, x_shape.dtype)  # "nothing" for a stage's input
+        self.shard_hooks = hooks.per_shard(where.shard_axes)
+        self.n = where.shards
+
+    @property
+    def mesh(self):
+        return self.hooks.mesh
+
+    # -- layouts ----------------------------------------------------------
+    def act(self, x):
+        return self.hooks.act(x, ("batch", "res_seq", "embed"))
+
+    def place(self, buf):
+        """A buffer of stage inputs (slots first), laid out as its entries."""
+        return self.hooks.act(buf, (None, "batch", "res_seq", "embed"))
+
+    def buffer(self, slots: int) -> jax.Array:
+        """A zero buffer of `slots` stage inputs."""
+        return self.place(jnp.zeros((slots, *self.x_zero.shape), self.x_zero.dtype))
+
+    def split(self, x):
+        """(B, ...) -> (shards, B / shards, ...) for each array of `x`, each
+        device's rows in its own entry."""
+        spec = PartitionSpec(self.where.shard_axes or None)
+        return jax.lax.with_sharding_constraint(
+            jax.tree.map(lambda a: a.reshape(self.n, -1, *a.shape[1:]), x),
+            NamedSharding(self.mesh, spec))
+
+    def merge(self, x):
+        return self.act(x.reshape(-1, *x.shape[2:]))
+
+    def pin(self, tree, specs):
+        """A per-shard gradient tree pinned to `specs` behind its shards' axis."""
+        def behind_shards(spec):
+            return PartitionSpec(self.where.shard_axes or None, *spec)
+        return constrain(tree, self.mesh, map_specs(behind_shards, specs))
+
+    # -- inputs -----------------------------------------------------------
+    def microbatch(self, i):
+        return jax.tree.map(lambda a: a[i], self.micro)
+
+    def chunk(self, k):
+        """The device's local chunk k of the stack."""
+        return jax.tree.map(lambda a: a[k], self.chunks)
+
+    def embed(self, tokens, hooks):
+        """The first chunk's input: the embedding of `tokens` (B x T + 1)."""
+        return self.act(self.fns.embed(self.outer, tokens[:, :-1], hooks))
+
+    # -- compute ----------------------------------------------------------
+    def per_shard(self, f, weights, *rows):
+        """`f(weights, *rows)` for each shard: `weights` shared, `rows` split (`split`)."""
+        if not self.where.shard_axes:  # one shard: the same program without a vmap
+            first = [jax.tree.map(lambda a: a[0], r) for r in rows]
+            return jax.tree.map(lambda x: x[None], f(weights, *first))
+        return jax.vmap(f, in_axes=(None,) + (0,) * len(rows),
+                        spmd_axis_name=self.where.shard_axes)(weights, *rows)
+
+    def run(self, chunk, x, hooks, layers):
+        """The chunk's first `layers` slots on x. Where the cut has padding,
+        slot by slot, each padding slot passing x through (its weights get
+        a zero gradient); otherwise the model's own stack in one call."""
+        stages = self.where.stages
+        if stages is None or len(set(stages.counts)) == 1:
+            return self.fns.stage(chunk, x, hooks)
+
+        def slot(x, w_i):
+            w, i = w_i
+            y = self.fns.stage(jax.tree.map(lambda a: a[None], w), x, hooks)
+            return jnp.where(i < layers, y, x), None
+
+        return jax.lax.scan(slot, x, (chunk, jnp.arange(stages.slots)))[0]
+
+    def zero_grads(self, tree, drop: int = 0):
+        return jax.tree.map(lambda a: jnp.zeros((self.n, *a.shape[drop:]), self.where.grad_dtype),
+                            tree)
+
+    def cast(self, grads):
+        """Gradients in the dtype they are accumulated in."""
+        return jax.tree.map(lambda g: g.astype(self.where.grad_dtype), grads)
