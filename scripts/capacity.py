@@ -84,16 +84,16 @@ def row(kind: str, device: hardware.Device, mode: str, grads: str) -> dict:
                              key=lambda t: t[0])
     model = config_lib.build(None, flat(layers, stage, offload, grads)[0]).model
     params = models.for_run(model, VOCAB)[0](1).config.param_count
-    stored = {k: est.state[k] - est.memory.host.get(k, 0) for k in ("params", "grads", "opt_state")}
+    stored = {k: est.memory.state[k] - est.memory.host.get(k, 0) for k in ("params", "grads", "opt_state")}
     return {"device": kind, "offload": mode, "zero_stage": stage, "n_layer": layers,
             "d_model": 128 * layers, "params": params,
             "device_bytes_per_param": sum(stored.values()) / params,
             "host_bytes_per_param": sum(est.memory.host.values()) / params,
             "device_states": stored, "host_states": est.memory.host,
-            "step_peak_bytes": max(est.step_bytes.values()),
-            "device_total_bytes": est.analytic_bytes, "hbm_bytes": est.hbm,
-            "host_total_bytes": est.host_bytes, "host_limit_bytes": est.host_limit,
-            "step_s_estimate": est.step_s}
+            "step_peak_bytes": max(est.memory.phases.values()),
+            "device_total_bytes": est.memory.device_bytes, "hbm_bytes": est.hbm,
+            "host_total_bytes": est.memory.host_bytes, "host_limit_bytes": est.host_limit,
+            "step_s_estimate": est.time.step_s}
 
 
 def main(argv=None) -> int:

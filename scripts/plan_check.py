@@ -61,9 +61,9 @@ def check(choice: layouts.Choice, seq_len: int, cluster: layouts.Cluster) -> dic
     state = job.init_state()
     real = held_bytes(state.params) + held_bytes(state.opt_state)
     del state
-    return {"layout": choice.label, "seq_len": seq_len, "analytic": est.analytic_bytes,
-            "compiled": compiled, "error": est.analytic_bytes / compiled - 1,
-            "state": est.state["params"] + est.state["opt_state"], "real_state": real}
+    return {"layout": choice.label, "seq_len": seq_len, "analytic": est.memory.device_bytes,
+            "compiled": compiled, "error": est.memory.device_bytes / compiled - 1,
+            "state": est.memory.state["params"] + est.memory.state["opt_state"], "real_state": real}
 
 
 def main(argv=None) -> int:

@@ -58,11 +58,11 @@ def test_model_state_bytes_are_exact_and_the_estimate_is_near_the_compiled(choic
     est = planner.estimate(layouts.abstract_job(flat, build, 8), choice, A100, platform="cpu")
     job = job_lib.prepare(run, build)
     state = job.init_state()
-    assert est.state["params"] + est.state["opt_state"] == _held(state.params) + _held(state.opt_state)
+    assert est.memory.state["params"] + est.memory.state["opt_state"] == _held(state.params) + _held(state.opt_state)
     m = memory.compiled(job.compile_train_step())
     # scripts/plan_check.py measures 24 layouts of gpt-small within 15%. This
     # 6-layer gpt-tiny is a few MB, where small buffers weigh more: +21% here.
-    assert est.analytic_bytes == pytest.approx(m["argument_bytes"] + m["temp_bytes"], rel=0.25)
+    assert est.memory.device_bytes == pytest.approx(m["argument_bytes"] + m["temp_bytes"], rel=0.25)
 
 
 def test_plan_ranks_layouts_and_writes_a_config_train_accepts(tmp_path):
@@ -100,13 +100,13 @@ def test_offload_layouts_move_states_to_the_host_within_its_memory():
     jobs = {c: layouts.abstract_job(c.flat(BASE), build, 8) for c in (plain, off)}
     est = {c: planner.estimate(jobs[c], c, cluster) for c in (plain, off)}
     split = memory.by_memory_kind(jobs[off].layout)
-    assert est[off].memory.host == split["host"] and split["host"]["opt_state"] == est[plain].state["opt_state"]
-    assert est[off].host_bytes == split["host"]["opt_state"] + est[off].state["grads"]
-    assert est[off].analytic_bytes < est[plain].analytic_bytes - split["host"]["opt_state"] * 0.99
+    assert est[off].memory.host == split["host"] and split["host"]["opt_state"] == est[plain].memory.state["opt_state"]
+    assert est[off].memory.host_bytes == split["host"]["opt_state"] + est[off].memory.state["grads"]
+    assert est[off].memory.device_bytes < est[plain].memory.device_bytes - split["host"]["opt_state"] * 0.99
     # fp32, ZeRO-2: the gradient shard out, the parameter shard (same size) back.
-    assert est[off].comm_s["host link"] == pytest.approx(
-        2 * est[off].state["grads"] / A100.device.host_link_bw)
-    assert "host link" not in est[plain].comm_s and est[off].fits
+    assert est[off].time.comm_s["host link"] == pytest.approx(
+        2 * est[off].memory.state["grads"] / A100.device.host_link_bw)
+    assert "host link" not in est[plain].time.comm_s and est[off].fits
 
     small = layouts.Cluster(dataclasses.replace(A100.device, host_bytes_per_node=8), 1, 8)
     assert not planner.estimate(jobs[off], off, small).fits

@@ -46,9 +46,9 @@ def test_measured_figures_replace_the_traffic_and_an_offload_twin_shares_them(pr
     assert search.compiled_as(twin) == best.choice
     figures = {"argument_bytes": 1, "temp_bytes": 2, "collectives": {}, "collective_bytes": 0}
     (ranked,) = [e for e in search.rank([best], {best.choice: figures}, problem.cluster)]
-    assert ranked.compiled == figures and ranked.step_s <= best.step_s
+    assert ranked.compiled == figures and ranked.time.step_s <= best.time.step_s
     failed = search.rank([best], {best.choice: {"error": "boom"}}, problem.cluster)[0]
-    assert failed.compiled == {"error": "boom"} and failed.step_s == best.step_s
+    assert failed.compiled == {"error": "boom"} and failed.time.step_s == best.time.step_s
 
 
 def test_the_best_layout_compiles_in_a_worker_and_is_cached(problem, estimates, tmp_path,

@@ -173,12 +173,12 @@ def row(e: cost.Estimate, cluster: Cluster, rank: int) -> dict:
     """One ranked layout as a JSON row (--json; the table prints from it too)."""
     n, dev = cluster.size, cluster.device
     out = {"rank": rank, "layout": e.choice.label, "fits": e.fits,
-           "bytes": {"params": e.state["params"], "opt_state": e.state["opt_state"],
-                     **{f"step_{k}": v for k, v in e.step_bytes.items()},
-                     "total_estimate": e.analytic_bytes, "host": e.host_bytes},
-           "headroom": e.headroom, "step_s": e.step_s, "compute_s": e.compute_s,
-           "comm_s": e.comm_s, "bubble": e.bubble, "tokens_per_s": e.tokens_per_s,
-           "tflops_per_device": e.tflops_per_device(n), "mfu": e.mfu(n, dev.peak_flops)}
+           "bytes": {"params": e.memory.state["params"], "opt_state": e.memory.state["opt_state"],
+                     **{f"step_{k}": v for k, v in e.memory.phases.items()},
+                     "total_estimate": e.memory.device_bytes, "host": e.memory.host_bytes},
+           "headroom": e.headroom, "step_s": e.time.step_s, "compute_s": e.time.compute_s,
+           "comm_s": e.time.comm_s, "bubble": e.time.bubble, "tokens_per_s": e.time.tokens_per_s,
+           "tflops_per_device": e.time.tflops_per_device(n), "mfu": e.time.mfu(n, dev.peak_flops)}
     if e.compiled:
         keys = ("error", "argument_bytes", "temp_bytes", "collective_bytes", "collectives")
         out["compiled"] = {k: e.compiled[k] for k in keys if k in e.compiled}

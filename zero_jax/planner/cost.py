@@ -48,64 +48,18 @@ class Estimate:
     compiled: dict[str, Any] | None = None  # measure(): memory and collectives of the real program
 
     @property
-    def state(self) -> dict[str, int]:
-        """params, grads, opt_state as stored, exact (memory.sharded)."""
-        return self.memory.state
-
-    @property
-    def step_bytes(self) -> dict[str, float]:
-        """Temporaries at each phase of a step; the largest counts."""
-        return self.memory.phases
-
-    @property
-    def analytic_bytes(self) -> float:
-        """Device bytes: the states left on the device and the largest phase."""
-        return self.memory.device_bytes
-
-    @property
-    def host_bytes(self) -> float:
-        """Host memory this device uses: its offloaded states and the update's gradients."""
-        return self.memory.host_bytes
-
-    @property
     def peak_bytes(self) -> float:
         """The figure that decides fitting: the analytic estimate. The CPU
         compile widens bf16 temporaries, so its figure is an upper bound."""
-        return self.analytic_bytes
+        return self.memory.device_bytes
 
     @property
     def fits(self) -> bool:
-        return self.peak_bytes <= self.hbm and self.host_bytes <= self.host_limit
+        return self.peak_bytes <= self.hbm and self.memory.host_bytes <= self.host_limit
 
     @property
     def headroom(self) -> float:
         return 1 - self.peak_bytes / self.hbm
-
-    @property
-    def compute_s(self) -> float:
-        return self.time.compute_s
-
-    @property
-    def comm_s(self) -> dict[str, float]:
-        return self.time.comm_s
-
-    @property
-    def bubble(self) -> float:
-        return self.time.bubble
-
-    @property
-    def step_s(self) -> float:
-        return self.time.step_s
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.time.tokens_per_s
-
-    def tflops_per_device(self, devices: int) -> float:
-        return self.time.tflops_per_device(devices)
-
-    def mfu(self, devices: int, peak: float) -> float:
-        return self.time.mfu(devices, peak)
 
 
 def estimate(job: job_lib.Job, choice: Choice, cluster: Cluster, platform: str = "gpu") -> Estimate:
@@ -134,10 +88,10 @@ def with_measured(est: Estimate, measured: dict[str, Any], cluster: Cluster) -> 
     traffic (payload x ring factor over the axis's link)."""
     comm = _measured_comm(est.choice, measured["collectives"], cluster)
     if est.choice.pipe > 1:  # the schedule's sends stay as the cost model counts them
-        comm["pipe"] = est.comm_s.get("pipe", 0.0)
+        comm["pipe"] = est.time.comm_s.get("pipe", 0.0)
     for key in ("host link", "host update"):  # no collectives: as estimated
-        if key in est.comm_s:
-            comm[key] = est.comm_s[key]
+        if key in est.time.comm_s:
+            comm[key] = est.time.comm_s[key]
     return dataclasses.replace(est, time=dataclasses.replace(est.time, comm_s=comm),
                                compiled=measured)
 

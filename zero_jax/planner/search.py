@@ -87,7 +87,7 @@ def estimate_all(problem: Problem, layouts: list[Choice],
 
 def fitting(estimates: list[cost.Estimate]) -> list[cost.Estimate]:
     """Those that fit, fastest first."""
-    return sorted((e for e in estimates if e.fits), key=lambda e: e.step_s)
+    return sorted((e for e in estimates if e.fits), key=lambda e: e.time.step_s)
 
 
 def matching(estimates: list[cost.Estimate], prefixes: list[str]) -> list[cost.Estimate]:
@@ -114,7 +114,7 @@ def rank(estimates: list[cost.Estimate], results: dict, cluster: Cluster) -> lis
         elif r:
             e = dataclasses.replace(e, compiled=r)
         out.append(e)
-    return sorted(out, key=lambda e: (not e.fits, e.step_s))
+    return sorted(out, key=lambda e: (not e.fits, e.time.step_s))
 
 
 def _compile_worker(flat: dict, devices: int, vocab: int) -> dict:
