@@ -119,8 +119,11 @@ def main(argv=None) -> int:
     table = op_table(compiled.as_text())
     t = cfg.train
     state = job.init_state()
-    batch = lambda i: data_lib.global_batch(corpus, "train", cfg.data.seq_len, t.batch_size, t.seed,
-                                            step=i, sharding=job.layout.batch_sharding)
+
+    def batch(i):
+        return data_lib.global_batch(corpus, "train", cfg.data.seq_len, t.batch_size, t.seed,
+                                     step=i, sharding=job.layout.batch_sharding)
+
     for i in range(2):  # warm-up
         state, metrics = compiled(state, batch(i))
     jax.block_until_ready(metrics)

@@ -66,7 +66,8 @@ def estimate(device: hardware.Device, layers: int, stage: int, offload: str,
 def largest(device: hardware.Device, offload: str, stage: int,
             grads: str) -> tuple[int, planner.Estimate]:
     """The most layers that fit (fitting is monotone in the layer count)."""
-    fits = lambda n: estimate(device, n, stage, offload, grads).fits
+    def fits(n):
+        return estimate(device, n, stage, offload, grads).fits
     if not fits(1):
         return 0, estimate(device, 1, stage, offload, grads)
     lo, hi = 1, 2
