@@ -120,7 +120,7 @@ def cluster_of(args) -> Cluster:
 
 
 def layout_options(args) -> dict:
-    """The choices to search over (choices' keywords), from the flags."""
+    """The layouts to search over (the keywords of planner.choices.choices), from the flags."""
     offloads = names("--offload", args.offload, ("none", "opt", "opt+params"))
     return {"stages": int_list("--stages", args.stages, allowed=range(4)),
             "remats": names("--remat", args.remat, remat.POLICIES),

@@ -77,7 +77,7 @@ def estimate_all(problem: Problem, layouts: list[Choice],
         if key not in jobs:
             try:
                 jobs[key] = abstract_job(choice.flat(problem.base), problem.build,
-                                              problem.cluster.size)
+                                         problem.cluster.size)
             except (ValueError, config_lib.ConfigError) as e:
                 jobs[key] = e
         if not isinstance(jobs[key], Exception):
