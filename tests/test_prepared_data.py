@@ -124,7 +124,7 @@ def test_text_documents_become_shards_with_end_of_document_tokens(text_data, tex
 def test_the_library_call_writes_what_the_command_writes(text_data, texts, tmp_path):
     """zero_jax.data.prepare without the command line: the same shards, and
     the progress callback hears of every input byte."""
-    job = prepare_lib.Job(out=tmp_path / "lib", val_fraction=0.1,
+    job = prepare_lib.Request(out=tmp_path / "lib", val_fraction=0.1,
                           files=prepare_lib.expand([f"{texts}/*.txt"]))
     seen = []
     counts = prepare_lib.prepare(job, tok_lib.resolve(tok_lib.BYTES), seen.append)

@@ -71,16 +71,16 @@ def parse(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def checked_job(args: argparse.Namespace) -> tuple[prepare.Job, tok_lib.Spec]:
-    """The job and its tokenizer, every flag checked before anything is written."""
-    job = prepare.Job(out=Path(args.out), fmt=args.format, text_field=args.text_field,
+def checked_request(args: argparse.Namespace) -> tuple[prepare.Request, tok_lib.Spec]:
+    """The request and its tokenizer, every flag checked before anything is written."""
+    request = prepare.Request(out=Path(args.out), fmt=args.format, text_field=args.text_field,
                       val_fraction=args.val_fraction, shard_tokens=args.shard_tokens,
                       workers=args.workers)
-    prepare.check(job)  # the numbers and --out first, then the inputs
-    job = dataclasses.replace(job, files=prepare.expand(args.input))
+    prepare.check(request)  # the numbers and --out first, then the inputs
+    request = dataclasses.replace(request, files=prepare.expand(args.input))
     spec = tok_lib.resolve(args.tokenizer, args.eos_token)
-    prepare.dtype_for(job, spec)
-    return job, spec
+    prepare.dtype_for(request, spec)
+    return request, spec
 
 
 def describe(counts: dict[str, dict]) -> str:
@@ -89,13 +89,13 @@ def describe(counts: dict[str, dict]) -> str:
                      for s, c in counts.items())
 
 
-def summary(job: prepare.Job, counts: dict, total: int, seconds: float, workers: int) -> str:
+def summary(request: prepare.Request, counts: dict, total: int, seconds: float, workers: int) -> str:
     """The closing line: what was written, how fast, and the peak memory."""
     # VmHWM, not ru_maxrss: the latter keeps the peak of the parent this
     # process was started from.
     peak = {"this process": procmem.resident("VmHWM") / 2 ** 20,
             "a worker": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}
-    return (f"wrote {job.out}: {describe(counts)}; {total / 1e6:.1f} MB of input in "
+    return (f"wrote {request.out}: {describe(counts)}; {total / 1e6:.1f} MB of input in "
             f"{seconds:.1f} s ({total / 1e6 / seconds:.1f} MB/s, {workers} "
             f"worker{'s' * (workers > 1)}); peak resident "
             + ", ".join(f"{mb:.0f} MB in {who}" for who, mb in peak.items() if mb))
@@ -105,8 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     started = time.perf_counter()
     try:
-        job, spec = checked_job(args)
-        total = sum(f.stat().st_size for f in job.files)
+        request, spec = checked_request(args)
+        total = sum(f.stat().st_size for f in request.files)
     except (ValueError, OSError) as e:  # TokenizerError is a ValueError
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -114,11 +114,11 @@ def main(argv: list[str] | None = None) -> int:
                mininterval=1.0, desc="tokenizing", leave=False)
     try:
         with bar:
-            counts = prepare.prepare(job, spec, bar.update)
+            counts = prepare.prepare(request, spec, bar.update)
     except (ValueError, OSError) as e:  # shards.DataError is a ValueError
-        prepare.remove_partial(job.out, job.flat)  # this run's only: check refused anything else
+        prepare.remove_partial(request.out, request.flat)  # this run's only: check refused anything else
         print(f"error: {e}", file=sys.stderr)
         return 2
     seconds = time.perf_counter() - started
-    print(summary(job, counts, total, seconds, prepare.workers_for(job, spec)))
+    print(summary(request, counts, total, seconds, prepare.workers_for(request, spec)))
     return 0

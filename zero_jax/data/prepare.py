@@ -33,7 +33,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from zero_jax.data import token_files as shards
+from zero_jax.data import token_files
 from zero_jax.data import tokenizers as tok_lib
 
 FORMATS = ("text", "jsonl", "chat", "flat")
@@ -46,7 +46,7 @@ Item = tuple[str, int, str, object, bool, bool]
 
 
 @dataclasses.dataclass(frozen=True)
-class Job:
+class Request:
     """What to prepare; each field is the `zero-jax prepare-data` flag of its name."""
 
     out: Path
@@ -180,14 +180,14 @@ def in_validation(source: str, index: int, fraction: float) -> bool:
     return zlib.crc32(f"{source}\0{index}".encode()) < fraction * 2 ** 32
 
 
-def check(job: Job) -> None:
-    """The job's numbers and its output, before any input is looked at."""
-    if not 0 < job.val_fraction < 1 and not job.flat:
-        raise ValueError(f"--val-fraction {job.val_fraction}: must lie between 0 and 1")
-    for flag, value in (("--shard-tokens", job.shard_tokens), ("--workers", job.workers)):
+def check(request: Request) -> None:
+    """The request's numbers and its output, before any input is looked at."""
+    if not 0 < request.val_fraction < 1 and not request.flat:
+        raise ValueError(f"--val-fraction {request.val_fraction}: must lie between 0 and 1")
+    for flag, value in (("--shard-tokens", request.shard_tokens), ("--workers", request.workers)):
         if value < 1:
             raise ValueError(f"{flag} {value}: must be at least 1")
-    check_out(job.out, job.flat)
+    check_out(request.out, request.flat)
 
 
 def check_out(out: Path, flat: bool) -> None:
@@ -210,36 +210,36 @@ def remove_partial(out: Path, flat: bool) -> None:
             path.rmdir()
 
 
-def dtype_for(job: Job, spec: tok_lib.Spec) -> np.dtype:
+def dtype_for(request: Request, spec: tok_lib.Spec) -> np.dtype:
     """The shards' id dtype for the tokenizer's vocabulary, where the format holds it."""
-    dtype = shards.dtype_for(spec.vocab_size)
-    if job.flat and dtype != np.uint16:
+    dtype = token_files.dtype_for(spec.vocab_size)
+    if request.flat and dtype != np.uint16:
         raise ValueError(f"--format flat: the flat format holds uint16 ids, but the "
                          f"tokenizer has {spec.vocab_size:,}; write a directory instead")
     return dtype
 
 
-def workers_for(job: Job, spec: tok_lib.Spec) -> int:
+def workers_for(request: Request, spec: tok_lib.Spec) -> int:
     """Bytes need no tokenizing: sending them to workers only costs copies."""
-    return 1 if spec.name == tok_lib.BYTES else job.workers
+    return 1 if spec.name == tok_lib.BYTES else request.workers
 
 
-def prepare(job: Job, spec: tok_lib.Spec, on_bytes: Callable[[int], object] = int) -> dict[str, dict]:
-    """Tokenize `job.files` with `spec` into `job.out`; the counts of each
+def prepare(request: Request, spec: tok_lib.Spec, on_bytes: Callable[[int], object] = int) -> dict[str, dict]:
+    """Tokenize `request.files` with `spec` into `request.out`; the counts of each
     split ("all" for the flat format). `on_bytes(n)` hears of each n bytes
     of input done (a progress bar)."""
-    dtype = dtype_for(job, spec)
-    results = encoded(documents(job.files, job.fmt, job.text_field), spec, workers_for(job, spec))
-    if job.flat:
-        counts = _write_flat(job.out, results, on_bytes)
-        Path(f"{job.out}.json").write_text(json.dumps({"vocab_size": spec.vocab_size}) + "\n")
+    dtype = dtype_for(request, spec)
+    results = encoded(documents(request.files, request.fmt, request.text_field), spec, workers_for(request, spec))
+    if request.flat:
+        counts = _write_flat(request.out, results, on_bytes)
+        Path(f"{request.out}.json").write_text(json.dumps({"vocab_size": spec.vocab_size}) + "\n")
         return counts
-    chat = job.fmt == "chat"
-    job.out.mkdir(parents=True, exist_ok=True)
-    writers = {s: shards.SplitWriter(job.out, s, dtype, job.shard_tokens, chat)
-               for s in shards.SPLITS}
-    counts = _write_splits(writers, results, on_bytes, job.val_fraction)
-    write_meta(job, spec, dtype, counts)
+    chat = request.fmt == "chat"
+    request.out.mkdir(parents=True, exist_ok=True)
+    writers = {s: token_files.SplitWriter(request.out, s, dtype, request.shard_tokens, chat)
+               for s in token_files.SPLITS}
+    counts = _write_splits(writers, results, on_bytes, request.val_fraction)
+    write_meta(request, spec, dtype, counts)
     return counts
 
 
@@ -271,18 +271,18 @@ def _write_flat(out: Path, results, on_bytes) -> dict[str, dict]:
     return {"all": {"documents": docs, "tokens": tokens, "shards": [{"file": out.name}]}}
 
 
-def write_meta(job: Job, spec: tok_lib.Spec, dtype, counts: dict[str, dict]) -> None:
-    chat = job.fmt == "chat"
-    shards.write_meta(job.out, {
+def write_meta(request: Request, spec: tok_lib.Spec, dtype, counts: dict[str, dict]) -> None:
+    chat = request.fmt == "chat"
+    token_files.write_meta(request.out, {
         "vocab_size": spec.vocab_size, "dtype": np.dtype(dtype).str, "eos_id": spec.eos_id,
         "tokenizer": {"name": spec.name, "sha256": spec.sha256,
                       "chat_template": "model's" if spec.chat_template else
                       ("plain" if chat else "")},
-        "loss_mask": chat, "input_format": job.fmt,
+        "loss_mask": chat, "input_format": request.fmt,
         "splits": {s: {"documents": c["documents"], "tokens": c["tokens"], "shards": c["shards"]}
                    for s, c in counts.items()},
-        "val_fraction": job.val_fraction,
+        "val_fraction": request.val_fraction,
         "split_rule": "validation when crc32(input path + NUL + document index) < "
                       "val_fraction * 2**32",
-        "inputs": [str(f) for f in job.files],
+        "inputs": [str(f) for f in request.files],
     })
