@@ -22,7 +22,7 @@ MESHES = {
     "pipe2-fsdp2-tensor2": dict(mesh="pipe=2,fsdp=2,tensor=2", layout="fsdp_tp_sp"),
     "pipe4-data2": dict(mesh="pipe=4,data=2"),
 }
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 GRID = list(itertools.product(SCHEDULES, MESHES, (4, 8), (1, 3)))
 # CI's time budget covers a sixth of the grid for one step: every schedule on
 # two meshes and every mesh under two schedules, each (m, ZeRO) pair at least
@@ -31,7 +31,8 @@ FULL = bool(os.environ.get("ZERO_JAX_FULL_GRID"))
 ONE = GRID if FULL else [
     ("gpipe", "pipe2-fsdp4", 4, 1), ("gpipe", "pipe4-data2", 8, 3),
     ("1f1b", "pipe2-fsdp2-tensor2", 8, 1), ("1f1b", "pipe2-fsdp4", 4, 3),
-    ("interleaved", "pipe4-data2", 4, 1), ("interleaved", "pipe2-fsdp2-tensor2", 8, 3)]
+    ("interleaved", "pipe4-data2", 4, 1), ("interleaved", "pipe2-fsdp2-tensor2", 8, 3),
+    ("zb-h1", "pipe4-data2", 8, 1), ("zb-h1", "pipe2-fsdp2-tensor2", 4, 3)]
 TEN = GRID if FULL else [("1f1b", "pipe4-data2", 4, 3), ("interleaved", "pipe2-fsdp2-tensor2", 8, 1)]
 
 
@@ -173,8 +174,8 @@ def test_uneven_stages_match_one_device(corpus, uneven_reference, schedule, laye
 
 @pytest.mark.parametrize("bad,message", [
     (dict(mesh="pipe=8", n_layer=6), "6 layers cannot fill 8 stages"),
-    (dict(mesh="pipe=2,fsdp=4", pipeline_schedule="interleaved", microbatches=3), "--microbatches 4"),
-    (dict(mesh="pipe=2,fsdp=4", pipeline_schedule="zigzag"), "choose from gpipe, 1f1b, interleaved"),
+    (dict(mesh="pipe=2,fsdp=4", pipeline_schedule="zigzag"),
+     "choose from gpipe, 1f1b, interleaved, zb-h1"),
 ])
 def test_pipeline_shapes_are_checked_before_compiling(corpus, bad, message):
     from zero_jax.config import ConfigError

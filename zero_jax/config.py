@@ -72,7 +72,7 @@ class ParallelConfig:
     zero_stage: int | None = None  # 0 DDP, 1 optimizer state, 2 + gradients, 3 + parameters; None: the layout's
     zero_shard_axes: str = ""  # comma list narrowing the mesh's ZeRO axes ("fsdp": hybrid)
     min_shard_elements: int = 4096  # arrays smaller than this stay replicated
-    pipeline_schedule: ScheduleName = "1f1b"  # gpipe | 1f1b | interleaved (with a pipe axis)
+    pipeline_schedule: ScheduleName = "1f1b"  # gpipe | 1f1b | interleaved | zb-h1 (with a pipe axis)
     virtual_stages: int = 0  # chunks per device for interleaved (0: 2 for interleaved, else 1)
     pipeline_gather_once: bool = False  # ZeRO-3: gather a stage's weights once per step, not per microbatch
     grad_reduce: GradReduce = "auto"  # step | microbatch: when accumulated gradients are reduced; auto: microbatch at stage 3

@@ -39,7 +39,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from zero_jax import param_use
-from zero_jax.param_use import Use, put
+from zero_jax.param_use import Tapped, Use, put
 from zero_jax.remat import DOT, WEIGHT, Remat
 from zero_jax.sharding.rules import AxisRules
 from zero_jax.sharding.zero import Placement
@@ -139,6 +139,8 @@ class Hooks:
 
     def weight(self, w: jax.Array, names: Sequence[str | None], dtype=None) -> jax.Array:
         """A parameter for elementwise use, in `dtype` (default: the compute dtype)."""
+        if isinstance(w, Tapped):  # only a product's weights have taps: nothing to record
+            w = w.w
         w = param_use.weight(self._use(w, names, dtype), w)
         return checkpoint_name(w, WEIGHT)  # never kept for backward: gathered again
 
@@ -146,9 +148,22 @@ class Hooks:
         """einsum(eq, x, w) with w in the compute dtype and layout."""
         if isinstance(w, Gathered):
             y = self._on_gathered(lambda use, x, t: param_use.dense(use, eq, x, t), w, names, x)
+        elif isinstance(w, Tapped):  # a split backward (pipeline/weight_grad.py)
+            use = self._use(w.w, names)
+            if w.x is None:  # finding the products: record this one
+                y = param_use.dense(use, eq, x, w.w)
+                w.seen.record(eq, tuple(names), x, y)
+            else:
+                y = param_use.tapped_dense(use, eq, x, w.w, w.x, w.y)
         else:
             y = param_use.dense(self._use(w, names), eq, x, w)
         return checkpoint_name(y, DOT)  # a matrix product, for dots_saveable
+
+    def dense_weight_grad(self, eq: str, x: jax.Array, g: jax.Array, w: jax.ShapeDtypeStruct,
+                          names: Sequence[str | None]) -> jax.Array:
+        """The gradient of w in `dense(eq, x, w, names)` from x and the
+        product's output gradient g, as the product's backward makes it."""
+        return param_use.dense_weight_grad(self._use(w, names), eq, x, g)
 
     def lookup(self, w: jax.Array, ids: jax.Array, names: Sequence[str | None],
                out_dtype=None) -> jax.Array:

@@ -105,15 +105,68 @@ def _dense_fwd(use, eq, x, w):
     return dense(use, eq, x, w), (x, use.gather(w) if use.gathered else w)
 
 
-def _dense_bwd(use, eq, res, g):
-    x, w = res
+def _input_grad(use, eq, x, w, g):
     xs, ws, ys = _operands(eq)
     dx = jnp.einsum(f"{ys},{ws}->{xs}", g, w if use.gathered else use.gather(w))
-    dw = jnp.einsum(f"{xs},{ys}->{ws}", x, g, preferred_element_type=use.grad_dtype)
-    return dx.astype(x.dtype), use.reduce(dw)
+    return dx.astype(x.dtype)
+
+
+def dense_weight_grad(use: Use, eq: str, x, g):
+    """The gradient of w in einsum(eq, x, w) from x and the output's
+    gradient g, in the gradient dtype, reduced into w's stored layout."""
+    xs, ws, ys = _operands(eq)
+    return use.reduce(jnp.einsum(f"{xs},{ys}->{ws}", x, g, preferred_element_type=use.grad_dtype))
+
+
+def _dense_bwd(use, eq, res, g):
+    x, w = res
+    return _input_grad(use, eq, x, w, g), dense_weight_grad(use, eq, x, g)
 
 
 dense.defvjp(_dense_fwd, _dense_bwd)
+
+
+# --- tapped dense: the input gradient now, the weight's later ------------------
+
+@jax.tree_util.register_pytree_node_class
+class Tapped:
+    """A stacked weight (layers first) with its taps: zeros shaped as the
+    input and output of its product in every layer, whose cotangents
+    `tapped_dense` makes the product's input and output gradient. A
+    backward taken with respect to the taps (and not the weight) gives
+    what the weight's gradient needs, without computing it
+    (pipeline/weight_grad.py). Flattens weight first: a module checks the
+    shape of the first leaf of what it is given as a parameter."""
+
+    def __init__(self, w, x=None, y=None, seen=None):
+        self.w, self.x, self.y, self.seen = w, x, y, seen
+
+    def tree_flatten(self):
+        return (self.w, self.x, self.y), self.seen
+
+    @classmethod
+    def tree_unflatten(cls, seen, leaves):
+        return cls(*leaves, seen=seen)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def tapped_dense(use: Use, eq: str, x, w, tap_x, tap_y):
+    """einsum(eq, x, w), whose backward gives x's gradient, and as the
+    taps' cotangents x itself and the output's gradient (not w's)."""
+    return jnp.einsum(eq, x, use.gather(w))
+
+
+def _tapped_fwd(use, eq, x, w, tap_x, tap_y):
+    return tapped_dense(use, eq, x, w, tap_x, tap_y), (x, w)
+
+
+def _tapped_bwd(use, eq, res, g):
+    x, w = res
+    return (_input_grad(use, eq, x, w, g), jnp.zeros_like(w), x.astype(jnp.result_type(x)),
+            g.astype(jnp.result_type(g)))
+
+
+tapped_dense.defvjp(_tapped_fwd, _tapped_bwd)
 
 
 # --- lookup: rows of a table -------------------------------------------------

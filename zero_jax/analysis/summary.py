@@ -213,12 +213,15 @@ def pipeline_rows(job: Job) -> list[str]:
     s, stages = job.schedule, job.layout.stages
     head = job.model.head_cost(job.run.data.seq_len) if job.model.head_cost else 0.0
     cost = sched_lib.cost(s, stages.counts, head=head)
+    waiting = (f"; weight gradients waiting, per stage: {', '.join(map(str, s.pending_w_peak()))}"
+               if s.split_backward else "")
     rows = [f"pipeline   {s.name}: p={s.p} stages, m={s.m} microbatches, v={s.v} chunks per stage; "
-            f"{s.ticks} ticks, at most {s.max_in_flight()} microbatch inputs stashed per stage"
+            f"{s.ticks} fused ticks (a forward and a backward each)"
             + ("; stage weights gathered once per step" if job.run.parallel.pipeline_gather_once else ""),
+            f"  microbatch inputs stashed, per stage: {', '.join(map(str, s.stash_peak()))}" + waiting,
             f"  cost {cost.total:.1f} layer-forwards per step (a backward recomputes its forward: 3; "
-            f"head {head:.2f} forward, 3x with its backward, on the last stage); bubble "
-            f"{cost.bubble:.3f} of that (idle ticks alone: {s.bubble:.3f}); sends not counted"]
+            f"head {head:.2f} forward, 3x with its backward, on the last stage); idle "
+            f"{cost.bubble:.3f} of that; sends not counted"]
     for d in range(s.p):
         ends = (["embedding"] if d == 0 else []) + (["head and loss"] if d == s.p - 1 else [])
         chunks = [k * s.p + d for k in range(s.v)]

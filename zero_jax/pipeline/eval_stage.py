@@ -17,8 +17,8 @@ import jax.numpy as jnp
 
 from zero_jax.hooks import RowSplit
 from zero_jax.loss import cross_entropy
-from zero_jax.pipeline.program import FWD, Row, Tables
-from zero_jax.pipeline.stage import LocalStage
+from zero_jax.pipeline.program import Row, Tables
+from zero_jax.pipeline.stage import LocalStage, send
 
 if TYPE_CHECKING:
     from zero_jax.pipeline.executor import PipelineFns, StageLayout
@@ -50,12 +50,11 @@ class EvalStage(LocalStage):
         def tick(t, c):
             row = tables.at(t, d)
             if self.rows is None:
-                out, part = jax.lax.cond(row.kind == FWD, lambda: self.infer(c.fwd, row),
-                                         self.nothing)
+                out, part = jax.lax.cond(row.f, lambda: self.infer(c.fwd, row), self.nothing)
             else:
                 out, part = self.infer_split(c.fwd, row, enters[t], leaves[t])
                 part = jnp.where(d == p - 1, part, 0.0)  # every stage has it: count it once
-            arrived = jax.lax.ppermute(out, "pipe", [(i, (i + 1) % p) for i in range(p)])
+            arrived = send(out, row.f_send, tables.pairs[0])
             return EvalCarry(fwd=self.place(c.fwd.at[row.fwd_arrival].set(arrived)),
                              loss=c.loss + part)
 
@@ -72,17 +71,17 @@ class EvalStage(LocalStage):
     def infer(self, inbox, row: Row) -> tuple[jax.Array, jax.Array]:
         """(output for the next stage, the microbatch's loss on the last chunk)."""
         h = self.hooks
-        mb = self.microbatch(row.mb)
-        x = jax.lax.cond(row.first, lambda: self.embed(mb["tokens"], h),
-                         lambda: self.act(inbox[row.read]))
-        y = self.act(self.run(self.chunk(row.chunk), x, h, row.layers))
+        mb = self.microbatch(row.f_mb)
+        x = jax.lax.cond(row.f_first, lambda: self.embed(mb["tokens"], h),
+                         lambda: self.act(inbox[row.f_read]))
+        y = self.act(self.run(self.chunk(row.f_chunk), x, h, row.f_layers))
 
         def loss():
             return cross_entropy(self.fns.head(self.outer, y, h), mb["tokens"][:, 1:],
                                  mb["weights"])
 
-        part = jax.lax.cond(row.last, loss, self.no_loss)
-        return jnp.where(row.last, self.x_zero, y), part
+        part = jax.lax.cond(row.f_last, loss, self.no_loss)
+        return jnp.where(row.f_last, self.x_zero, y), part
 
     def infer_split(self, inbox, row: Row, enters, leaves) -> tuple[jax.Array, jax.Array]:
         """`infer` with the tables in row blocks over `pipe`: microbatch
@@ -93,17 +92,16 @@ class EvalStage(LocalStage):
         x0 = jax.lax.cond(enters >= 0,
                           lambda: self.embed(self.microbatch(enters)["tokens"], self.ends),
                           lambda: self.x_zero)
-        x = jnp.where(row.first, x0, inbox[row.read])
-        chunk = self.chunk(row.chunk)
-        y = jax.lax.cond(row.kind == FWD,
-                         lambda: self.act(self.run(chunk, x, self.hooks, row.layers)),
+        x = jnp.where(row.f_first, x0, inbox[row.f_read])
+        chunk = self.chunk(row.f_chunk)
+        y = jax.lax.cond(row.f, lambda: self.act(self.run(chunk, x, self.hooks, row.f_layers)),
                          lambda: self.x_zero)
 
         def head_loss():
-            out = self.act(self.rows.sum(jnp.where(row.last, y, self.x_zero)))
+            out = self.act(self.rows.sum(jnp.where(row.f_last, y, self.x_zero)))
             mb = self.microbatch(leaves)
             return cross_entropy(self.fns.head(self.outer, out, self.ends), mb["tokens"][:, 1:],
                                  mb["weights"], self.rows.axis)
 
         part = jax.lax.cond(leaves >= 0, head_loss, self.no_loss)
-        return jnp.where(row.last, self.x_zero, y), part
+        return jnp.where(row.f_last, self.x_zero, y), part

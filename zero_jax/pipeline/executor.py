@@ -150,7 +150,7 @@ def _train(loop: _Loop, cpu: bool, outer, stack, micro, scale):
         outer = constrain(outer, inner, where.gather[0])
         stack = constrain(stack, inner, where.gather[1])
     stage = TrainStage(loop.fns, hooks, where, outer, chunks_of(stack, loop.schedule.v), micro,
-                       loop.x_shape, scale)
+                       loop.x_shape, scale, split=loop.schedule.split_backward)
     c = stage.loop(loop.tables)
     # (shards, v, slots, ...) -> (shards, v * slots, ...): the device's part of the stack
     g_stack = jax.tree.map(lambda a: a.reshape(a.shape[0], -1, *a.shape[3:]), c.g_stack)

@@ -3,13 +3,19 @@ reads at each (tick, device), and one device's row of them at a tick.
 
 The loop (executor.py) runs traced, in lockstep, and can only index fixed
 arrays. So everything a schedule decides is worked out here, in numpy,
-before tracing: each action's kind, microbatch and chunk, and the slots of
-the buffers it reads and writes. A forward keeps its input in a stash slot
-until its backward; an activation or gradient sent to a neighbour waits in
-an inbox slot until the action that uses it. A slot is taken when a value is
-written and given back when it is read, so a device reuses its slots, and
-each buffer is as large as the most slots one device holds at once: m
-stashed inputs under gpipe, at most p under 1f1b.
+before tracing: for each part of a tick (its forward, its backward, its
+weight gradients) whether it runs, its microbatch and chunk, and the slots
+of the buffers it reads and writes; and which devices send at the tick's
+end. A forward keeps its input in a stash slot until its backward; an
+activation or gradient sent to a neighbour waits in an inbox slot until the
+action that uses it; under a split backward, what B keeps for W waits in a
+W slot. A slot is taken when a value is written and given back when it is
+read, so a device reuses its slots, and each buffer is as large as the most
+slots one device holds at once.
+
+Sends go only where a message goes: each tick's senders are one of a few
+pair lists (`f_pairs`, `b_pairs`), and the loop sends over the tick's list only, so
+a device with nothing in flight sends nothing.
 """
 
 from __future__ import annotations
@@ -21,31 +27,46 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zero_jax.pipeline.schedule import Action, Schedule
+from zero_jax.pipeline.schedule import W_PER_TICK, Action, Schedule
 
-NOP, FWD, BWD = 0, 1, 2
+Pairs = tuple[tuple[int, int], ...]
 
 
 @dataclasses.dataclass(frozen=True)
 class Program:
     """A schedule as arrays the loop indexes with (tick, device)."""
 
-    kind: np.ndarray  # NOP / FWD / BWD
-    mb: np.ndarray  # microbatch
-    chunk: np.ndarray  # local chunk k
-    first: np.ndarray  # global chunk 0: forward starts from the embedding
-    last: np.ndarray  # global chunk G - 1: forward ends in the loss
-    stash: np.ndarray  # stash slot written by F, read by B
-    read: np.ndarray  # F: inbox slot of its input; B: inbox slot of its gradient
-    dy: np.ndarray  # F on the last chunk: gradient slot its loss gradient goes to
+    f: np.ndarray  # a forward runs
+    f_mb: np.ndarray
+    f_chunk: np.ndarray  # local chunk k
+    f_first: np.ndarray  # global chunk 0: the forward starts from the embedding
+    f_last: np.ndarray  # global chunk G - 1: the forward ends in the loss
+    f_read: np.ndarray  # inbox slot of its input (past the first chunk)
+    f_stash: np.ndarray  # stash slot its input is kept in
+    f_dy: np.ndarray  # last chunk: gradient-inbox slot its loss gradient goes to
+    b: np.ndarray  # a backward runs
+    b_mb: np.ndarray
+    b_chunk: np.ndarray
+    b_first: np.ndarray  # global chunk 0: the backward ends in the embedding
+    b_stash: np.ndarray  # stash slot of its input
+    b_read: np.ndarray  # gradient-inbox slot of its output's gradient
+    b_keep: np.ndarray  # split backward: W slot that what W needs is kept in
+    w: np.ndarray  # (ticks, p, W_PER_TICK): a weight gradient runs
+    w_chunk: np.ndarray
+    w_slot: np.ndarray  # W slot it reads
     fwd_arrival: np.ndarray  # slot for the activation arriving at the end of this tick
     bwd_arrival: np.ndarray  # slot for the gradient arriving at the end of this tick
-    slots: tuple[int, int, int]  # (stash, forward inbox, backward inbox) sizes
+    slots: tuple[int, int, int, int]  # (stash, forward inbox, gradient inbox, W) sizes
+    f_send: np.ndarray  # (ticks,): index into f_pairs of the tick's activation sends
+    b_send: np.ndarray  # (ticks,): index into b_pairs of its gradient sends
+    f_pairs: tuple[Pairs, ...]  # (source, target) lists of activation sends; the first empty
+    b_pairs: tuple[Pairs, ...]  # the same for gradients
 
     @classmethod
     def tables(cls) -> tuple[str, ...]:
         """The per-(tick, device) arrays, by field name."""
-        return tuple(f.name for f in dataclasses.fields(cls) if f.name != "slots")
+        return tuple(f.name for f in dataclasses.fields(cls)
+                     if f.name not in ("slots", "f_send", "b_send", "f_pairs", "b_pairs"))
 
     @classmethod
     def of(cls, s: Schedule) -> "Program":
@@ -55,15 +76,20 @@ class Program:
         """Per tick, the microbatch whose forward starts (on the first chunk)
         and the one whose forward finishes (on the last chunk), or -1."""
         out = []
-        for at in (self.first, self.last):
-            hit = (self.kind == FWD) & (at == 1)
-            out.append(np.where(hit.any(1), (self.mb * hit).sum(1), -1).astype(np.int32))
+        for at in (self.f_first, self.f_last):
+            hit = (self.f == 1) & (at == 1)
+            out.append(np.where(hit.any(1), (self.f_mb * hit).sum(1), -1).astype(np.int32))
         return out[0], out[1]
+
+    def messages(self) -> int:
+        """Messages sent in the step (activations and gradients)."""
+        return (sum(len(self.f_pairs[i]) for i in self.f_send)
+                + sum(len(self.b_pairs[i]) for i in self.b_send))
 
 
 class _Slots:
-    """One buffer's slots (the stash, or an inbox), per device: taken by
-    the value written into them, given back when it is read."""
+    """One buffer's slots (the stash, an inbox, the W buffer), per device:
+    taken by the value written into them, given back when it is read."""
 
     def __init__(self, p: int):
         self._free: list[list[int]] = [[] for _ in range(p)]
@@ -93,92 +119,139 @@ class _Slots:
 
 class _Compiler:
     """Fills a Program's tables tick by tick, in the order the loop runs
-    them: each device's action, then the messages sent at the tick's end."""
+    them: each device's forward, backward and weight gradients, then the
+    messages sent at the tick's end."""
 
     def __init__(self, s: Schedule):
         self.s = s
-        self.arr = {k: np.zeros((s.ticks, s.p), np.int32) for k in Program.tables()}
-        self.stash, self.fwd, self.bwd = _Slots(s.p), _Slots(s.p), _Slots(s.p)
+        shape = (s.ticks, s.p)
+        self.arr = {k: np.zeros(shape + ((W_PER_TICK,) if k.startswith("w") else ()), np.int32)
+                    for k in Program.tables()}
+        self.stash, self.fwd, self.bwd, self.keep = (_Slots(s.p) for _ in range(4))
+        self.pairs: tuple[dict[Pairs, int], ...] = ({(): 0}, {(): 0})
+        self.sends = np.zeros((2, s.ticks), np.int32)
 
     def program(self) -> Program:
         for t, row in enumerate(self.s.table):
-            for d, a in enumerate(row):
-                if a is not None:
-                    self.action(t, d, a)
+            for d, actions in enumerate(row):
+                ws = 0
+                for a in actions:
+                    if a.kind == "F":
+                        self.forward(t, d, a)
+                    elif a.kind == "B":
+                        self.backward(t, d, a)
+                    else:
+                        self.weight(t, d, a, ws)
+                        ws += 1
             self.arrivals(t, row)
-        slots = (self.stash.size, self.fwd.size, self.bwd.size)
+        slots = (self.stash.size, self.fwd.size, self.bwd.size, self.keep.size)
         # "No arrival" writes into a spare slot past the end.
         self.arr["fwd_arrival"][self.arr["fwd_arrival"] < 0] = slots[1]
         self.arr["bwd_arrival"][self.arr["bwd_arrival"] < 0] = slots[2]
-        return Program(**self.arr, slots=slots)
+        f_pairs, b_pairs = (tuple(sorted(p, key=p.get)) for p in self.pairs)
+        return Program(**self.arr, slots=slots, f_send=self.sends[0], b_send=self.sends[1],
+                       f_pairs=f_pairs, b_pairs=b_pairs)
 
-    def action(self, t: int, d: int, a: Action) -> None:
-        """Device d's entries at tick t: a forward reads its input's inbox
-        slot (past the first chunk) and stashes the input (and, on the last
-        chunk, opens the slot of the loss gradient); a backward reads its
-        stash and its gradient's inbox slot."""
-        arr, G = self.arr, self.s.chunks
-        g = self.s.global_chunk(d, a)
-        arr["kind"][t, d] = FWD if a.kind == "F" else BWD
-        arr["mb"][t, d], arr["chunk"][t, d] = a.mb, a.chunk
-        arr["first"][t, d], arr["last"][t, d] = g == 0, g == G - 1
+    def forward(self, t: int, d: int, a: Action) -> None:
+        """Reads its input's inbox slot (past the first chunk), stashes the
+        input and, on the last chunk, opens the slot of the loss gradient."""
+        arr, g = self.arr, self.s.global_chunk(d, a)
         key = (a.mb, a.chunk)
-        if a.kind == "F":
-            if g > 0:
-                arr["read"][t, d] = self.fwd.give_back(d, key)
-            arr["stash"][t, d] = self.stash.take(d, key)
-            if g == G - 1:
-                arr["dy"][t, d] = self.bwd.take(d, key)
-        else:
-            arr["stash"][t, d] = self.stash.give_back(d, key)
-            arr["read"][t, d] = self.bwd.give_back(d, key)
+        arr["f"][t, d], arr["f_mb"][t, d], arr["f_chunk"][t, d] = 1, a.mb, a.chunk
+        arr["f_first"][t, d], arr["f_last"][t, d] = g == 0, g == self.s.chunks - 1
+        if g > 0:
+            arr["f_read"][t, d] = self.fwd.give_back(d, key)
+        arr["f_stash"][t, d] = self.stash.take(d, key)
+        if g == self.s.chunks - 1:
+            arr["f_dy"][t, d] = self.bwd.take(d, key)
 
-    def arrivals(self, t: int, row: tuple[Action | None, ...]) -> None:
+    def backward(self, t: int, d: int, a: Action) -> None:
+        """Reads its stash and its gradient's inbox slot; under a split
+        backward, opens the W slot of what its W needs."""
+        arr, g = self.arr, self.s.global_chunk(d, a)
+        key = (a.mb, a.chunk)
+        arr["b"][t, d], arr["b_mb"][t, d], arr["b_chunk"][t, d] = 1, a.mb, a.chunk
+        arr["b_first"][t, d] = g == 0
+        arr["b_stash"][t, d] = self.stash.give_back(d, key)
+        arr["b_read"][t, d] = self.bwd.give_back(d, key)
+        if self.s.split_backward:
+            arr["b_keep"][t, d] = self.keep.take(d, key)
+
+    def weight(self, t: int, d: int, a: Action, j: int) -> None:
+        arr = self.arr
+        arr["w"][t, d, j], arr["w_chunk"][t, d, j] = 1, a.chunk
+        arr["w_slot"][t, d, j] = self.keep.give_back(d, (a.mb, a.chunk))
+
+    def arrivals(self, t: int, row: tuple[tuple[Action, ...], ...]) -> None:
         """Inbox slots for the messages sent at the end of tick t, taken by
-        their receivers: device d gets the activation of d - 1's forward
-        and the gradient of d + 1's backward, -1 where none comes."""
+        their receivers (device d gets the activation of d - 1's forward and
+        the gradient of d + 1's backward; -1 where none comes), and the
+        tick's pair lists."""
         p, G, arr = self.s.p, self.s.chunks, self.arr
+        sent: tuple[list, list] = ([], [])
         for d in range(p):
             arr["fwd_arrival"][t, d] = arr["bwd_arrival"][t, d] = -1
-            sender = row[(d - 1) % p]
-            if sender is not None and sender.kind == "F":
-                g = self.s.global_chunk((d - 1) % p, sender)
-                if g < G - 1:
-                    arr["fwd_arrival"][t, d] = self.fwd.take(d, (sender.mb, (g + 1) // p))
-            sender = row[(d + 1) % p]
-            if sender is not None and sender.kind == "B":
-                g = self.s.global_chunk((d + 1) % p, sender)
-                if g > 0:
-                    arr["bwd_arrival"][t, d] = self.bwd.take(d, (sender.mb, (g - 1) // p))
+            src = (d - 1) % p
+            for a in row[src]:
+                g = self.s.global_chunk(src, a)
+                if a.kind == "F" and g < G - 1:
+                    arr["fwd_arrival"][t, d] = self.fwd.take(d, (a.mb, (g + 1) // p))
+                    sent[0].append((src, d))
+            src = (d + 1) % p
+            for a in row[src]:
+                g = self.s.global_chunk(src, a)
+                if a.kind == "B" and g > 0:
+                    arr["bwd_arrival"][t, d] = self.bwd.take(d, (a.mb, (g - 1) // p))
+                    sent[1].append((src, d))
+        for i, pairs in enumerate(sent):
+            known = self.pairs[i]
+            self.sends[i, t] = known.setdefault(tuple(sorted(pairs)), len(known))
 
 
 class Row(NamedTuple):
     """One device's entries of a Program at one tick (traced scalars, the
-    fields as Program's), and the number of layers in the chunk it runs.
-    Evaluation uses fewer of them; XLA drops the reads it does not use."""
+    fields as Program's; the W fields one per W part), and the number of
+    layers in the chunks its forward and backward run. Evaluation uses
+    fewer of them; XLA drops the reads it does not use."""
 
-    kind: jax.Array
-    mb: jax.Array
-    chunk: jax.Array
-    first: jax.Array
-    last: jax.Array
-    stash: jax.Array
-    read: jax.Array
-    dy: jax.Array
+    f: jax.Array
+    f_mb: jax.Array
+    f_chunk: jax.Array
+    f_first: jax.Array
+    f_last: jax.Array
+    f_read: jax.Array
+    f_stash: jax.Array
+    f_dy: jax.Array
+    b: jax.Array
+    b_mb: jax.Array
+    b_chunk: jax.Array
+    b_first: jax.Array
+    b_stash: jax.Array
+    b_read: jax.Array
+    b_keep: jax.Array
+    w: jax.Array
+    w_chunk: jax.Array
+    w_slot: jax.Array
     fwd_arrival: jax.Array
     bwd_arrival: jax.Array
-    layers: jax.Array  # of the chunk's slots, how many hold layers (the rest pass x through)
+    f_layers: jax.Array  # of the forward's chunk's slots, how many hold layers
+    b_layers: jax.Array  # the same for the backward's (and its W's) chunk
+    f_send: jax.Array  # the tick's activation pair list (the same on every device)
+    b_send: jax.Array
 
 
 class Tables:
     """A Program's tables as device arrays, read at a traced (tick, device)."""
 
     def __init__(self, program: Program, counts: np.ndarray):
-        self.ticks, self.p = program.kind.shape
+        self.ticks, self.p = program.f.shape
         self.slots = program.slots
+        self.pairs = program.f_pairs, program.b_pairs
         self.arrays = {k: jnp.asarray(getattr(program, k)) for k in Program.tables()}
+        self.sends = jnp.asarray(np.stack([program.f_send, program.b_send]))
         self.counts = jnp.asarray(counts)  # layers in each (device, local chunk)
 
     def at(self, t: jax.Array, d: jax.Array) -> Row:
-        entries = {k: a[t, d] for k, a in self.arrays.items()}
-        return Row(**entries, layers=self.counts[d, entries["chunk"]])
+        e = {k: a[t, d] for k, a in self.arrays.items()}
+        return Row(**e, f_layers=self.counts[d, e["f_chunk"]], b_layers=self.counts[d, e["b_chunk"]],
+                   f_send=self.sends[0, t], b_send=self.sends[1, t])

@@ -1,38 +1,63 @@
-"""Pipeline schedules as static tables: which stage does what at each tick.
+"""Pipeline schedules as static tables: what each stage does at each tick.
 
 The layer stack is cut into G = p * v chunks. Device d (a `pipe` index) holds
 chunks d, d + p, ..., d + (v - 1) p: with v = 1 one contiguous stage, with
-v > 1 Megatron's interleaved (circular) placement. An action is a forward (F)
-or backward (B) pass of one microbatch through one of the device's chunks.
+v > 1 Megatron's interleaved (circular) placement. An action is a forward
+(F), a backward (B) or a weight gradient (W) of one microbatch through one
+of the device's chunks.
 
-A schedule is each device's order of actions; `simulate` turns it into a
-table by running every device as early as its inputs allow, one action per
-tick (forward and backward counted as one unit each, the convention the
-bubble formulas use). A message sent at tick t is usable at tick t + 1.
-`cost` prices the table as the loop runs it: a backward costs three
-forwards (it recomputes the forward), each tick lasts as long as its
-slowest device plus its sends.
-Adding a schedule is adding an order function.
+The loop (executor.py) runs in ticks, all devices in step, since every tick
+ends in the sends between neighbours. A tick is fused: a device runs at
+most one forward and one backward in it (of different microbatches, or of
+the same one on the last chunk, whose loss gradient needs no message), and
+in zero-bubble schedules up to `W_PER_TICK` weight gradients, in that
+order; then the sends. A message sent at tick t is usable at tick t + 1.
+In the steady state of 1F1B every stage runs a forward and a backward per
+tick, so no stage waits for a neighbour out of phase with it, and the idle
+fraction approaches (p - 1) / (m + p - 1), as in asynchronous 1F1B.
+
+A schedule is each device's order of forwards and of backwards, and how
+many forwards it may have in flight (stashed, awaiting their backward);
+`simulate` runs each device as early as its inputs and that bound allow.
+Zero-bubble schedules split each backward into the input gradient (B, on
+the critical path between stages) and the weight gradient (W, on the
+device only), and place the Ws where they lengthen no tick (`_place_ws`).
 
     gpipe        every forward, then every backward (all m stashed)
-    1f1b         PipeDream-flush: warm-up forwards, then one forward, one
-                 backward; at most p microbatches in flight per stage
-    interleaved  1f1b over v chunks per device (Megatron); bubble / v
+    1f1b         PipeDream-flush: forwards run ahead only as far as the
+                 round trip to the last stage needs, then one forward and
+                 one backward per tick
+    interleaved  1f1b over v chunks per device (Megatron's order, in rounds
+                 of p microbatches; the last round may be shorter)
+    zb-h1        1f1b with each W split off and deferred (Qi et al. 2023,
+                 arXiv 2401.10241): stage d delays up to d of them, into
+                 ticks where it would idle
+
+`cost` prices a table as the loop runs it. Adding a schedule is adding an
+entry to `_PLANS`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import typing
+from collections import deque
 from typing import Literal, NamedTuple, Sequence
 
-ScheduleName = Literal["gpipe", "1f1b", "interleaved"]
+ScheduleName = Literal["gpipe", "1f1b", "interleaved", "zb-h1"]
 SCHEDULES: tuple[str, ...] = typing.get_args(ScheduleName)
+SPLIT_BACKWARD = frozenset({"zb-h1"})  # schedules whose backward leaves W for later
+W_PER_TICK = 2  # weight gradients a device may run in one tick
+
+# Unit costs the zero-bubble placement of W assumes, in layer forwards: the
+# input gradient recomputes the chunk's forward and runs the half of the
+# backward that gives dx; the weight gradient is one product per matrix.
+_UNIT = {"F": 1.0, "B": 2.0, "W": 1.0}
 
 
 @dataclasses.dataclass(frozen=True)
 class Action:
-    kind: str  # "F" or "B"
+    kind: str  # "F", "B" or "W"
     mb: int  # microbatch
     chunk: int  # the device's local chunk k; global chunk g = k * p + device
 
@@ -43,7 +68,7 @@ class Schedule:
     p: int  # pipeline stages (devices along `pipe`)
     m: int  # microbatches
     v: int  # chunks per device
-    table: tuple[tuple[Action | None, ...], ...]  # [tick][device]
+    table: tuple[tuple[tuple[Action, ...], ...], ...]  # [tick][device] -> actions, in order
 
     @property
     def ticks(self) -> int:
@@ -53,112 +78,159 @@ class Schedule:
     def chunks(self) -> int:
         return self.p * self.v
 
+    @property
+    def split_backward(self) -> bool:
+        """Whether backwards give input gradients only, and Ws the weights'."""
+        return self.name in SPLIT_BACKWARD
+
     def global_chunk(self, device: int, action: Action) -> int:
         return action.chunk * self.p + device
 
-    @property
-    def bubble(self) -> float:
-        """Idle fraction of device-ticks (every action one unit: the formulas' convention)."""
-        idle = sum(a is None for row in self.table for a in row)
-        return idle / (self.ticks * self.p)
+    def actions(self, device: int, kind: str) -> list[tuple[int, Action]]:
+        """(tick, action) of `kind` on `device`, in order."""
+        return [(t, a) for t, row in enumerate(self.table) for a in row[device] if a.kind == kind]
+
+    def stash_peak(self) -> list[int]:
+        """Per device, the most forward inputs held at once (a forward's stash
+        is written before the same tick's backward frees one)."""
+        out = []
+        for d in range(self.p):
+            live = worst = 0
+            for row in self.table:
+                for a in row[d]:
+                    live += (a.kind == "F") - (a.kind == "B")
+                    worst = max(worst, live)
+            out.append(worst)
+        return out
 
     def max_in_flight(self) -> int:
-        """Most (microbatch, chunk) forwards awaiting their backward on one device."""
-        worst = 0
+        """The largest stash of any device."""
+        return max(self.stash_peak())
+
+    def pending_w_peak(self) -> list[int]:
+        """Per device, the most weight gradients waiting at once (0 unless
+        the backward is split): each holds its chunk's matrix inputs and
+        output gradients."""
+        out = []
         for d in range(self.p):
-            live = 0
+            live = worst = 0
             for row in self.table:
-                a = row[d]
-                live += (a is not None and a.kind == "F") - (a is not None and a.kind == "B")
-                worst = max(worst, live)
-        return worst
+                for a in row[d]:
+                    live += (a.kind == "B" and self.split_backward) - (a.kind == "W")
+                    worst = max(worst, live)
+            out.append(worst)
+        return out
 
     def chart(self) -> str:
-        """One line per stage, one column per tick: F3 / B3 (chunk letter if v > 1), '.' idle."""
-        width = len(str(self.m - 1)) + 1 + (self.v > 1)
-        lines = []
-        for d in range(self.p):
-            cells = []
-            for row in self.table:
-                a = row[d]
-                text = "." if a is None else f"{a.kind}{a.mb}" + (chr(97 + a.chunk) if self.v > 1 else "")
-                cells.append(text.ljust(width))
-            lines.append(f"stage {d}: " + " ".join(cells).rstrip())
-        return "\n".join(lines)
+        """One line per stage, one column per tick: its actions (F3, B3, W3;
+        the chunk letter after the microbatch if v > 1), '.' idle."""
+        def cell(actions):
+            return "".join(f"{a.kind}{a.mb}" + (chr(97 + a.chunk) if self.v > 1 else "")
+                           for a in actions) or "."
+        cells = [[cell(row[d]) for row in self.table] for d in range(self.p)]
+        widths = [max(len(cells[d][t]) for d in range(self.p)) for t in range(self.ticks)]
+        return "\n".join(f"stage {d}: " + " ".join(c.ljust(w) for c, w in zip(cells[d], widths)).rstrip()
+                         for d in range(self.p))
 
 
 class Cost(NamedTuple):
     """A schedule's time in units of one layer's forward pass, one microbatch."""
 
-    total: float  # the step: every tick lasts its slowest action, then its sends
+    total: float  # the step: every tick lasts its slowest device, then its sends
     busy: float  # work done, summed over devices
     sends: float  # of `total`, the ticks' sends
     ticks: tuple[float, ...]  # each tick's length
+    p: int = 1
 
     @property
     def bubble(self) -> float:
         """Idle fraction of the devices' time: 1 - busy / (p x total)."""
-        p = self.p
-        return 1 - self.busy / (p * self.total) if self.total else 0.0
-
-    p: int = 1
+        return 1 - self.busy / (self.p * self.total) if self.total else 0.0
 
 
 def cost(s: Schedule, layers: Sequence[float], head: float = 0.0, embed: float = 0.0,
-         send: float = 0.0, backward: float = 3.0) -> Cost:
-    """The time of the lockstep loop that runs `s` (executor.py).
+         send: float = 0.0, backward: float = 3.0, weight: float = 1.0) -> Cost:
+    """The time of the loop that runs `s` (executor.py).
 
-    `layers[g]`: layers in global chunk g. A forward costs its layers (1
-    each), plus the embedding on chunk 0 (`embed`) and, on the last chunk,
-    the head's forward and backward (3 `head`: it runs in the same tick).
-    A backward recomputes the chunk's forward from its stashed input, then
-    runs the backward proper (twice the forward's FLOPs): `backward` = 3 per
-    layer (4 where each block is rematerialised again inside it), plus the
-    embedding's backward on chunk 0. Every tick ends in the two
-    `ppermute`s of the loop (`send` each tick, not overlapped), and lasts as
-    long as its slowest device, since all devices wait at those sends.
+    `layers[g]`: the work of global chunk g, in layer forwards. A forward
+    costs its layers, plus the embedding on chunk 0 (`embed`) and, on the
+    last chunk, the head's forward and backward (3 `head`: it runs in the
+    forward's part of the tick). A backward recomputes the chunk's forward
+    from its stashed input and runs the backward proper: `backward` per
+    layer (3; 4 where each block is rematerialised again inside it), plus
+    the embedding's backward on chunk 0. Where the backward is split, B
+    costs `backward - weight` per layer and W `weight` (one product per
+    matrix, from the inputs and output gradients B kept). A tick lasts as
+    long as its slowest device, then each of its two sends (`send` each)
+    that carries anything.
     """
     G = s.chunks
+    split = s.split_backward
 
-    def of(d: int, a: Action | None) -> float:
-        if a is None:
-            return 0.0
+    def of(d: int, a: Action) -> float:
         g = s.global_chunk(d, a)
         if a.kind == "F":
             return layers[g] + (embed if g == 0 else 0) + (3 * head if g == G - 1 else 0)
-        return backward * layers[g] + (embed if g == 0 else 0)
+        if a.kind == "W":
+            return weight * layers[g]
+        return (backward - weight * split) * layers[g] + (embed if g == 0 else 0)
 
-    work = [[of(d, a) for d, a in enumerate(row)] for row in s.table]
-    ticks = tuple(max(row) + send for row in work)
-    return Cost(sum(ticks), sum(map(sum, work)), send * len(ticks), ticks, s.p)
-
-
-def _gpipe(p: int, m: int, v: int, d: int) -> list[Action]:
-    return [Action("F", i, 0) for i in range(m)] + [Action("B", i, 0) for i in range(m)]
-
-
-def _one_f_one_b(p: int, m: int, v: int, d: int) -> list[Action]:
-    warm = min(p - d - 1, m)
-    order = [Action("F", i, 0) for i in range(warm)]
-    for i in range(m - warm):
-        order += [Action("F", warm + i, 0), Action("B", i, 0)]
-    return order + [Action("B", i, 0) for i in range(m - warm, m)]
+    work = [[sum(of(d, a) for a in acts) for d, acts in enumerate(row)] for row in s.table]
+    sends = [send * (any(_sends(s, t, d, "F") for d in range(s.p))
+                     + any(_sends(s, t, d, "B") for d in range(s.p))) for t in range(s.ticks)]
+    ticks = tuple(max(row) + c for row, c in zip(work, sends))
+    return Cost(sum(ticks), sum(map(sum, work)), sum(sends), ticks, s.p)
 
 
-def _interleaved(p: int, m: int, v: int, d: int) -> list[Action]:
-    # Megatron's order: microbatches in groups of p; within a group, every
-    # chunk in turn (forward: 0..v-1, backward: v-1..0).
-    forwards = [Action("F", g + i, k) for g in range(0, m, p) for k in range(v) for i in range(p)]
-    backwards = [Action("B", g + i, k) for g in range(0, m, p) for k in reversed(range(v))
-                 for i in range(p)]
-    warm = min((p - d - 1) * 2 + (v - 1) * p, m * v)
-    order = forwards[:warm]
-    for i in range(m * v - warm):
-        order += [forwards[warm + i], backwards[i]]
-    return order + backwards[m * v - warm:]
+def _sends(s: Schedule, t: int, d: int, kind: str) -> bool:
+    """Whether device d sends a message at the end of tick t: the output of
+    a forward (kind F) not on the last chunk, or the input gradient of a
+    backward (kind B) not on the first."""
+    for a in s.table[t][d]:
+        if a.kind == kind:
+            g = s.global_chunk(d, a)
+            return g < s.chunks - 1 if kind == "F" else g > 0
+    return False
 
 
-_ORDERS = {"gpipe": _gpipe, "1f1b": _one_f_one_b, "interleaved": _interleaved}
+# -- orders ------------------------------------------------------------------
+
+class Plan(NamedTuple):
+    """One device's part of a schedule: its forwards and backwards in order,
+    how many forwards it may have in flight, and whether its backwards wait
+    for all of its forwards."""
+
+    forwards: list[Action]
+    backwards: list[Action]
+    in_flight: int
+    after_forwards: bool = False
+
+
+def _gpipe(p: int, m: int, v: int, d: int) -> Plan:
+    return Plan([Action("F", i, 0) for i in range(m)], [Action("B", i, 0) for i in range(m)],
+                m, after_forwards=True)
+
+
+def _one_f_one_b(p: int, m: int, v: int, d: int) -> Plan:
+    # A forward's backward comes back 2 (p - d) - 1 ticks later (to the last
+    # stage and back, one tick a hop; the last stage's in the same tick), so
+    # that many forwards keep stage d busy.
+    return Plan([Action("F", i, 0) for i in range(m)], [Action("B", i, 0) for i in range(m)],
+                2 * (p - d))
+
+
+def _interleaved(p: int, m: int, v: int, d: int) -> Plan:
+    # Megatron's order, in rounds of p microbatches (the last may be
+    # shorter): within a round every chunk in turn, forwards 0..v-1,
+    # backwards v-1..0.
+    rounds = [range(r, min(r + p, m)) for r in range(0, m, p)]
+    forwards = [Action("F", i, k) for mbs in rounds for k in range(v) for i in mbs]
+    backwards = [Action("B", i, k) for mbs in rounds for k in reversed(range(v)) for i in mbs]
+    return Plan(forwards, backwards, 2 * (p * v - d) + p * (v - 1))
+
+
+_PLANS = {"gpipe": _gpipe, "1f1b": _one_f_one_b, "interleaved": _interleaved,
+          "zb-h1": _one_f_one_b}
 
 
 def check_shape(name: str, p: int, m: int, v: int) -> None:
@@ -169,82 +241,127 @@ def check_shape(name: str, p: int, m: int, v: int) -> None:
         raise ValueError(f"--virtual-stages {v} applies to the interleaved schedule only")
     if v < 1 or m < 1:
         raise ValueError("microbatches and virtual stages must be >= 1")
-    if name == "interleaved" and m % p:
-        raise ValueError(f"the interleaved schedule needs microbatches ({m}) divisible by "
-                         f"pipe ({p}); use --microbatches {-(-m // p) * p}")
 
 
 def build(name: str, p: int, m: int, v: int = 1) -> Schedule:
     """The table of schedule `name` for p stages, m microbatches, v chunks per device."""
-    if name not in _ORDERS:
-        raise ValueError(f"pipeline schedule {name!r}: choose from {', '.join(SCHEDULES)}")
-    orders = [_ORDERS[name](p, m, v, d) for d in range(p)]
-    return Schedule(name, p, m, v, simulate(orders, p, m, v))
+    check_shape(name, p, m, v)
+    plans = [_PLANS[name](p, m, v, d) for d in range(p)]
+    table = simulate(plans, p, v)
+    if name in SPLIT_BACKWARD:
+        table = _place_ws(table, p, v, defer=[2 * d for d in range(p)])
+    return Schedule(name, p, m, v, table)
 
 
 def forward_only(name: str, p: int, m: int, v: int = 1) -> Schedule:
     """Schedule `name`'s forwards alone (evaluation): each device's forwards in
     the order the schedule runs them, as early as their inputs allow."""
-    if name not in _ORDERS:
-        raise ValueError(f"pipeline schedule {name!r}: choose from {', '.join(SCHEDULES)}")
-    orders = [[a for a in _ORDERS[name](p, m, v, d) if a.kind == "F"] for d in range(p)]
-    return Schedule(f"{name} (forward)", p, m, v, simulate(orders, p, m, v))
+    check_shape(name, p, m, v)
+    plans = [Plan(_PLANS[name](p, m, v, d).forwards, [], m * v) for d in range(p)]
+    return Schedule(f"{name} (forward)", p, m, v, simulate(plans, p, v))
 
 
-def simulate(orders: list[list[Action]], p: int, m: int, v: int) -> tuple[tuple[Action | None, ...], ...]:
-    """Run each device's order as early as dependencies allow, one action per tick."""
+def simulate(plans: list[Plan], p: int, v: int) -> tuple[tuple[tuple[Action, ...], ...], ...]:
+    """Run each device's plan as early as dependencies allow: per tick at
+    most its next forward (inputs arrived, fewer than `in_flight` stashed),
+    then the first of its backwards whose inputs are there."""
     G = p * v
-    done: dict[tuple[str, int, int], int] = {}  # (kind, mb, global chunk) -> tick finished
-    position = [0] * p
+    done: dict[tuple[str, int, int], int] = {}  # (kind, mb, global chunk) -> tick
+    fwd = [deque(plan.forwards) for plan in plans]
+    bwd = [list(plan.backwards) for plan in plans]
+    live = [0] * p
     table = []
-    while any(position[d] < len(orders[d]) for d in range(p)):
+    limit = 4 * sum(len(plan.forwards) + len(plan.backwards) for plan in plans) + 10
+    while any(fwd) or any(bwd):
         t = len(table)
-        row: list[Action | None] = []
-        for d in range(p):
-            if position[d] == len(orders[d]):
-                row.append(None)
-                continue
-            a = orders[d][position[d]]
-            g = a.chunk * p + d
-            if a.kind == "F":
-                needs = [("F", a.mb, g - 1)] if g > 0 else []
-            else:
-                needs = [("F", a.mb, g)] + ([("B", a.mb, g + 1)] if g < G - 1 else [])
-            if all(done.get(n, t) < t for n in needs):
-                row.append(a)
-                position[d] += 1
-            else:
-                row.append(None)
-        for d, a in enumerate(row):
-            if a is not None:
-                done[(a.kind, a.mb, a.chunk * p + d)] = t
+        row = []
+        for d, plan in enumerate(plans):
+            acts = []
+            a = fwd[d][0] if fwd[d] else None
+            if a is not None and live[d] < plan.in_flight:
+                g = a.chunk * p + d
+                if g == 0 or done.get(("F", a.mb, g - 1), t) < t:
+                    acts.append(fwd[d].popleft())
+                    live[d] += 1
+                    done[("F", a.mb, g)] = t
+            if not (plan.after_forwards and fwd[d]):
+                for i, b in enumerate(bwd[d]):
+                    g = b.chunk * p + d
+                    grad = (("F", b.mb, g) if g == G - 1 else ("B", b.mb, g + 1))
+                    own_f = done.get(("F", b.mb, g), t + 1) <= t
+                    arrived = done.get(grad, t + 1) <= t if g == G - 1 else done.get(grad, t) < t
+                    if own_f and arrived:
+                        acts.append(bwd[d].pop(i))
+                        live[d] -= 1
+                        done[("B", b.mb, g)] = t
+                        break
+            row.append(tuple(acts))
         table.append(tuple(row))
-        if t > 4 * (m * v + p) * 2 + 10:
-            raise RuntimeError("schedule does not complete: its order has a cycle")
+        if t > limit:
+            raise RuntimeError("schedule does not complete: its plan has a cycle")
     return tuple(table)
 
 
+def _place_ws(table, p: int, v: int, defer: list[int]):
+    """The table with a W after each B, placed where it lengthens no tick.
+
+    Tick by tick: device d must run a W when more than `defer[d]` wait
+    (that lengthens the tick); then every device with Ws waiting runs them,
+    oldest first, as long as they fit in the tick's length (at most
+    `W_PER_TICK`). Ws still waiting at the end get ticks of their own."""
+    def load(acts):
+        return sum(_UNIT[a.kind] for a in acts)
+
+    waiting = [deque() for _ in range(p)]
+    out = []
+    for row in table:
+        row = [list(acts) for acts in row]
+        for d, acts in enumerate(row):
+            waiting[d].extend(Action("W", a.mb, a.chunk) for a in acts if a.kind == "B")
+        for d, acts in enumerate(row):
+            if len(waiting[d]) > defer[d]:
+                acts.append(waiting[d].popleft())
+        length = max(map(load, row))
+        for d, acts in enumerate(row):
+            while (waiting[d] and sum(a.kind == "W" for a in acts) < W_PER_TICK
+                   and load(acts) + _UNIT["W"] <= length):
+                acts.append(waiting[d].popleft())
+        out.append(tuple(map(tuple, row)))
+    while any(waiting):
+        out.append(tuple(tuple(waiting[d].popleft() for _ in range(min(W_PER_TICK, len(waiting[d]))))
+                         for d in range(p)))
+    return tuple(out)
+
+
 def violations(s: Schedule) -> list[str]:
-    """Everything wrong with a table (empty for a valid one); the tests' oracle."""
+    """Everything wrong with a table (empty for a valid one); the tests' oracle.
+    Within a tick a device's actions run in their order; a message from
+    another device is usable the tick after it is sent."""
     problems, when = [], {}
     for t, row in enumerate(s.table):
-        for d, a in enumerate(row):
-            if a is None:
-                continue
-            key = (a.kind, a.mb, s.global_chunk(d, a))
-            if key in when:
-                problems.append(f"{key} runs twice")
-            when[key] = t
+        for d, acts in enumerate(row):
+            kinds = [a.kind for a in acts]
+            if kinds.count("F") > 1 or kinds.count("B") > 1 or kinds.count("W") > W_PER_TICK:
+                problems.append(f"tick {t} device {d}: {kinds} is more than a tick runs")
+            for i, a in enumerate(acts):
+                key = (a.kind, a.mb, s.global_chunk(d, a))
+                if key in when:
+                    problems.append(f"{key} runs twice")
+                when[key] = (t, i)
+    last = s.chunks - 1
     for mb in range(s.m):
         for g in range(s.chunks):
             f, b = when.get(("F", mb, g)), when.get(("B", mb, g))
-            if f is None or b is None:
-                problems.append(f"microbatch {mb} chunk {g}: forward or backward missing")
+            w = when.get(("W", mb, g))
+            if f is None or b is None or (s.split_backward and w is None):
+                problems.append(f"microbatch {mb} chunk {g}: an action is missing")
                 continue
             if not f < b:
                 problems.append(f"microbatch {mb} chunk {g}: backward at {b} before forward at {f}")
-            if g > 0 and not when.get(("F", mb, g - 1), f) < f:
+            if w is not None and not b < w:
+                problems.append(f"microbatch {mb} chunk {g}: weight gradient before backward")
+            if g > 0 and not when.get(("F", mb, g - 1), f)[0] < f[0]:
                 problems.append(f"microbatch {mb} chunk {g}: forward before its input")
-            if g < s.chunks - 1 and not when.get(("B", mb, g + 1), b) < b:
+            if g < last and not when.get(("B", mb, g + 1), b)[0] < b[0]:
                 problems.append(f"microbatch {mb} chunk {g}: backward before its gradient")
     return problems

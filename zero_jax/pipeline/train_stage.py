@@ -1,43 +1,38 @@
-"""What a device does at one tick of the training loop, and how the result
-is written into the loop's carry.
+"""What a device does at one tick of the training loop, written into the
+loop's carry.
 
-Each tick a device runs one of three actions, chosen by its program row
-(program.py): nothing, a forward (F) of one microbatch through one of its
-chunks, or a backward (B). Every action returns the same `Tick` record,
-zeros where it made nothing, because `lax.switch` needs one output type and
-because then writing it back (`record`) is the same for all three: values
-are written under the action's kind, and the sends (`ppermute`) happen on
-every device alike, as collectives must.
+A tick is fused (schedule.py): a device runs its forward (F) if it has one,
+then its backward (B), then its weight gradients (W, under a split
+backward), each under `lax.cond` on its program row (program.py), so a part
+the device does not have costs nothing: it computes nothing and adds
+nothing to the accumulators. Each part writes its results into the carry
+itself and returns the message it sends (zeros if none). Then the sends:
+over the tick's pair list only (`send`), a collective every device runs
+alike since the list is the tick's.
 
 A forward keeps only its chunk's input (the stash); the backward recomputes
-the chunk's forward from it (activation checkpointing at chunk granularity).
+the chunk's forward from it (activation checkpointing at chunk
+granularity). A split backward keeps, for its W, each matrix product's
+input and output gradient (weight_grad.py).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
 
 from zero_jax.loss import cross_entropy
-from zero_jax.pipeline.program import BWD, FWD, Row, Tables
-from zero_jax.pipeline.stage import LocalStage
+from zero_jax.pipeline.program import Row, Tables
+from zero_jax.pipeline.schedule import W_PER_TICK
+from zero_jax.pipeline.stage import LocalStage, send
+from zero_jax.pipeline.weight_grad import SplitBackward
 
 if TYPE_CHECKING:
     from zero_jax.pipeline.executor import PipelineFns, StageLayout
-
-
-class Tick(NamedTuple):
-    """What one device's action at one tick produces (zeros where it has none)."""
-
-    stash: jax.Array  # F: its input, kept for its backward
-    to_next: jax.Array  # F: its output, for the next stage
-    to_prev: jax.Array  # B: the gradient of its input, for the previous stage
-    loss_grad: jax.Array  # F of the last chunk: the loss gradient its backward starts from
-    chunk_grads: Any  # B: gradients of the chunk's weights, per shard
-    outer_grads: Any  # embedding (B of the first chunk) and head (F of the last) gradients, per shard
-    loss: jax.Array  # F of the last chunk: the microbatch's loss, per shard
 
 
 class Carry(NamedTuple):
@@ -47,66 +42,88 @@ class Carry(NamedTuple):
     XLA's buffer assignment follows that tuple, so another order compiles
     to the same instructions with slightly different temp bytes."""
 
-    bwd: jax.Array  # backward inbox: gradients waiting for their B (one spare slot)
+    bwd: jax.Array  # gradient inbox: gradients waiting for their B (one spare slot)
     fwd: jax.Array  # forward inbox: activations waiting for their F (one spare slot)
     g_outer: Any  # embedding and head gradients, per shard
     g_stack: Any  # the chunks' weight gradients, per shard: (shards, v, slots, ...)
+    keep: Any  # split backward: what each waiting W needs, per W slot and shard
     loss: jax.Array  # loss sums, per shard
     stash: jax.Array  # F's inputs, kept for their B
 
 
 class TrainStage(LocalStage):
     """A device's stage in the training loop: `loss_scale` multiplies the
-    loss its gradients are taken of."""
+    loss its gradients are taken of; with `split`, backwards give the input
+    gradient and Ws the matrices' gradients."""
 
     def __init__(self, fns: PipelineFns, hooks, where: StageLayout, outer, chunks, micro,
-                 x_shape: jax.ShapeDtypeStruct, loss_scale: jax.Array):
+                 x_shape: jax.ShapeDtypeStruct, loss_scale: jax.Array, split: bool = False):
         super().__init__(fns, hooks, where, outer, chunks, micro, x_shape)
         self.loss_scale = loss_scale
+        self.split_bwd = None
+        if split:
+            rows = jax.ShapeDtypeStruct((x_shape.shape[0] // self.n, *x_shape.shape[1:]),
+                                        x_shape.dtype)
+            slots = jax.tree.leaves(chunks)[0].shape[1]
+            self.split_bwd = SplitBackward(functools.partial(self.run, layers=slots),
+                                           self.chunk(0), rows, self.shard_hooks)
 
     def loop(self, tables: Tables) -> Carry:
         """The carry after every tick of the program in `tables`."""
         d = jax.lax.axis_index("pipe")
+        f_pairs, b_pairs = tables.pairs
 
         def tick(t, c):
             row = tables.at(t, d)
-            out = jax.lax.switch(row.kind, [self.nothing, self.forward, self.backward], c, row)
-            return self.record(c, row, out, tables.p)
+            c, y = jax.lax.cond(row.f, self.forward, self.no_forward, c, row)
+            c, dx = jax.lax.cond(row.b, self.backward, self.no_backward, c, row)
+            if self.split_bwd is not None:
+                for j in range(W_PER_TICK):
+                    c = jax.lax.cond(row.w[j], functools.partial(self.weight, j),
+                                     lambda c, row: c, c, row)
+            fwd = c.fwd.at[row.fwd_arrival].set(send(y, row.f_send, f_pairs))
+            bwd = c.bwd.at[row.bwd_arrival].set(send(dx, row.b_send, b_pairs))
+            return c._replace(fwd=self.place(fwd), bwd=self.place(bwd))
 
         return jax.lax.fori_loop(0, tables.ticks, tick, self.start(tables.slots))
 
-    def start(self, slots: tuple[int, int, int]) -> Carry:
-        n_stash, n_fwd, n_bwd = slots
+    def start(self, slots: tuple[int, int, int, int]) -> Carry:
+        n_stash, n_fwd, n_bwd, n_keep = slots
+        keep = jnp.zeros(())
+        if self.split_bwd is not None:
+            keep = self.pin_shards(self.split_bwd.taps((n_keep, self.n)), lead=1)
         # Inboxes have one spare slot, where "nothing arrived" is written.
         return Carry(fwd=self.buffer(n_fwd + 1), bwd=self.buffer(n_bwd + 1),
-                     stash=self.buffer(n_stash),
+                     stash=self.buffer(n_stash), keep=keep,
                      g_stack=self.pin(self.zero_grads(self.chunks), self.where.stage_grads),
                      g_outer=self.pin(self.zero_grads(self.outer), self.where.outer_grads),
-                     loss=self.no_loss())
+                     loss=jnp.zeros((self.n,), jnp.float32))
 
-    def no_loss(self) -> jax.Array:
-        """A loss of zero per shard: what an action without the head adds."""
-        return jnp.zeros((self.n,), jnp.float32)
-
-    def nothing(self, c: Carry, row: Row) -> Tick:
-        x = self.x_zero
-        return Tick(x, x, x, x, self.zero_grads(self.chunks, drop=1), self.zero_grads(self.outer),
-                    self.no_loss())
+    def pin_shards(self, tree, lead: int = 0):
+        """Per-shard values (behind `lead` dimensions), their shards split as the batch's."""
+        spec = PartitionSpec(*(None,) * lead, self.where.shard_axes or None)
+        return jax.lax.with_sharding_constraint(tree, NamedSharding(self.mesh, spec))
 
     # -- forward: embed (first chunk), one chunk, loss (last chunk) ---------
-    def forward(self, c: Carry, row: Row) -> Tick:
-        mb = self.microbatch(row.mb)
-        x = jax.lax.cond(row.first, lambda: self.embed(mb["tokens"], self.hooks),
-                         lambda: self.act(c.fwd[row.read]))
-        y = self.act(self.run(self.chunk(row.chunk), x, self.hooks, row.layers))
+    def no_forward(self, c: Carry, row: Row) -> tuple[Carry, jax.Array]:
+        return c, self.x_zero
 
-        def no_head():
-            return self.no_loss(), self.zero_grads(self.outer), self.x_zero
+    def forward(self, c: Carry, row: Row) -> tuple[Carry, jax.Array]:
+        """Stashes its input; on the last chunk adds the loss and the head's
+        gradients and leaves the loss gradient in the gradient inbox;
+        returns the output for the next stage."""
+        mb = self.microbatch(row.f_mb)
+        x = jax.lax.cond(row.f_first, lambda: self.embed(mb["tokens"], self.hooks),
+                         lambda: self.act(c.fwd[row.f_read]))
+        y = self.act(self.run(self.chunk(row.f_chunk), x, self.hooks, row.f_layers))
+        c = c._replace(stash=self.place(c.stash.at[row.f_stash].set(x)))
 
-        loss, g_o, dy = jax.lax.cond(row.last, lambda: self.head(y, mb), no_head)
-        return Tick(stash=x, to_next=jnp.where(row.last, self.x_zero, y), to_prev=self.x_zero,
-                    loss_grad=dy, chunk_grads=self.zero_grads(self.chunks, drop=1),
-                    outer_grads=g_o, loss=loss)
+        def with_head(c):
+            loss, g_o, dy = self.head(y, mb)
+            return c._replace(loss=c.loss + loss, g_outer=self.add_outer(c.g_outer, g_o),
+                              bwd=self.place(c.bwd.at[row.f_dy].set(dy))), self.x_zero
+
+        return jax.lax.cond(row.f_last, with_head, lambda c: (c, y), c)
 
     def head(self, y, mb) -> tuple[jax.Array, Any, jax.Array]:
         """The last chunk's end: per shard, the loss of output y, the head's
@@ -123,21 +140,39 @@ class TrainStage(LocalStage):
         return loss, self.cast(g_o), self.merge(dy)
 
     # -- backward: one chunk, then the embedding (first chunk) --------------
-    def backward(self, c: Carry, row: Row) -> Tick:
-        h = self.shard_hooks
-        chunk = self.chunk(row.chunk)
-        x, dy = c.stash[row.stash], c.bwd[row.read]
+    def no_backward(self, c: Carry, row: Row) -> tuple[Carry, jax.Array]:
+        return c, self.x_zero
 
-        def chunk_vjp(chunk, x, dy):
-            return jax.vjp(lambda w, x: self.run(w, x, h, row.layers), chunk, x)[1](dy)
+    def backward(self, c: Carry, row: Row) -> tuple[Carry, jax.Array]:
+        """Adds the chunk's weight gradients (under a split backward, those
+        of its non-matrix parameters, keeping what W needs), and on the first
+        chunk the embedding's; returns the input's gradient for the previous
+        stage."""
+        h, chunk, k = self.shard_hooks, self.chunk(row.b_chunk), row.b_chunk
+        x, dy = c.stash[row.b_stash], c.bwd[row.b_read]
 
-        g_chunk, dx = self.per_shard(chunk_vjp, chunk, self.split(x), self.split(dy))
-        g_o = jax.lax.cond(row.first, lambda: self.embed_grads(row.mb, dx),
-                           lambda: self.zero_grads(self.outer))
-        dx = self.merge(dx)
-        return Tick(stash=self.x_zero, to_next=self.x_zero,
-                    to_prev=jnp.where(row.first, self.x_zero, dx), loss_grad=self.x_zero,
-                    chunk_grads=self.cast(g_chunk), outer_grads=g_o, loss=self.no_loss())
+        def run(w, x):
+            return self.run(w, x, h, row.b_layers)
+
+        if self.split_bwd is None:
+            def chunk_vjp(chunk, x, dy):
+                return jax.vjp(run, chunk, x)[1](dy)
+            g_chunk, dx = self.per_shard(chunk_vjp, chunk, self.split(x), self.split(dy))
+            c = c._replace(g_stack=self.add_stack(c.g_stack, k, self.cast(g_chunk)))
+        else:
+            def input_grad(chunk, x, dy):
+                return self.split_bwd.input_grad(run, chunk, x, dy)
+            taps, g_others, dx = self.per_shard(input_grad, chunk, self.split(x), self.split(dy))
+            keep = jax.tree.map(lambda buf, t: buf.at[row.b_keep].set(t), c.keep, taps)
+            g_others = self.split_bwd.merge(self.cast(g_others), [None] * len(taps))
+            c = c._replace(keep=self.pin_shards(keep, lead=1),
+                           g_stack=self.add_stack(c.g_stack, k, g_others))
+
+        def first(c):
+            g_o = self.embed_grads(row.b_mb, dx)
+            return c._replace(g_outer=self.add_outer(c.g_outer, g_o)), self.x_zero
+
+        return jax.lax.cond(row.b_first, first, lambda c: (c, self.merge(dx)), c)
 
     def embed_grads(self, mb, dx) -> Any:
         """The embedding's gradients, per shard, for microbatch `mb`, from
@@ -148,27 +183,24 @@ class TrainStage(LocalStage):
         tokens = self.split(self.microbatch(mb)["tokens"])
         return self.cast(self.per_shard(embed_vjp, self.outer, tokens, dx))
 
-    # -- the buffers a tick writes ------------------------------------------
-    def record(self, c: Carry, row: Row, out: Tick, p: int) -> Carry:
-        """The carry after the tick: stash, loss gradient and weight gradients
-        written in place (only where this tick's action made them), then
-        activations sent one stage on and gradients one stage back."""
-        is_f, is_b = row.kind == FWD, row.kind == BWD
-        stash = c.stash.at[row.stash].set(jnp.where(is_f, out.stash, c.stash[row.stash]))
-        bwd_box = c.bwd.at[row.dy].set(jnp.where(is_f & row.last, out.loss_grad, c.bwd[row.dy]))
+    # -- weight gradients (split backward) ------------------------------------
+    def weight(self, j: int, c: Carry, row: Row) -> Carry:
+        """The j-th W of the tick: the matrices' gradients of the chunk whose
+        B kept W slot `w_slot[j]`, added to the accumulator."""
+        taps = jax.tree.map(lambda buf: buf[row.w_slot[j]], c.keep)
+        g = self.per_shard(lambda _, taps: self.split_bwd.weight_grads(self.shard_hooks, taps),
+                           None, taps)
+        g = self.split_bwd.merge([None] * (len(jax.tree.leaves(self.chunks)) - len(g)),
+                                 self.cast(g))
+        return c._replace(g_stack=self.add_stack(c.g_stack, row.w_chunk[j], g))
 
-        def add_chunk(acc, g):
-            return acc.at[:, row.chunk].add(jnp.where(is_b, g, jnp.zeros_like(g)))
+    # -- accumulators ----------------------------------------------------------
+    def add_stack(self, acc, k, g):
+        """acc with per-shard chunk gradients g added at local chunk k (None leaves: nothing)."""
+        def add(a, g):
+            return a if g is None else a.at[:, k].add(g)
+        return self.pin(jax.tree.map(add, acc, g, is_leaf=lambda x: x is None),
+                        self.where.stage_grads)
 
-        g_stack = jax.tree.map(add_chunk, c.g_stack, out.chunk_grads)
-        to_next = jax.lax.ppermute(out.to_next, "pipe", [(i, (i + 1) % p) for i in range(p)])
-        to_prev = jax.lax.ppermute(out.to_prev, "pipe", [(i, (i - 1) % p) for i in range(p)])
-        return Carry(
-            stash=self.place(stash),
-            fwd=self.place(c.fwd.at[row.fwd_arrival].set(to_next)),
-            bwd=self.place(bwd_box.at[row.bwd_arrival].set(to_prev)),
-            g_stack=self.pin(g_stack, self.where.stage_grads),
-            g_outer=self.pin(jax.tree.map(jnp.add, c.g_outer, out.outer_grads),
-                             self.where.outer_grads),
-            loss=c.loss + out.loss,
-        )
+    def add_outer(self, acc, g):
+        return self.pin(jax.tree.map(jnp.add, acc, g), self.where.outer_grads)

@@ -116,7 +116,7 @@ def choices(model_cfg, cluster: Cluster, global_batch: int, *, stages=(0, 1, 2, 
                 continue
             plans = [("", 1)] if pipe == 1 else [
                 (s, v) for s in schedules for v in ((2,) if s == "interleaved" else (1,))
-                if not (s == "interleaved" and (m % pipe or model_cfg.n_layer < pipe * v))]
+                if not (s == "interleaved" and model_cfg.n_layer < pipe * v)]
             for zero in stages:
                 kept = [o for o in offloads if not o or (zero >= 1 and (
                     o == "opt" or (zero == 3 and pipe == 1)))]

@@ -1,0 +1,115 @@
+"""A chunk's backward split in two, for zero-bubble schedules: B, the input
+gradient, when the previous stage waits for it; W, the weights' gradients,
+later, without running the forward again.
+
+Every matrix product of the layers goes through `Hooks.dense`. For B, each
+stacked matrix of the chunk is given as a `param_use.Tapped`, with zero
+taps shaped as its product's input and output in every layer, and B's vjp
+is taken with respect to the chunk's input, the taps and the parameters
+that are not matrices (norms, biases: B gives their gradients), not the
+matrices. The taps' cotangents are each product's input and output
+gradient, and no matrix gradient is computed. W makes those: one product
+per matrix and layer, reduced as the whole backward would reduce them
+(`Hooks.dense_weight_grad`).
+
+What waits between B and W is those inputs and output gradients, for every
+product of every layer of the chunk: for a GPT block about 16 d_model
+values per token and layer, where a stash entry holds d_model per chunk.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from zero_jax.param_use import Tapped
+
+
+@dataclasses.dataclass(frozen=True)
+class Product:
+    """One matrix's product, per layer: einsum `eq` of x and the weight."""
+
+    eq: str
+    names: tuple
+    x: jax.ShapeDtypeStruct
+    y: jax.ShapeDtypeStruct
+    w: jax.ShapeDtypeStruct  # one layer's weight
+
+
+class _Seen:
+    """What `Hooks.dense` records of a tapped weight without taps: its products."""
+
+    def __init__(self):
+        self.uses: set[tuple] = set()
+
+    def record(self, eq, names, x, y) -> None:
+        self.uses.add((eq, names, jax.ShapeDtypeStruct(x.shape, x.dtype),
+                       jax.ShapeDtypeStruct(y.shape, y.dtype)))
+
+
+class SplitBackward:
+    """B and W for chunks shaped as `chunk`, run by `run(chunk, x, hooks)`,
+    on inputs shaped as `x` (one shard's rows)."""
+
+    def __init__(self, run: Callable, chunk: Any, x: jax.ShapeDtypeStruct, hooks):
+        leaves, self.treedef = jax.tree.flatten(chunk)
+        seen = [_Seen() for _ in leaves]
+        probe = self.treedef.unflatten([Tapped(leaf, seen=s) for leaf, s in zip(leaves, seen)])
+        # Shapes only: the products are the same without the mesh.
+        jax.eval_shape(lambda c, x: run(c, x, dataclasses.replace(hooks, mesh=None)), probe, x)
+        self.products: list[Product | None] = []
+        for leaf, s in zip(leaves, seen):
+            if len(s.uses) > 1:
+                raise ValueError(f"a weight of shape {leaf.shape[1:]} is used in {len(s.uses)} "
+                                 "matrix products of a layer; a split backward keeps one per weight")
+            self.products.append(
+                Product(*next(iter(s.uses)), w=jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype))
+                if s.uses else None)
+        self.slots = leaves[0].shape[0]
+
+    def taps(self, lead: tuple[int, ...] = ()) -> list[tuple[jax.Array, jax.Array]]:
+        """Zero taps, (slots, *product shape) each, behind `lead` dimensions."""
+        def zeros(a):
+            return jnp.zeros((*lead, self.slots, *a.shape), a.dtype)
+        return [(zeros(p.x), zeros(p.y)) for p in self.products if p is not None]
+
+    def input_grad(self, run: Callable, chunk: Any, x: jax.Array, dy: jax.Array):
+        """B: (the taps' cotangents, gradients of the parameters that are not
+        matrices, dx) for output gradient dy of `run(chunk, x)`."""
+        leaves = self.treedef.flatten_up_to(chunk)
+        others = [leaf for leaf, p in zip(leaves, self.products) if p is None]
+
+        def f(x, taps, others):
+            taps, others = iter(taps), iter(others)
+            tree = [next(others) if p is None else Tapped(leaf, *next(taps))
+                    for leaf, p in zip(leaves, self.products)]
+            return run(self.treedef.unflatten(tree), x)
+
+        _, vjp = jax.vjp(f, x, self.taps(), others)
+        dx, taps, g_others = vjp(dy)
+        return taps, g_others, dx
+
+    def weight_grads(self, hooks, taps) -> list[jax.Array]:
+        """W: each matrix's gradient, (slots, ...), from B's taps."""
+        out = []
+        for (x, g), p in zip(taps, (p for p in self.products if p is not None)):
+            def one(x, g, p=p):
+                return hooks.dense_weight_grad(p.eq, x, g, p.w, p.names)
+            out.append(jax.vmap(one)(x, g))
+        return out
+
+    def merge(self, g_others: list, g_mats: list) -> Any:
+        """A chunk-shaped tree from the two kinds' gradients (None where a
+        kind has none)."""
+        others, mats = iter(g_others), iter(g_mats)
+        return self.treedef.unflatten([next(others) if p is None else next(mats)
+                                       for p in self.products])
+
+    def split(self, tree: Any) -> tuple[list, list]:
+        """A chunk-shaped tree's (non-matrix leaves, matrix leaves)."""
+        leaves = self.treedef.flatten_up_to(tree)
+        return ([a for a, p in zip(leaves, self.products) if p is None],
+                [a for a, p in zip(leaves, self.products) if p is not None])
