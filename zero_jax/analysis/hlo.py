@@ -89,8 +89,8 @@ def replica_groups(line: str) -> list[list[int]]:
     `[4,2]<=[8]` or `[2,4]<=[4,2]T(1,0)`, and `mesh['a'=4,'b'=2] {'a'}`
     (optionally with `device_ids=([4,2]T(1,0))`)."""
     if "source_target_pairs=" in line:  # collective-permute: each pair is a group
-        pairs = re.search(r"source_target_pairs=\{(.*?)\}\}?", line).group(1)
-        return [_ints(p) for p in re.findall(r"\{([\d,]+)\}", pairs + "}")]
+        pairs = re.search(r"source_target_pairs=\{((?:\{[\d,]+\},?)*)\}", line).group(1)
+        return [_ints(p) for p in re.findall(r"\{([\d,]+)\}", pairs)]
     m = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", line)
     if m:
         return [_ints(g) for g in re.findall(r"\{([\d,]*)\}", m.group(1))]

@@ -69,6 +69,9 @@ def checked_command(args: argparse.Namespace) -> list[str]:
                         ("--devices-per-process", args.devices_per_process)):
         if value < 1:
             raise ValueError(f"{flag} {value}: must be at least 1")
+    if args.pin_cores and args.num_processes > len(os.sched_getaffinity(0)):
+        raise ValueError(f"--pin-cores: {args.num_processes} processes, but only "
+                         f"{len(os.sched_getaffinity(0))} cores to pin them to")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port {args.port}: a TCP port is 1-65535 (0: a free one)")
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -93,6 +96,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--devices-per-process", type=int, default=1,
                         help="simulated CPU devices per process (wins over the program's --devices)")
     parser.add_argument("--port", type=int, default=0, help="coordinator port (0: a free one)")
+    parser.add_argument("--pin-cores", action="store_true",
+                        help="pin process i to the i-th CPU core this launcher may use, so that "
+                             "a process waiting in a collective cannot lend its core to another")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- program [args]")
     return parser.parse_args(argv)
 
@@ -129,12 +135,17 @@ class Output:
 def start(command: list[str], args: argparse.Namespace, output: Output) -> list[subprocess.Popen]:
     """The N processes, each in a session of its own (killed as a group)."""
     port, n = args.port or free_port(), args.num_processes
+    cores = sorted(os.sched_getaffinity(0)) if args.pin_cores else []
     procs = []
     for i in range(n):
+        pin = None
+        if cores:
+            def pin(core=cores[i % len(cores)]):
+                os.sched_setaffinity(0, {core})
         p = subprocess.Popen(command, env=process_env(dict(os.environ), i, n, port,
                                                        args.devices_per_process),
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                             start_new_session=True)
+                             start_new_session=True, preexec_fn=pin)
         output.follow(i, p.stdout)
         procs.append(p)
     return procs

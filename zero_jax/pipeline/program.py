@@ -50,7 +50,7 @@ class Program:
     b_first: np.ndarray  # global chunk 0: the backward ends in the embedding
     b_stash: np.ndarray  # stash slot of its input
     b_read: np.ndarray  # gradient-inbox slot of its output's gradient
-    b_keep: np.ndarray  # split backward: W slot that what W needs is kept in
+    b_keep: np.ndarray  # split backward: W slot that what W needs is kept in (spare: none)
     w: np.ndarray  # (ticks, p, W_PER_TICK): a weight gradient runs
     w_chunk: np.ndarray
     w_slot: np.ndarray  # W slot it reads
@@ -148,6 +148,7 @@ class _Compiler:
         # "No arrival" writes into a spare slot past the end.
         self.arr["fwd_arrival"][self.arr["fwd_arrival"] < 0] = slots[1]
         self.arr["bwd_arrival"][self.arr["bwd_arrival"] < 0] = slots[2]
+        self.arr["b_keep"][self.arr["b"] == 0] = slots[3]  # and "no backward" into the W buffer's
         f_pairs, b_pairs = (tuple(sorted(p, key=p.get)) for p in self.pairs)
         return Program(**self.arr, slots=slots, f_send=self.sends[0], b_send=self.sends[1],
                        f_pairs=f_pairs, b_pairs=b_pairs)

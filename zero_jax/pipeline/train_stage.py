@@ -75,12 +75,21 @@ class TrainStage(LocalStage):
 
         def tick(t, c):
             row = tables.at(t, d)
+            # The W buffer stays out of the conditionals, which would copy
+            # it: Ws only read it, and B's taps are written here (a tick
+            # without a backward writes its zeros into the spare slot).
+            keep, c = c.keep, c._replace(keep=None)
             c, y = jax.lax.cond(row.f, self.forward, self.no_forward, c, row)
-            c, dx = jax.lax.cond(row.b, self.backward, self.no_backward, c, row)
+            c, dx, taps = jax.lax.cond(row.b, self.backward, self.no_backward, c, row)
             if self.split_bwd is not None:
+                keep = jax.tree.map(lambda buf, t: buf.at[row.b_keep].set(t), keep, taps)
+                keep = self.pin_shards(keep, lead=1)
                 for j in range(W_PER_TICK):
-                    c = jax.lax.cond(row.w[j], functools.partial(self.weight, j),
-                                     lambda c, row: c, c, row)
+                    taps = jax.tree.map(lambda buf: buf[row.w_slot[j]], keep)
+                    g = jax.lax.cond(row.w[j], functools.partial(self.weight, j),
+                                     lambda g, taps, row: g, c.g_stack, taps, row)
+                    c = c._replace(g_stack=g)
+            c = c._replace(keep=keep)
             fwd = c.fwd.at[row.fwd_arrival].set(send(y, row.f_send, f_pairs))
             bwd = c.bwd.at[row.bwd_arrival].set(send(dx, row.b_send, b_pairs))
             return c._replace(fwd=self.place(fwd), bwd=self.place(bwd))
@@ -91,7 +100,7 @@ class TrainStage(LocalStage):
         n_stash, n_fwd, n_bwd, n_keep = slots
         keep = jnp.zeros(())
         if self.split_bwd is not None:
-            keep = self.pin_shards(self.split_bwd.taps((n_keep, self.n)), lead=1)
+            keep = self.pin_shards(self.split_bwd.taps((n_keep + 1, self.n)), lead=1)
         # Inboxes have one spare slot, where "nothing arrived" is written.
         return Carry(fwd=self.buffer(n_fwd + 1), bwd=self.buffer(n_bwd + 1),
                      stash=self.buffer(n_stash), keep=keep,
@@ -140,14 +149,15 @@ class TrainStage(LocalStage):
         return loss, self.cast(g_o), self.merge(dy)
 
     # -- backward: one chunk, then the embedding (first chunk) --------------
-    def no_backward(self, c: Carry, row: Row) -> tuple[Carry, jax.Array]:
-        return c, self.x_zero
+    def no_backward(self, c: Carry, row: Row) -> tuple[Carry, jax.Array, Any]:
+        taps = self.split_bwd.taps((self.n,)) if self.split_bwd is not None else ()
+        return c, self.x_zero, taps
 
-    def backward(self, c: Carry, row: Row) -> tuple[Carry, jax.Array]:
+    def backward(self, c: Carry, row: Row) -> tuple[Carry, jax.Array, Any]:
         """Adds the chunk's weight gradients (under a split backward, those
-        of its non-matrix parameters, keeping what W needs), and on the first
-        chunk the embedding's; returns the input's gradient for the previous
-        stage."""
+        of its non-matrix parameters), and on the first chunk the
+        embedding's; returns the input's gradient for the previous stage,
+        and under a split backward what W needs (the taps)."""
         h, chunk, k = self.shard_hooks, self.chunk(row.b_chunk), row.b_chunk
         x, dy = c.stash[row.b_stash], c.bwd[row.b_read]
 
@@ -159,20 +169,20 @@ class TrainStage(LocalStage):
                 return jax.vjp(run, chunk, x)[1](dy)
             g_chunk, dx = self.per_shard(chunk_vjp, chunk, self.split(x), self.split(dy))
             c = c._replace(g_stack=self.add_stack(c.g_stack, k, self.cast(g_chunk)))
+            taps = ()
         else:
             def input_grad(chunk, x, dy):
                 return self.split_bwd.input_grad(run, chunk, x, dy)
             taps, g_others, dx = self.per_shard(input_grad, chunk, self.split(x), self.split(dy))
-            keep = jax.tree.map(lambda buf, t: buf.at[row.b_keep].set(t), c.keep, taps)
             g_others = self.split_bwd.merge(self.cast(g_others), [None] * len(taps))
-            c = c._replace(keep=self.pin_shards(keep, lead=1),
-                           g_stack=self.add_stack(c.g_stack, k, g_others))
+            c = c._replace(g_stack=self.add_stack(c.g_stack, k, g_others))
 
         def first(c):
             g_o = self.embed_grads(row.b_mb, dx)
             return c._replace(g_outer=self.add_outer(c.g_outer, g_o)), self.x_zero
 
-        return jax.lax.cond(row.b_first, first, lambda c: (c, self.merge(dx)), c)
+        c, dx = jax.lax.cond(row.b_first, first, lambda c: (c, self.merge(dx)), c)
+        return c, dx, taps
 
     def embed_grads(self, mb, dx) -> Any:
         """The embedding's gradients, per shard, for microbatch `mb`, from
@@ -184,15 +194,14 @@ class TrainStage(LocalStage):
         return self.cast(self.per_shard(embed_vjp, self.outer, tokens, dx))
 
     # -- weight gradients (split backward) ------------------------------------
-    def weight(self, j: int, c: Carry, row: Row) -> Carry:
-        """The j-th W of the tick: the matrices' gradients of the chunk whose
-        B kept W slot `w_slot[j]`, added to the accumulator."""
-        taps = jax.tree.map(lambda buf: buf[row.w_slot[j]], c.keep)
+    def weight(self, j: int, g_stack, taps, row: Row):
+        """The j-th W of the tick: the matrices' gradients of the chunk from
+        its B's `taps`, added to the accumulator `g_stack`."""
         g = self.per_shard(lambda _, taps: self.split_bwd.weight_grads(self.shard_hooks, taps),
                            None, taps)
         g = self.split_bwd.merge([None] * (len(jax.tree.leaves(self.chunks)) - len(g)),
                                  self.cast(g))
-        return c._replace(g_stack=self.add_stack(c.g_stack, row.w_chunk[j], g))
+        return self.add_stack(g_stack, row.w_chunk[j], g)
 
     # -- accumulators ----------------------------------------------------------
     def add_stack(self, acc, k, g):
