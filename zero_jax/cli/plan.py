@@ -17,9 +17,17 @@ compiled temporaries are an upper bound of a GPU's; fitting is decided on
 the estimate. XLA:CPU compiles at most 2048 devices in one process: larger
 clusters are planned from the estimates alone.
 
-Time: compute at peak x the device's published efficiency, plus each mesh
-axis's collectives over its link, nothing overlapped (conservative), and for
-a pipeline the cost of its lockstep schedule (bubble included).
+Time: the executed FLOPs at peak x the device's matmul efficiency (a
+pipeline: its schedule's cost, idle ticks and sends included), plus what
+each mesh axis's collectives leave exposed under XLA's overlap
+(zero_jax/planner/step_time.py). Each layout shows model TFLOP/s (6 N +
+attention) beside Megatron-formula TFLOP/s (every layer recomputed once),
+the figure Megatron-LM and Megatron-DeepSpeed papers report.
+
+A layout fits when the estimate plus a reserve (`--reserve-gb`; by default
+the larger of 10% of the device's memory and 4 GB: collective buffers,
+workspaces, the runtime's context, fragmentation) is within the device's
+memory.
 
 Offload layouts (`--offload`, where the device kind has host figures) keep
 the optimizer state, and at ZeRO-3 the parameters, in host memory: they fit
@@ -61,6 +69,9 @@ def parse(argv):
     p.add_argument("--offload", default="none,opt,opt+params",
                    help="host offload to consider: none, opt (optimizer state), opt+params (ZeRO-3)")
     p.add_argument("--top", type=int, default=10)
+    p.add_argument("--reserve-gb", type=float, default=None,
+                   help="memory per device kept free beyond the estimate (default: the larger "
+                        "of 10%% of the device's and 4 GB)")
     p.add_argument("--compile", type=int, default=4, help="compile the best N that fit (0: none)")
     p.add_argument("--include", action="append", default=[],
                    help="a layout to show and compile whatever its rank (label prefix)")
@@ -116,7 +127,11 @@ def cluster_of(args) -> Cluster:
         device = hardware.load(args.cluster)
     except ValueError as e:
         raise ValueError(f"--cluster {args.cluster}: {e}") from None
-    return Cluster(device, args.nodes, args.gpus_per_node or device.devices_per_node)
+    if args.reserve_gb is not None and not 0 <= args.reserve_gb * 1e9 < device.hbm_bytes:
+        raise ValueError(f"--reserve-gb {args.reserve_gb:g}: between 0 and the device's "
+                         f"{device.hbm_bytes / 1e9:.1f} GB")
+    return Cluster(device, args.nodes, args.gpus_per_node or device.devices_per_node,
+                   args.reserve_gb)
 
 
 def layout_options(args) -> dict:
@@ -176,9 +191,12 @@ def row(e: cost.Estimate, cluster: Cluster, rank: int) -> dict:
            "bytes": {"params": e.memory.state["params"], "opt_state": e.memory.state["opt_state"],
                      **{f"step_{k}": v for k, v in e.memory.phases.items()},
                      "total_estimate": e.memory.device_bytes, "host": e.memory.host_bytes},
-           "headroom": e.headroom, "step_s": e.time.step_s, "compute_s": e.time.compute_s,
-           "comm_s": e.time.comm_s, "bubble": e.time.bubble, "tokens_per_s": e.time.tokens_per_s,
-           "tflops_per_device": e.time.tflops_per_device(n), "mfu": e.time.mfu(n, dev.peak_flops)}
+           "reserve_bytes": e.reserve, "headroom": e.headroom, "step_s": e.time.step_s,
+           "compute_s": e.time.compute_s, "comm_s": e.time.comm_s, "bubble": e.time.bubble,
+           "tokens_per_s": e.time.tokens_per_s,
+           "model_tflops_per_device": e.time.tflops_per_device(n),
+           "hardware_tflops_per_device": e.time.hardware_tflops_per_device(n),
+           "mfu": e.time.mfu(n, dev.peak_flops)}
     if e.compiled:
         keys = ("error", "argument_bytes", "temp_bytes", "collective_bytes", "collectives")
         out["compiled"] = {k: e.compiled[k] for k in keys if k in e.compiled}
@@ -190,10 +208,10 @@ def table_line(r: dict) -> str:
     cpu = f"{(c['argument_bytes'] + c['temp_bytes']) / 1e9:.1f}" if "temp_bytes" in c else \
         ("err" if "error" in c else "-")
     return (f"{r['rank']:>4}  {r['layout']:<72}{'yes' if r['fits'] else 'no':>5}"
-            f"{r['bytes']['total_estimate'] / 1e9:>7.1f}{cpu:>8}{r['bytes']['host'] / 1e9:>8.1f}"
-            f"{r['headroom']:>7.0%}"
-            f"{r['step_s']:>9.2f}{r['tokens_per_s']:>13,.0f}{r['tflops_per_device']:>9.1f}"
-            f"{r['mfu']:>6.0%}")
+            f"{r['bytes']['total_estimate'] / 1e9:>7.1f}{r['reserve_bytes'] / 1e9:>8.1f}"
+            f"{cpu:>8}{r['bytes']['host'] / 1e9:>8.1f}{r['headroom']:>7.0%}"
+            f"{r['step_s']:>9.2f}{r['tokens_per_s']:>13,.0f}{r['model_tflops_per_device']:>8.1f}"
+            f"{r['hardware_tflops_per_device']:>8.1f}{r['mfu']:>6.0%}")
 
 
 def top_line(r: dict) -> str:
@@ -214,10 +232,12 @@ def print_table(rows: list[dict], device, fitting: int, total: int) -> None:
     host = (f" and {device.host_bytes_per_node / 2**40:.0f} TiB of host memory per node"
             if device.can_offload else "")
     print(f"{fitting} of {total} layouts fit in {device.hbm_bytes / 1e9:.1f} GB{host} "
-          f"(estimate; 'CPU GB': compiled here, bf16 temporaries widened, an upper bound; "
-          f"'host GB': offloaded, per device)")
-    print(f"{'#':>4}  {'layout':<72}{'fits':>5}{'GB':>7}{'CPU GB':>8}{'host GB':>8}{'head':>7}"
-          f"{'step s':>9}{'tok/s':>13}{'TFLOP/s':>9}{'MFU':>6}")
+          f"with the reserve (estimate; 'reserve': kept free for collectives, workspaces and "
+          f"fragmentation; 'CPU GB': compiled here, bf16 temporaries widened, an upper bound; "
+          f"'host GB': offloaded, per device; TFLOP/s per device, 'model' 6N + attention, "
+          f"'hw' Megatron's formula, every layer recomputed once)")
+    print(f"{'#':>4}  {'layout':<72}{'fits':>5}{'GB':>7}{'reserve':>8}{'CPU GB':>8}{'host GB':>8}"
+          f"{'head':>7}{'step s':>9}{'tok/s':>13}{'model':>8}{'hw':>8}{'MFU':>6}")
     for r in rows:
         print(table_line(r))
     if rows:

@@ -75,19 +75,19 @@ class TrainStage(LocalStage):
 
         def tick(t, c):
             row = tables.at(t, d)
-            # The W buffer stays out of the conditionals, which would copy
-            # it: Ws only read it, and B's taps are written here (a tick
-            # without a backward writes its zeros into the spare slot).
+            # The W buffer is never a conditional's result, which would copy
+            # it: B's taps are written here, after B (a tick without a
+            # backward writes its zeros into the spare slot), and the Ws
+            # after it only read it.
             keep, c = c.keep, c._replace(keep=None)
             c, y = jax.lax.cond(row.f, self.forward, self.no_forward, c, row)
             c, dx, taps = jax.lax.cond(row.b, self.backward, self.no_backward, c, row)
             if self.split_bwd is not None:
                 keep = jax.tree.map(lambda buf, t: buf.at[row.b_keep].set(t), keep, taps)
-                keep = self.pin_shards(keep, lead=1)
+                keep = self.pin_keep(keep)
                 for j in range(W_PER_TICK):
-                    taps = jax.tree.map(lambda buf: buf[row.w_slot[j]], keep)
                     g = jax.lax.cond(row.w[j], functools.partial(self.weight, j),
-                                     lambda g, taps, row: g, c.g_stack, taps, row)
+                                     lambda g, keep, row: g, c.g_stack, keep, row)
                     c = c._replace(g_stack=g)
             c = c._replace(keep=keep)
             fwd = c.fwd.at[row.fwd_arrival].set(send(y, row.f_send, f_pairs))
@@ -100,7 +100,7 @@ class TrainStage(LocalStage):
         n_stash, n_fwd, n_bwd, n_keep = slots
         keep = jnp.zeros(())
         if self.split_bwd is not None:
-            keep = self.pin_shards(self.split_bwd.taps((n_keep + 1, self.n)), lead=1)
+            keep = self.pin_keep(self.split_bwd.taps((n_keep + 1, self.n)))
         # Inboxes have one spare slot, where "nothing arrived" is written.
         return Carry(fwd=self.buffer(n_fwd + 1), bwd=self.buffer(n_bwd + 1),
                      stash=self.buffer(n_stash), keep=keep,
@@ -108,10 +108,13 @@ class TrainStage(LocalStage):
                      g_outer=self.pin(self.zero_grads(self.outer), self.where.outer_grads),
                      loss=jnp.zeros((self.n,), jnp.float32))
 
-    def pin_shards(self, tree, lead: int = 0):
-        """Per-shard values (behind `lead` dimensions), their shards split as the batch's."""
-        spec = PartitionSpec(*(None,) * lead, self.where.shard_axes or None)
-        return jax.lax.with_sharding_constraint(tree, NamedSharding(self.mesh, spec))
+    def pin_keep(self, keep):
+        """The W buffer, (slots, shards, layers, ...) per tap, its shards split
+        as the batch's and each tap as its product laid it out."""
+        specs = self.split_bwd.tap_specs(self.shard_hooks.rules, dict(self.mesh.shape),
+                                         (None, self.where.shard_axes or None))
+        return jax.tree.map(lambda a, s: jax.lax.with_sharding_constraint(
+            a, NamedSharding(self.mesh, s)), keep, specs)
 
     # -- forward: embed (first chunk), one chunk, loss (last chunk) ---------
     def no_forward(self, c: Carry, row: Row) -> tuple[Carry, jax.Array]:
@@ -194,9 +197,10 @@ class TrainStage(LocalStage):
         return self.cast(self.per_shard(embed_vjp, self.outer, tokens, dx))
 
     # -- weight gradients (split backward) ------------------------------------
-    def weight(self, j: int, g_stack, taps, row: Row):
-        """The j-th W of the tick: the matrices' gradients of the chunk from
-        its B's `taps`, added to the accumulator `g_stack`."""
+    def weight(self, j: int, g_stack, keep, row: Row):
+        """The j-th W of the tick: the matrices' gradients of the chunk whose
+        B kept W slot `w_slot[j]`, added to the accumulator `g_stack`."""
+        taps = jax.tree.map(lambda buf: buf[row.w_slot[j]], keep)
         g = self.per_shard(lambda _, taps: self.split_bwd.weight_grads(self.shard_hooks, taps),
                            None, taps)
         g = self.split_bwd.merge([None] * (len(jax.tree.leaves(self.chunks)) - len(g)),

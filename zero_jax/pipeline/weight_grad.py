@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
 from zero_jax.param_use import Tapped
 
@@ -37,6 +38,19 @@ class Product:
     x: jax.ShapeDtypeStruct
     y: jax.ShapeDtypeStruct
     w: jax.ShapeDtypeStruct  # one layer's weight
+
+    def act_names(self) -> tuple[tuple, tuple]:
+        """Logical names of x's and the output's dimensions, as the product
+        laid them out: a weight's dimension by the weight's name, the first
+        two others the batch and the sequence."""
+        inputs, out = self.eq.replace(" ", "").split("->")
+        xs, ws = inputs.split(",")
+
+        def of(letters):
+            return tuple(self.names[ws.index(ch)] if ch in ws else
+                         (("batch", "seq")[i] if i < 2 else None)
+                         for i, ch in enumerate(letters))
+        return of(xs), of(out)
 
 
 class _Seen:
@@ -75,6 +89,17 @@ class SplitBackward:
         def zeros(a):
             return jnp.zeros((*lead, self.slots, *a.shape), a.dtype)
         return [(zeros(p.x), zeros(p.y)) for p in self.products if p is not None]
+
+    def tap_specs(self, rules, sizes: dict, lead: tuple) -> list[tuple[PartitionSpec, PartitionSpec]]:
+        """Where the taps live behind `lead` (specs of the W buffer's slot and
+        shard dimensions) and the layer dimension: as their products had
+        them, so that W multiplies them where they are."""
+        out = []
+        for p in (p for p in self.products if p is not None):
+            xn, yn = p.act_names()
+            out.append(tuple(PartitionSpec(*lead, None, *rules.spec(n, a.shape, sizes, what="tap"))
+                             for n, a in ((xn, p.x), (yn, p.y))))
+        return out
 
     def input_grad(self, run: Callable, chunk: Any, x: jax.Array, dy: jax.Array):
         """B: (the taps' cotangents, gradients of the parameters that are not

@@ -22,15 +22,34 @@ from zero_jax.planner.devices import Device
 from zero_jax.sharding import mesh as mesh_lib
 
 
+# What a device's memory must keep free beyond the estimate: collective
+# buffers, cuBLAS/cuDNN workspaces, the runtime's own context and allocator
+# fragmentation. XLA takes a fixed share of GPU memory for its pool
+# (XLA_CLIENT_MEM_FRACTION, 0.75 by default: JAX's GPU memory guide) and
+# leaves the rest to those; 10% is what is left at 0.9, the share large runs
+# raise it to, and 4 GB the floor on small devices, where NCCL's channels,
+# the CUDA context and the workspaces (about 1, 0.5 and 1 GB) do not shrink.
+RESERVE_FRACTION = 0.10
+RESERVE_FLOOR = 4e9
+
+
 @dataclasses.dataclass(frozen=True)
 class Cluster:
     device: Device
     nodes: int
     per_node: int  # devices per node
+    reserve_gb: float | None = None  # memory kept free per device (None: the default)
 
     @property
     def size(self) -> int:
         return self.nodes * self.per_node
+
+    @property
+    def reserve_bytes(self) -> float:
+        """Memory per device a layout may not plan to use (RESERVE_FRACTION)."""
+        if self.reserve_gb is not None:
+            return self.reserve_gb * 1e9
+        return max(RESERVE_FRACTION * self.device.hbm_bytes, RESERVE_FLOOR)
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -93,7 +112,8 @@ OFFLOADS = ("", "opt", "opt+params")
 
 
 def choices(model_cfg, cluster: Cluster, global_batch: int, *, stages=(0, 1, 2, 3),
-            remats=("full", "none"), micros=(1, 2, 4, 8), schedules=("1f1b", "interleaved"),
+            remats=("full", "none"), micros=(1, 2, 4, 8),
+            schedules=("gpipe", "1f1b", "interleaved", "zb-h1"),
             offloads=OFFLOADS) -> list[Choice]:
     """Every layout that divides the model and the cluster: tensor inside a
     node and dividing the heads, pipe up to the layer count, the global batch

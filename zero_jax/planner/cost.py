@@ -12,10 +12,14 @@ cluster's size, nothing allocated, nothing compiled) and gives an
              the remat policy keeps (a pipeline: its stashed stage inputs
              and one chunk's), gathered ZeRO-3 weights, the update's
              working copies; and all of the time: compute at the device's
-             peak times its published efficiency (a pipeline: its lockstep
-             schedule's cost, bubble included), each mesh axis's
+             peak times its matmul efficiency (a pipeline: its schedule's
+             cost, bubble and sends included), each mesh axis's exposed
              collectives over its link and, with offload, the host link and
-             the host update, nothing overlapped.
+             the host update (step_time.py).
+
+A layout fits when the estimate and a reserve (choices.RESERVE_FRACTION:
+what the runtime, collectives and fragmentation take beyond it) are within
+the device's memory.
 
 The search prunes with these, then compiles the best on simulated CPU
 devices (`measure`) for the compiled memory and the collective bytes of the
@@ -45,6 +49,7 @@ class Estimate:
     time: StepTime  # compute and communication of a step
     hbm: int  # the device's memory
     host_limit: float  # this device's share of its node's host memory
+    reserve: float = 0.0  # memory kept free beyond the estimate (Cluster.reserve_bytes)
     compiled: dict[str, Any] | None = None  # measure(): memory and collectives of the real program
 
     @property
@@ -55,11 +60,15 @@ class Estimate:
 
     @property
     def fits(self) -> bool:
-        return self.peak_bytes <= self.hbm and self.memory.host_bytes <= self.host_limit
+        """The estimate and the reserve within the device's memory, and the
+        host's share within the host's."""
+        return (self.peak_bytes + self.reserve <= self.hbm
+                and self.memory.host_bytes <= self.host_limit)
 
     @property
     def headroom(self) -> float:
-        return 1 - self.peak_bytes / self.hbm
+        """Of the device's memory, what is left beyond the estimate and the reserve."""
+        return 1 - (self.peak_bytes + self.reserve) / self.hbm
 
 
 def estimate(job: job_lib.Job, choice: Choice, cluster: Cluster, platform: str = "gpu") -> Estimate:
@@ -69,7 +78,8 @@ def estimate(job: job_lib.Job, choice: Choice, cluster: Cluster, platform: str =
     slice), to compare with programs compiled here."""
     dev = cluster.device
     return Estimate(choice, step_bytes(job, choice, platform), step_time(job, choice, cluster),
-                    dev.hbm_bytes, dev.host_bytes_per_node / cluster.per_node)
+                    dev.hbm_bytes, dev.host_bytes_per_node / cluster.per_node,
+                    cluster.reserve_bytes)
 
 
 def ring_factor(op: str, n: int) -> float:
@@ -85,8 +95,10 @@ def ring_factor(op: str, n: int) -> float:
 def with_measured(est: Estimate, measured: dict[str, Any], cluster: Cluster) -> Estimate:
     """`est` with the compiled program's figures: its memory beside the
     estimate, and its collective bytes per axis in place of the analytic
-    traffic (payload x ring factor over the axis's link)."""
-    comm = _measured_comm(est.choice, measured["collectives"], cluster)
+    traffic (payload x ring factor over the axis's link), of which the same
+    overlap model leaves what it leaves exposed (StepTime.exposed)."""
+    comm = {axis: est.time.exposed(axis, seconds) for axis, seconds in
+            _measured_comm(est.choice, measured["collectives"], cluster).items()}
     if est.choice.pipe > 1:  # the schedule's sends stay as the cost model counts them
         comm["pipe"] = est.time.comm_s.get("pipe", 0.0)
     for key in ("host link", "host update"):  # no collectives: as estimated

@@ -1,6 +1,6 @@
 """Accelerator kinds as data: one TOML per kind in meshes/devices/, each
 number with its source beside it (memory, peak FLOP/s, link bandwidths, the
-efficiency a planner applies to the peak, and the host's memory and links
+fraction of peak a layer's kernels sustain, and the host's memory and links
 for offload)."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ class Device:
     devices_per_node: int  # devices sharing the fast links (a DGX node, a TPU host)
     intra_node_bw: float  # bytes/s per device, one direction, inside a node (NVLink)
     inter_node_bw: float  # bytes/s per device, one direction, across nodes (InfiniBand, DCN)
-    efficiency: float  # fraction of peak a large dense model reaches (published)
+    matmul_efficiency: float  # fraction of peak a transformer layer's kernels sustain (sourced)
     ici_domain: int = 0  # devices the fast links join, if more than a node (a TPU slice)
     peak_flops_fp32: float = 0.0  # float32 matmul FLOP/s at JAX's default precision (TF32 on GPUs)
     device_kinds: tuple[str, ...] = ()  # jax.Device.device_kind strings of this kind (MFU)

@@ -167,8 +167,13 @@ def _pipeline_backward(job: job_lib.Job, choice: Choice, acts, gathers: float,
     never live together."""
     layout, cfg = job.layout, job.model.config
     c, g = dtype_bytes(job)
-    stash = (pipeline_schedule(choice).max_in_flight() * choice.micro * job.run.data.seq_len
-             * cfg.d_model * c)
+    schedule = pipeline_schedule(choice)
+    act = choice.micro * job.run.data.seq_len * cfg.d_model * c
+    stash = schedule.max_in_flight() * act
+    if schedule.split_backward:  # waiting Ws: each product's input and output gradient,
+        # about 16 d_model per token and layer (a GPT block), split over tensor
+        layers = job.layout.stages.slots
+        stash += max(schedule.pending_w_peak()) * layers * 16 * act / choice.tensor
     specs = layout.specs.grads if per_microbatch else layout.specs.compute
     outer_acc, _ = _split_bytes(layout, layout.abstract_grads, map_specs(
         lambda sp: without_axis(sp, "pipe"), specs))

@@ -1,13 +1,29 @@
 """The time of one training step of a layout, estimated from its shapes.
 
-Compute runs at the device's peak times its published efficiency; a
-pipeline's compute is the cost of its lockstep schedule (schedule.cost),
-bubble included. Each mesh axis's collectives run over that axis's link
-(inside a node or across nodes) as ring traffic: an all-reduce moves
-2(n-1)/n of its payload per device, an all-gather or a reduce-scatter
-(n-1)/n. Nothing is overlapped: the figure is conservative. With host
-offload (offload.py) the host link's transfers and the update on the host
-add to the time.
+Every part has a source (the device figures' are beside them in
+meshes/devices/*.toml), and no end-to-end efficiency is applied on top of
+them: such a figure already holds its own run's bubble and communication.
+
+  compute  the FLOPs the step executes, recomputation included, at the
+           device's peak times its matmul efficiency (the fraction of peak a
+           transformer layer's kernels sustain). A pipeline's compute is its
+           schedule's cost (schedule.cost): each tick as long as its slowest
+           stage, then its sends, so the bubble and the pipe traffic are in it.
+  tensor   the activations' all-reduces (sequence parallel: all-gathers and
+           reduce-scatters, the same bytes), on the critical path: the next
+           product needs them. Two per layer and forward pass, two per
+           backward; stretched by a pipeline's idle fraction, as its compute.
+  data     the gradient reduction, once per step, starts as each layer's
+           gradient is ready (XLA's latency-hiding scheduler), so the last
+           microbatch's backward hides as much of it as it lasts; ZeRO-3's
+           per-layer gathers are prefetched one layer ahead and hide behind a
+           layer's compute, all but the first; ZeRO-1/2's gather of the
+           updated parameters, after the update, is exposed.
+  host     offload's transfers and the update on the host, not overlapped.
+
+Each ring moves 2(n-1)/n of its payload per device for an all-reduce and
+(n-1)/n for an all-gather or a reduce-scatter, at the slowest link it
+crosses (inside a node or across nodes).
 """
 
 from __future__ import annotations
@@ -26,17 +42,27 @@ from zero_jax.sharding import zero as zero_lib
 # the float32 master and two Adam moments read and written (24), the
 # gradient read, the new working parameter written.
 UPDATE_TOUCHES = 24
+ATTENTION_OPS = ("scores", "ctx")  # the block's products without weights (decoder.block_ops)
 
 
 @dataclasses.dataclass(frozen=True)
 class StepTime:
     """Seconds of one step of a layout, and the work it does."""
 
-    compute_s: float  # the layers and head at peak x efficiency (a pipeline: its schedule's cost)
-    comm_s: dict[str, float]  # per mesh axis, and the host link and update; not overlapped
+    compute_s: float  # the executed FLOPs at peak x matmul efficiency (a pipeline: its schedule's cost)
+    comm_s: dict[str, float]  # per mesh axis, and the host link and update: the exposed part
     bubble: float  # a pipeline's idle fraction of its schedule's cost
     tokens: int  # per step
     model_flops: float  # per step, 6 N + attention per token
+    hardware_flops: float = 0.0  # per step as Megatron counts them: every layer recomputed once
+    hidden_s: dict[str, float] = dataclasses.field(default_factory=dict)  # per axis: what overlap hides
+
+    def exposed(self, axis: str, seconds: float) -> float:
+        """Of `seconds` of `axis`'s traffic (measured in a compiled program),
+        what this model leaves on the critical path."""
+        if axis == "tensor":
+            return seconds / (1 - self.bubble)
+        return max(0.0, seconds - self.hidden_s.get(axis, 0.0))
 
     @property
     def step_s(self) -> float:
@@ -47,10 +73,37 @@ class StepTime:
         return self.tokens / self.step_s
 
     def tflops_per_device(self, devices: int) -> float:
+        """Model TFLOP/s (6 N + attention) per device."""
         return self.model_flops / self.step_s / devices / 1e12
+
+    def hardware_tflops_per_device(self, devices: int) -> float:
+        """Megatron-formula TFLOP/s per device (recomputation included),
+        what Megatron-LM and Megatron-DeepSpeed papers report."""
+        return self.hardware_flops / self.step_s / devices / 1e12
 
     def mfu(self, devices: int, peak: float) -> float:
         return self.model_flops / self.step_s / devices / peak
+
+
+@dataclasses.dataclass(frozen=True)
+class _Work:
+    """What one layer does per microbatch, and how often the step does it."""
+
+    layer_flops: float  # one layer's forward, one microbatch, whole (not split over tensor)
+    weight_share: float  # of it, the products with a weight (what a W recomputes nothing for)
+    passes: int  # forward passes of each layer: 1, + the pipeline's rebuild, + full remat's
+    head_flops: float  # the head's forward, one microbatch
+
+
+def _work(job: job_lib.Job, choice: Choice) -> _Work:
+    T = job.run.data.seq_len
+    ops = job.model.block_ops(T)
+    per_token = sum(op.flops for op in ops)
+    weights = sum(op.flops for op in ops if op.dot and op.key not in ATTENTION_OPS)
+    passes = 1 + (choice.pipe > 1) + (choice.remat == "full")
+    head = (job.model.head_cost(T) if job.model.head_cost else 0.0) * per_token
+    rows = choice.micro * T
+    return _Work(per_token * rows, weights / per_token, passes, head * rows)
 
 
 def step_time(job: job_lib.Job, choice: Choice, cluster: Cluster) -> StepTime:
@@ -59,83 +112,102 @@ def step_time(job: job_lib.Job, choice: Choice, cluster: Cluster) -> StepTime:
     T = job.run.data.seq_len
     tokens = choice.data * choice.micro * choice.microbatches * T
     model_flops = job.model.flops_per_token(T) * tokens
+    work = _work(job, choice)
+    layers = job.model.config.n_layer
+    # Megatron's count: every layer's forward once more, the head not.
+    layer_part = work.layer_flops * layers * choice.microbatches * choice.data
+    hardware = model_flops + layer_part / 3
     comm = {}
     if choice.pipe > 1:
-        compute, bubble = _pipeline_compute(job, choice, cluster)
-        comm["pipe"] = _pipe_time(job, choice, cluster)
+        compute, bubble = _pipeline_compute(job, choice, cluster, work)
     else:
-        compute, bubble = _compute(model_flops, choice, cluster), 0.0
+        compute, bubble = _compute(job, choice, cluster, work), 0.0
     if choice.tensor > 1:
-        comm["tensor"] = _tensor_time(job, choice, cluster)
+        comm["tensor"] = _tensor_time(job, choice, cluster, work) / (1 - bubble)
     if job.layout.host_opt or job.layout.host_params:
         comm.update(_host_time(job, choice, cluster))
+    hidden = {}
     if choice.data > 1:
-        comm["data"] = _data_time(job, choice, cluster)
-    return StepTime(compute, comm, bubble, tokens, model_flops)
+        total, comm["data"] = _data_time(job, choice, cluster, work)
+        hidden["data"] = total - comm["data"]
+    return StepTime(compute, comm, bubble, tokens, model_flops, hardware, hidden)
 
 
 def _rate(cluster: Cluster) -> float:
-    """FLOP/s one device sustains: its peak times its published efficiency."""
-    return cluster.device.peak_flops * cluster.device.efficiency
+    """FLOP/s one device sustains in a layer's kernels: peak x matmul efficiency."""
+    return cluster.device.peak_flops * cluster.device.matmul_efficiency
 
 
-def _compute(model_flops: float, choice: Choice, cluster: Cluster) -> float:
-    """The step's FLOPs spread evenly over the devices; full remat runs the
-    forward pass twice (4/3 of forward and backward)."""
-    hardware = model_flops * ((4 / 3) if choice.remat == "full" else 1.0)
-    return hardware / cluster.size / _rate(cluster)
+def _layer_forward_s(job: job_lib.Job, choice: Choice, cluster: Cluster, work: _Work) -> float:
+    """Seconds of one layer's forward on one microbatch, on one device."""
+    return work.layer_flops / choice.tensor / _rate(cluster)
 
 
-def _pipeline_compute(job: job_lib.Job, choice: Choice, cluster: Cluster) -> tuple[float, float]:
-    """Seconds and idle fraction of the lockstep schedule, each tick as long
-    as its slowest stage. A backward tick costs 3 forwards per layer (the
-    chunk rebuilt from its stashed input, then the backward proper), 4 under
-    full remat, which recomputes each block again inside it."""
-    cfg, T = job.model.config, job.run.data.seq_len
-    layer_fwd = ((8 * cfg.d_model ** 2 + 4 * cfg.d_model * cfg.d_mlp + 4 * T * cfg.d_model)
-                 * choice.micro * T)
-    backward = 4 if choice.remat == "full" else 3
+def _compute(job: job_lib.Job, choice: Choice, cluster: Cluster, work: _Work) -> float:
+    """Without a pipeline: each layer's forward passes and its backward
+    (twice a forward), and the head's forward and backward."""
+    per_mb = (work.layer_flops * (work.passes + 2) * job.model.config.n_layer
+              + 3 * work.head_flops) / choice.tensor
+    return per_mb * choice.microbatches / _rate(cluster)
+
+
+def _pipeline_compute(job: job_lib.Job, choice: Choice, cluster: Cluster,
+                      work: _Work) -> tuple[float, float]:
+    """Seconds and idle fraction of the schedule: in layer-forward units a
+    backward rebuilds its chunk (1), runs the backward proper (2) and, under
+    full remat, rebuilds each block again inside it (1); a split backward
+    leaves the weight products (W) for later. Each tick's sends are one
+    microbatch's activation, split over tensor under sequence parallelism."""
+    unit = _layer_forward_s(job, choice, cluster, work)
+    send = _activation_bytes(job, choice) / choice.link_bw(cluster, "pipe") / unit
     cost = sched_lib.cost(pipeline_schedule(choice), job.layout.stages.counts,
-                          head=job.model.head_cost(T), backward=backward)
-    return cost.total * layer_fwd / choice.tensor / _rate(cluster), cost.bubble
+                          head=work.head_flops / work.layer_flops, send=send,
+                          backward=work.passes + 1, weight=work.weight_share)
+    return cost.total * unit, cost.bubble
 
 
-def _pipe_time(job: job_lib.Job, choice: Choice, cluster: Cluster) -> float:
-    """One microbatch's activations sent between stages every tick (split
-    over tensor under sequence parallelism)."""
+def _activation_bytes(job: job_lib.Job, choice: Choice) -> float:
+    """One microbatch's activation on one device."""
     c, _ = dtype_bytes(job)
-    act_bytes = (choice.micro * job.run.data.seq_len * job.model.config.d_model * c
-                 / (choice.tensor if job.sequence_parallel else 1))
-    return pipeline_schedule(choice).ticks * act_bytes / choice.link_bw(cluster, "pipe")
+    return (choice.micro * job.run.data.seq_len * job.model.config.d_model * c
+            / (choice.tensor if job.sequence_parallel else 1))
 
 
-def _tensor_time(job: job_lib.Job, choice: Choice, cluster: Cluster) -> float:
-    """Per layer and microbatch, two all-reduces of the activations forward
-    and two backward (two more to recompute: full remat, or a pipeline's
-    rebuilt chunk)."""
+def _tensor_time(job: job_lib.Job, choice: Choice, cluster: Cluster, work: _Work) -> float:
+    """Per layer and microbatch, two all-reduces of the activations per
+    forward pass and two in the backward, over this device's layers."""
     c, _ = dtype_bytes(job)
-    t, d_model = choice.tensor, job.model.config.d_model
-    recompute = choice.remat == "full" or choice.pipe > 1
-    per = (6 if recompute else 4) * choice.micro * job.run.data.seq_len * d_model * c
+    t = choice.tensor
+    payload = choice.micro * job.run.data.seq_len * job.model.config.d_model * c
+    per = (2 * work.passes + 2) * payload * 2 * (t - 1) / t
     layers_here = job.model.config.n_layer / choice.pipe
-    return (choice.microbatches * layers_here * per * 2 * (t - 1) / t
-            / choice.link_bw(cluster, "tensor"))
+    return choice.microbatches * layers_here * per / choice.link_bw(cluster, "tensor")
 
 
-def _data_time(job: job_lib.Job, choice: Choice, cluster: Cluster) -> float:
-    """The gradients reduced over data (an all-reduce, or a reduce-scatter
-    when they are stored sharded), once per step or, ZeRO-3 reducing on the
-    spot, per microbatch; the parameters gathered: at ZeRO-3 forward and
-    backward per microbatch, at ZeRO-1 and 2 once after the update."""
+def _data_time(job: job_lib.Job, choice: Choice, cluster: Cluster,
+               work: _Work) -> tuple[float, float]:
+    """Seconds of the data-parallel traffic, and of them the exposed part
+    (module docstring)."""
     c, g = dtype_bytes(job)
-    n = choice.data
+    n, link = choice.data, choice.link_bw(cluster, "data")
     stage = zero_lib.stage(choice.zero)
     psi = compute_grad_bytes(job.layout) / g  # parameters this device computes with
-    reductions = choice.microbatches if reduces_each_microbatch(job, stage) else 1
-    grad_bytes = psi * g * reductions * (2 if not stage.grads else 1) * (n - 1) / n
-    gathers = (2 * choice.microbatches if stage.params else 1 if stage.opt_state else 0)
-    param_bytes = psi * c * gathers * (n - 1) / n
-    return (grad_bytes + param_bytes) / choice.link_bw(cluster, "data")
+    layers_here = max(job.layout.stages.padded // choice.pipe if choice.pipe > 1
+                      else job.model.config.n_layer, 1)
+    unit = _layer_forward_s(job, choice, cluster, work)
+    backward = layers_here * unit * (work.passes + 1)  # one microbatch's backward, this device
+    grads = psi * g * (2 if not stage.grads else 1) * (n - 1) / n / link
+    times = choice.microbatches if reduces_each_microbatch(job, stage) else 1
+    total, exposed = times * grads, times * max(0.0, grads - backward)
+    if stage.params:  # gathered per layer, forward passes and backward, one layer ahead
+        layer_gather = psi / layers_here * c * (n - 1) / n / link
+        gathers = choice.microbatches * layers_here * (work.passes + 1)
+        total += gathers * layer_gather
+        exposed += layer_gather + (gathers - 1) * max(0.0, layer_gather - unit)
+    elif stage.opt_state:  # the updated shards gathered after the update
+        total += psi * c * (n - 1) / n / link
+        exposed += psi * c * (n - 1) / n / link
+    return total, exposed
 
 
 def _host_time(job: job_lib.Job, choice: Choice, cluster: Cluster) -> dict[str, float]:
