@@ -77,6 +77,9 @@ def test_plan_ranks_layouts_and_writes_a_config_train_accepts(tmp_path):
     top = plan["top"]
     assert len(top) == 5 and all(r["fits"] for r in top)
     assert [r["step_s"] for r in top] == sorted(r["step_s"] for r in top)
+    for r in top:  # both figures a paper may quote; Megatron's counts the recomputation too
+        assert 0 < r["model_tflops_per_device"] < r["hardware_tflops_per_device"]
+        assert r["reserve_bytes"] == 0.10 * A100.device.hbm_bytes
     run = config_lib.build(str(tmp_path / "run.toml"), {})
     assert run.parallel.mesh.endswith("mesh.toml") and run.model.name == "gpt-tiny"
     job_lib.mesh_config(run).resolve(8)  # the written mesh covers the cluster
@@ -111,6 +114,27 @@ def test_offload_layouts_move_states_to_the_host_within_its_memory():
     small = layouts.Cluster(dataclasses.replace(A100.device, host_bytes_per_node=8), 1, 8)
     assert not planner.estimate(jobs[off], off, small).fits
     assert planner.estimate(jobs[plain], plain, small).fits
+
+
+def test_a_layout_fits_only_with_the_reserve_beside_its_estimate():
+    """The reserve (by default the larger of 10% and 4 GB) counts against the
+    device's memory: a layout that fits with no reserve does not when the
+    reserve takes the rest; `--reserve-gb` outside the device is an error."""
+    build = models.for_run(config_lib.ModelConfig(name="gpt-tiny"), 256)[0]
+    choice = layouts.Choice(1, 1, 8, 1, "full", 2, 1)
+    job = layouts.abstract_job(choice.flat(BASE), build, 8)
+    est = planner.estimate(job, choice, layouts.Cluster(A100.device, 1, 8))
+    assert est.reserve == max(0.10 * A100.device.hbm_bytes, 4e9) and est.fits
+    room = (A100.device.hbm_bytes - est.peak_bytes) / 1e9
+    tight = layouts.Cluster(A100.device, 1, 8, reserve_gb=room * 1.01)
+    assert not planner.estimate(job, choice, tight).fits
+    small = layouts.Cluster(hardware.load("a100-40gb"), 1, 8)
+    assert small.reserve_bytes == max(0.10 * small.device.hbm_bytes, 4e9)
+    out = subprocess.run(
+        [sys.executable, "scripts/plan.py", "--model", "gpt-tiny", "--cluster", "a100-80gb",
+         "--nodes", "1", "--global-batch", "16", "--seq-len", "32", "--reserve-gb", "90"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "--reserve-gb 90" in out.stderr, out.stderr
 
 
 def test_bloom_own_layout_predicts_the_published_throughput():

@@ -16,9 +16,11 @@ them: such a figure already holds its own run's bubble and communication.
   data     the gradient reduction, once per step, starts as each layer's
            gradient is ready (XLA's latency-hiding scheduler), so the last
            microbatch's backward hides as much of it as it lasts; ZeRO-3's
-           per-layer gathers are prefetched one layer ahead and hide behind a
-           layer's compute, all but the first; ZeRO-1/2's gather of the
-           updated parameters, after the update, is exposed.
+           per-layer gathers are prefetched one layer ahead, and they and
+           its per-microbatch reductions share the link behind the
+           microbatch's compute: what exceeds it waits, and so does the
+           first gather; ZeRO-1/2's gather of the updated parameters, after
+           the update, is exposed.
   host     offload's transfers and the update on the host, not overlapped.
 
 Each ring moves 2(n-1)/n of its payload per device for an all-reduce and
@@ -197,14 +199,23 @@ def _data_time(job: job_lib.Job, choice: Choice, cluster: Cluster,
     unit = _layer_forward_s(job, choice, cluster, work)
     backward = layers_here * unit * (work.passes + 1)  # one microbatch's backward, this device
     grads = psi * g * (2 if not stage.grads else 1) * (n - 1) / n / link
-    times = choice.microbatches if reduces_each_microbatch(job, stage) else 1
-    total, exposed = times * grads, times * max(0.0, grads - backward)
-    if stage.params:  # gathered per layer, forward passes and backward, one layer ahead
+    each_microbatch = reduces_each_microbatch(job, stage)
+    if stage.params:
+        # Per microbatch the link carries each layer's gathers (forward
+        # passes and backward), prefetched a layer ahead, and with ZeRO-3's
+        # on-the-spot reduction the gradients: what exceeds the
+        # microbatch's compute waits, and so does the first gather.
         layer_gather = psi / layers_here * c * (n - 1) / n / link
-        gathers = choice.microbatches * layers_here * (work.passes + 1)
-        total += gathers * layer_gather
-        exposed += layer_gather + (gathers - 1) * max(0.0, layer_gather - unit)
-    elif stage.opt_state:  # the updated shards gathered after the update
+        per_mb = layers_here * (work.passes + 1) * layer_gather + grads * each_microbatch
+        compute = layers_here * unit * (work.passes + 2)
+        total = choice.microbatches * per_mb
+        exposed = choice.microbatches * max(0.0, per_mb - compute) + layer_gather
+        if not each_microbatch:
+            total, exposed = total + grads, exposed + max(0.0, grads - backward)
+        return total, exposed
+    times = choice.microbatches if each_microbatch else 1
+    total, exposed = times * grads, times * max(0.0, grads - backward)
+    if stage.opt_state:  # the updated shards gathered after the update
         total += psi * c * (n - 1) / n / link
         exposed += psi * c * (n - 1) / n / link
     return total, exposed
