@@ -300,3 +300,49 @@ def test_bfloat16_gradients_pipeline_compiles_and_trains(corpus):
                    zero_stage=1, precision="bf16", grad_dtype="bfloat16", steps=2)
     losses, _ = train(job, corpus)
     assert np.isfinite(losses).all()
+
+
+def _primitives(jaxpr, out=None):
+    """Every equation's (primitive name, output shapes), sub-jaxprs included."""
+    out = [] if out is None else out
+    for eqn in jaxpr.eqns:
+        out.append((eqn.primitive.name, [tuple(v.aval.shape) for v in eqn.outvars]))
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    _primitives(inner, out)
+    return out
+
+
+def test_split_backward_leaves_the_weights_to_w_and_w_runs_no_forward():
+    """zb-h1's B gives dx and no matrix's gradient; its W runs one product
+    per matrix from what B kept (vmapped over the chunk's layers) and
+    nothing of the forward: no softmax, no GELU."""
+    import flax.linen as nn
+    from zero_jax.hooks import Hooks
+    from zero_jax.pipeline.weight_grad import SplitBackward
+    fns = make_job(data_lib.load("stdlib"), **COMMON, mesh="fsdp=1",
+                   devices=jax.devices()[:1]).model
+    stack = nn.unbox(fns.init(jax.random.key(0)))["blocks"]
+    chunk = jax.tree.map(lambda a: a[:2], stack)
+    x = jax.ShapeDtypeStruct((4, COMMON["seq_len"], fns.config.d_model), np.float32)
+    hooks = Hooks()
+
+    def run(c, x, h):
+        return fns.pipeline.stage(c, x, h)
+
+    split = SplitBackward(run, chunk, x, hooks)
+    products = [p for p in split.products if p is not None]
+    assert len(products) == 4  # w_qkv, w_o, w_fc, w_proj
+    weight_shapes = {tuple(p.w.shape) for p in products}
+    dy = np.ones(x.shape, np.float32)
+    b = jax.make_jaxpr(lambda c, x, dy: split.input_grad(lambda c, x: run(c, x, hooks), c, x, dy))(
+        chunk, np.zeros(x.shape, np.float32), dy)
+    shapes = [o for name, outs in _primitives(b.jaxpr) if name == "dot_general" for o in outs]
+    assert shapes and not [o for o in shapes if o in weight_shapes or o[1:] in weight_shapes]
+    taps = split.taps()
+    w = jax.make_jaxpr(lambda t: split.weight_grads(hooks, t))(taps)
+    names = [name for name, _ in _primitives(w.jaxpr)]
+    assert names.count("dot_general") == 4
+    assert not {"exp", "tanh", "erf", "logistic"} & set(names)

@@ -162,8 +162,7 @@ def _tapped_fwd(use, eq, x, w, tap_x, tap_y):
 
 def _tapped_bwd(use, eq, res, g):
     x, w = res
-    return (_input_grad(use, eq, x, w, g), jnp.zeros_like(w), x.astype(jnp.result_type(x)),
-            g.astype(jnp.result_type(g)))
+    return _input_grad(use, eq, x, w, g), jnp.zeros_like(w), x, g
 
 
 tapped_dense.defvjp(_tapped_fwd, _tapped_bwd)
