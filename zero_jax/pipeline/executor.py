@@ -3,14 +3,14 @@ schedule's ticks in `shard_map`, manual over `pipe` only.
 
 `data`, `fsdp` and `tensor` stay automatic inside each stage, so ZeRO and
 tensor parallelism work unchanged within a stage (full 3D). Each tick every
-device looks up its action in the schedule's table (schedule.py): a forward
-(F) or backward (B) of one microbatch through one of its chunks, or nothing.
-Then activations move one stage on and gradients one stage back, with
-`ppermute` around the `pipe` ring.
+device looks up its part of the schedule's table (schedule.py): at most one
+forward (F) and one backward (B) of a microbatch through its chunks, and
+under zb-h1 weight gradients (W). Then activations move one stage on and
+gradients one stage back, with `ppermute` between the stages that send.
 
 A forward keeps only its chunk's input (the stash); the backward recomputes
 the chunk's forward from it, so what a device holds is the stash: m inputs
-under gpipe, at most p under 1f1b.
+under gpipe, 2 (p - d) - 1 on stage d under 1f1b.
 
 The layer stack is stored in the slots of its cut (cut.py): device d's
 chunks d, d + p, ... in its own part of the slot dimension, so a device
@@ -19,10 +19,12 @@ stages do not divide) runs its slots one at a time and passes its input
 through the padding ones.
 
 The parts, each in its own module: the schedule compiled into the index
-tables the loop reads, with the stash's and inboxes' slots (program.py);
+tables the loop reads, with the stash's, inboxes' and W buffer's slots
+(program.py);
 what a device holds and the pieces its actions are built from (stage.py);
 a tick's actions and how their results are written into the loop's carry,
-for training (train_stage.py) and evaluation (eval_stage.py). Here: what
+for training (train_stage.py, with weight_grad.py for a split backward)
+and evaluation (eval_stage.py). Here: what
 the loop needs from the model (`PipelineFns`) and the layout
 (`StageLayout`), and the `shard_map` around the loop.
 """

@@ -1,7 +1,7 @@
 """A schedule (schedule.py) compiled into the index tables the pipeline loop
 reads at each (tick, device), and one device's row of them at a tick.
 
-The loop (executor.py) runs traced, in lockstep, and can only index fixed
+The loop (executor.py) runs traced, all devices in step, and can only index fixed
 arrays. So everything a schedule decides is worked out here, in numpy,
 before tracing: for each part of a tick (its forward, its backward, its
 weight gradients) whether it runs, its microbatch and chunk, and the slots
