@@ -34,19 +34,23 @@ def test_analytic_activations_order_and_scale_like_the_compiled_ones(temps):
     assert temps["full"][1] < temps["none"][1]
 
 
-def _compile_seconds(n_layer: int) -> float:
+def _compiled(n_layer: int):
     run = config_lib.build(None, {"data.seq_len": 32, "train.batch_size": 16})
     cfg = gpt.config("gpt-tiny", 256, n_layer=n_layer)
     job = job_lib.prepare(run, lambda multiple: gpt.model_fns(cfg))
-    best = float("inf")
-    for _ in range(2):  # the faster of two, on a shared machine
-        start = time.perf_counter()
-        job.compile_train_step()
-        best = min(best, time.perf_counter() - start)
-    return best
+    start = time.perf_counter()
+    text = job.compile_train_step().as_text()
+    return text, time.perf_counter() - start
 
 
-def test_compile_time_does_not_grow_with_depth():
-    shallow, deep = _compile_seconds(4), _compile_seconds(48)
-    print(f"compile: 4 layers {shallow:.2f}s, 48 layers {deep:.2f}s")
-    assert deep < 2 * shallow
+def test_compiled_program_does_not_grow_with_depth():
+    """The layers are one scanned loop, so 48 layers compile to the program
+    4 do (the loop's trip count aside): what keeps compile time flat in
+    depth. Counted in instructions, not timed: a timing compared across two
+    moments of a loaded machine measures the load."""
+    (shallow, t4), (deep, t48) = _compiled(4), _compiled(48)
+    print(f"compile: 4 layers {t4:.2f}s, 48 layers {t48:.2f}s")
+
+    def instructions(text):
+        return sum(" = " in line for line in text.splitlines())
+    assert instructions(deep) <= 1.05 * instructions(shallow), (instructions(deep), instructions(shallow))
