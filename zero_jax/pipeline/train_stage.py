@@ -177,7 +177,7 @@ class TrainStage(LocalStage):
             def input_grad(chunk, x, dy):
                 return self.split_bwd.input_grad(run, chunk, x, dy)
             taps, g_others, dx = self.per_shard(input_grad, chunk, self.split(x), self.split(dy))
-            g_others = self.split_bwd.merge(self.cast(g_others), [None] * len(taps))
+            g_others = self.split_bwd.of_others(self.cast(g_others))
             c = c._replace(g_stack=self.add_stack(c.g_stack, k, g_others))
 
         def first(c):
@@ -203,17 +203,14 @@ class TrainStage(LocalStage):
         taps = jax.tree.map(lambda buf: buf[row.w_slot[j]], keep)
         g = self.per_shard(lambda _, taps: self.split_bwd.weight_grads(self.shard_hooks, taps),
                            None, taps)
-        g = self.split_bwd.merge([None] * (len(jax.tree.leaves(self.chunks)) - len(g)),
-                                 self.cast(g))
-        return self.add_stack(g_stack, row.w_chunk[j], g)
+        return self.add_stack(g_stack, row.w_chunk[j], self.split_bwd.of_matrices(self.cast(g)))
 
     # -- accumulators ----------------------------------------------------------
     def add_stack(self, acc, k, g):
         """acc with per-shard chunk gradients g added at local chunk k (None leaves: nothing)."""
         def add(a, g):
             return a if g is None else a.at[:, k].add(g)
-        return self.pin(jax.tree.map(add, acc, g, is_leaf=lambda x: x is None),
-                        self.where.stage_grads)
+        return self.pin(jax.tree.map(add, acc, g), self.where.stage_grads)
 
     def add_outer(self, acc, g):
         return self.pin(jax.tree.map(jnp.add, acc, g), self.where.outer_grads)

@@ -126,15 +126,15 @@ class SplitBackward:
             out.append(jax.vmap(one)(x, g))
         return out
 
-    def merge(self, g_others: list, g_mats: list) -> Any:
-        """A chunk-shaped tree from the two kinds' gradients (None where a
-        kind has none)."""
-        others, mats = iter(g_others), iter(g_mats)
-        return self.treedef.unflatten([next(others) if p is None else next(mats)
+    def of_others(self, g_others: list) -> Any:
+        """A chunk-shaped tree of B's gradients: the non-matrix parameters',
+        None at the matrices."""
+        others = iter(g_others)
+        return self.treedef.unflatten([next(others) if p is None else None
                                        for p in self.products])
 
-    def split(self, tree: Any) -> tuple[list, list]:
-        """A chunk-shaped tree's (non-matrix leaves, matrix leaves)."""
-        leaves = self.treedef.flatten_up_to(tree)
-        return ([a for a, p in zip(leaves, self.products) if p is None],
-                [a for a, p in zip(leaves, self.products) if p is not None])
+    def of_matrices(self, g_mats: list) -> Any:
+        """A chunk-shaped tree of W's gradients: the matrices', None elsewhere."""
+        mats = iter(g_mats)
+        return self.treedef.unflatten([None if p is None else next(mats)
+                                       for p in self.products])
