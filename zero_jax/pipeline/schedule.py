@@ -30,7 +30,7 @@ device only), and place the Ws where they lengthen no tick (`_place_ws`).
     interleaved  1f1b over v chunks per device (Megatron's order, in rounds
                  of p microbatches; the last round may be shorter)
     zb-h1        1f1b with each W split off and deferred (Qi et al. 2023,
-                 arXiv 2401.10241): stage d delays up to d of them, into
+                 arXiv 2401.10241): stage d delays up to 2d of them, into
                  ticks where it would idle
 
 `cost` prices a table as the loop runs it. Adding a schedule is adding an

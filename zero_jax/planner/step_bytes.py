@@ -169,11 +169,13 @@ def _pipeline_backward(job: job_lib.Job, choice: Choice, acts, gathers: float,
     c, g = dtype_bytes(job)
     schedule = pipeline_schedule(choice)
     act = choice.micro * job.run.data.seq_len * cfg.d_model * c
-    stash = schedule.max_in_flight() * act
-    if schedule.split_backward:  # waiting Ws: each product's input and output gradient,
-        # about 16 d_model per token and layer (a GPT block), split over tensor
-        layers = job.layout.stages.slots
-        stash += max(schedule.pending_w_peak()) * layers * 16 * act / choice.tensor
+    # Per stage, its stash and (split backward) its waiting Ws: each holds
+    # every product's input and output gradient, about 16 d_model per token
+    # and layer (a GPT block), split over tensor. The two peak on opposite
+    # ends of the pipeline (stash on the first stage, Ws on the last).
+    waiting = (schedule.pending_w_peak() if schedule.split_backward else [0] * choice.pipe)
+    per_w = job.layout.stages.slots * 16 * act / choice.tensor
+    stash = max(s * act + w * per_w for s, w in zip(schedule.stash_peak(), waiting))
     specs = layout.specs.grads if per_microbatch else layout.specs.compute
     outer_acc, _ = _split_bytes(layout, layout.abstract_grads, map_specs(
         lambda sp: without_axis(sp, "pipe"), specs))
