@@ -12,8 +12,9 @@ prepared directories.
 Worker processes tokenize in parallel, at most two tasks of about a
 megabyte each per worker in flight, so memory stays bounded; every document
 ends with the end-of-document token. A document goes to validation when the
-CRC32 of "<input path>\\0<index>" falls in the first `val_fraction` of its
-range: the split is stable, and by document. The output directory holds
+CRC32 of "<input file name>\\0<index>" falls in the first `val_fraction` of
+its range: the split is by document, and stable when the corpus is moved or
+read through another path (the file's name, not its directory, is hashed). The output directory holds
 uint16 shards (uint32 when the vocabulary needs it) and a meta.json,
 written last (token_files.py). Errors are ValueErrors naming the flag of
 `zero-jax prepare-data` at fault.
@@ -177,7 +178,8 @@ def encoded(stream, spec: tok_lib.Spec, workers: int):
 
 
 def in_validation(source: str, index: int, fraction: float) -> bool:
-    return zlib.crc32(f"{source}\0{index}".encode()) < fraction * 2 ** 32
+    name = Path(source).name
+    return zlib.crc32(f"{name}\0{index}".encode()) < fraction * 2 ** 32
 
 
 def check(request: Request) -> None:
@@ -282,7 +284,7 @@ def write_meta(request: Request, spec: tok_lib.Spec, dtype, counts: dict[str, di
         "splits": {s: {"documents": c["documents"], "tokens": c["tokens"], "shards": c["shards"]}
                    for s, c in counts.items()},
         "val_fraction": request.val_fraction,
-        "split_rule": "validation when crc32(input path + NUL + document index) < "
+        "split_rule": "validation when crc32(input file name + NUL + document index) < "
                       "val_fraction * 2**32",
         "inputs": [str(f) for f in request.files],
     })
