@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from typing import Any
 
 import jax
@@ -77,31 +78,50 @@ TAGS = {"loss": "train/loss", "val_loss": "val/loss", "grad_norm": "train/grad_n
 
 
 class TensorBoardWriter:
-    """Scalars of each record in a TensorBoard event file (tensorboardX).
+    """Scalars of each record in a TensorBoard event file (tensorboardX's
+    event format).
 
-    A run resumed at step `start` purges the events after it (tensorboardX's
-    `purge_step`), as MetricsWriter cuts its file back.
+    A run resumed at step `start` purges the events after it (a session
+    start at `start + 1`, as tensorboardX's `purge_step` writes), as
+    MetricsWriter cuts its file back. Events are written and flushed with
+    each record, in this thread, as MetricsWriter's lines are: a run killed
+    after a checkpoint keeps every step up to it, which its resumed run does
+    not write again. (tensorboardX's SummaryWriter queues events for a
+    writer thread, and its flush does not wait for the queue.)
     """
 
     def __init__(self, logdir: str, start: int = 0):
-        self._writer = None
+        self._events = None
         if not logdir:
             return
-        from tensorboardX import SummaryWriter  # imported here: only runs that ask need it
-        self._writer = SummaryWriter(logdir, purge_step=start + 1 if start else None,
-                                     flush_secs=10)
+        # Imported here: only runs that ask need them.
+        from tensorboardX.event_file_writer import EventsWriter
+        from tensorboardX.proto import event_pb2
+        from tensorboardX.summary import scalar
+
+        os.makedirs(logdir, exist_ok=True)
+        self._event, self._scalar = event_pb2.Event, scalar
+        self._events = EventsWriter(os.path.join(logdir, "events"))
+        if start:
+            self._events.write_event(self._event(
+                step=start + 1, wall_time=time.time(),
+                session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START)))
+            self._events.flush()
 
     def write(self, record: dict[str, Any]) -> None:
-        if self._writer is None:
+        if self._events is None:
             return
+        now = time.time()
         for key, tag in TAGS.items():
             value = record.get(key)
             if isinstance(value, (int, float)) and not isinstance(value, str):
-                self._writer.add_scalar(tag, float(value), record["step"])
+                self._events.write_event(self._event(step=record["step"], wall_time=now,
+                                                     summary=self._scalar(tag, float(value))))
+        self._events.flush()
 
     def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
+        if self._events is not None:
+            self._events.close()
 
 
 def memory() -> dict[str, int]:
