@@ -21,7 +21,8 @@ assistant's tokens only. --format flat writes one flat uint16 file and its
 directory (or file) with tokenizer.json. Worker processes tokenize in
 parallel; every document ends with the end-of-document token. A document
 goes to validation when the CRC32 of "<input file name>\\0<index>" falls in the
-first --val-fraction of its range: the split is stable, and by document.
+first --val-fraction of its range, and so does the first document: the
+split is stable, and by document.
 The output directory holds uint16 shards (uint32 when the vocabulary needs
 it) and a meta.json, written last (zero_jax/data/prepare.py, token_files.py).
 Exit status: 0 done, 2 bad input (one line on stderr).

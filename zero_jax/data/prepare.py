@@ -13,8 +13,10 @@ Worker processes tokenize in parallel, at most two tasks of about a
 megabyte each per worker in flight, so memory stays bounded; every document
 ends with the end-of-document token. A document goes to validation when the
 CRC32 of "<input file name>\\0<index>" falls in the first `val_fraction` of
-its range: the split is by document, and stable when the corpus is moved or
-read through another path (the file's name, not its directory, is hashed). The output directory holds
+its range, and so does the corpus's first document (a small corpus then
+still has one): the split is by document, and stable when the corpus is
+moved or read through another path (the file's name, not its directory, is
+hashed). The output directory holds
 uint16 shards (uint32 when the vocabulary needs it) and a meta.json,
 written last (token_files.py). Errors are ValueErrors naming the flag of
 `zero-jax prepare-data` at fault.
@@ -247,11 +249,14 @@ def prepare(request: Request, spec: tok_lib.Spec, on_bytes: Callable[[int], obje
 
 def _write_splits(writers, results, on_bytes, val_fraction) -> dict[str, dict]:
     """Each document into its split's shards; the splits' counts."""
-    split = "train"
+    split, documents = "train", 0
     for items, encodings, size in results:
         for (source, index, *_), (ids, mask, first, _) in zip(items, encodings):
             if first:
-                split = "val" if in_validation(source, index, val_fraction) else "train"
+                # The corpus's first document always validates, so that a
+                # small corpus has a validation split.
+                val = documents == 0 or in_validation(source, index, val_fraction)
+                split, documents = ("val" if val else "train"), documents + 1
             writers[split].add(ids, mask, new_document=first)
         on_bytes(size)
     counts = {s: w.close() for s, w in writers.items()}
@@ -285,6 +290,6 @@ def write_meta(request: Request, spec: tok_lib.Spec, dtype, counts: dict[str, di
                    for s, c in counts.items()},
         "val_fraction": request.val_fraction,
         "split_rule": "validation when crc32(input file name + NUL + document index) < "
-                      "val_fraction * 2**32",
+                      "val_fraction * 2**32, and the first document",
         "inputs": [str(f) for f in request.files],
     })
