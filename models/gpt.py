@@ -287,13 +287,13 @@ class GPT(nn.Module):
 
     def setup(self):
         c = self.cfg
-        # Under a pipeline's evaluation each stage holds a block of each
-        # table's rows (Hooks.rows); the lookups and the logits use the block.
+        # Under a pipeline each stage may hold a block of a table's rows
+        # (Hooks.rows); the lookups and the logits then use the block.
         table = self.hooks.table_shape
-        self.wte = layers.param(self, "wte", table((c.padded_vocab, c.d_model)), ("vocab", "embed"),
-                          nn.initializers.normal(0.02))
-        self.wpe = layers.param(self, "wpe", table((c.max_seq_len, c.d_model)), ("pos", "embed"),
-                          nn.initializers.normal(0.01))
+        self.wte = layers.param(self, "wte", table((c.padded_vocab, c.d_model), ("vocab", "embed")),
+                                ("vocab", "embed"), nn.initializers.normal(0.02))
+        self.wpe = layers.param(self, "wpe", table((c.max_seq_len, c.d_model), ("pos", "embed")),
+                                ("pos", "embed"), nn.initializers.normal(0.01))
         self.blocks = stack(c, self.hooks)
         self.ln_f = LayerNorm(c, self.hooks)
 

@@ -269,10 +269,11 @@ class Llama(nn.Module):
         c = self.cfg
         table = self.hooks.table_shape
         normal = nn.initializers.normal(0.02)
-        self.wte = layers.param(self, "wte", table((c.padded_vocab, c.d_model)),
+        self.wte = layers.param(self, "wte", table((c.padded_vocab, c.d_model), ("vocab", "embed")),
                                 ("vocab", "embed"), normal)
         if not c.tie_embeddings:
-            self.w_head = layers.param(self, "w_head", table((c.padded_vocab, c.d_model)),
+            self.w_head = layers.param(self, "w_head",
+                                       table((c.padded_vocab, c.d_model), ("vocab", "embed")),
                                        ("vocab", "embed"), normal)
         self.blocks = stack(c, self.hooks)
         self.norm_f = RMSNorm(c, self.hooks)

@@ -115,7 +115,8 @@ def test_pipelined_training_runs_and_prints_its_stages(tmp_path):
             "--eval-batches", "1", "--no-progress", "--metrics-out", str(out))
     assert p.returncode == 0, p.stderr
     assert "pipeline   1f1b: p=2 stages, m=8 microbatches, v=1" in p.stdout
-    assert "stage 0: layers 0-1 (2 of 4), runs the embedding" in p.stdout
-    assert "stage 1: layers 2-3 (2 of 4), runs the head and loss" in p.stdout
+    assert "stage 0: layers 0-1 (2 of 4)\n" in p.stdout
+    assert "stage 1: layers 2-3 (2 of 4)\n" in p.stdout
+    assert "on the row block it stores of the tables whose rows are pos, vocab" in p.stdout
     losses = [json.loads(line)["loss"] for line in out.read_text().splitlines()]
     assert len(losses) == 8 and losses[-1] < losses[0]

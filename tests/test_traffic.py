@@ -11,6 +11,7 @@ from tests.helpers import make_job, train
 from zero_jax.analysis import hlo
 from zero_jax.analysis import memory
 from zero_jax.analysis import traffic
+from zero_jax.pipeline import executor as pipeline_lib
 
 # bf16 compute, float32 gradients: g = 4 bytes, c = 2 bytes per parameter.
 # The position table is as long as the sequence, so that every parameter is
@@ -102,14 +103,23 @@ def test_hybrid_sharding_reduces_shards_across_data(corpus):
 
 def test_pipelined_gradients_are_reduced_once_per_step(corpus):
     """With stages over pipe, ZeRO-1's gradient all-reduce over the data axes
-    moves each stage's gradients once per step (4 microbatches), float32."""
+    moves each stage's gradients once per step (4 microbatches), float32:
+    its layers' and its row block of the embedding and head tables."""
     job = make_job(corpus, mesh="pipe=2,fsdp=4", zero_stage=1, microbatches=4, **BF16)
     measured, _ = _measure(job)
+    fns = job.model.pipeline
+    (outer, stack), (outer_specs, stack_specs) = (fns.split(job.layout.abstract.params),
+                                                  fns.split(job.layout.specs.compute))
+    assert not pipeline_lib.tables_not_in_rows(outer, fns.split(job.layout.specs.params)[0])
     is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)
-    once = sum(4 * math.prod(jax.sharding.NamedSharding(job.layout.mesh, s).shard_shape(p.shape))
-               for p, s in zip(jax.tree.leaves(job.layout.abstract.params),
-                               jax.tree.leaves(job.layout.specs.compute, is_leaf=is_spec)))
-    assert measured.by_op["all-reduce@fsdp"] == pytest.approx(once, rel=0.01)
+
+    def per_device(params, specs, blocks):
+        return sum(4 * math.prod(jax.sharding.NamedSharding(job.layout.mesh, s).shard_shape(p.shape))
+                   // (blocks if p.ndim >= 2 else 1)
+                   for p, s in zip(jax.tree.leaves(params), jax.tree.leaves(specs, is_leaf=is_spec)))
+
+    once = per_device(stack, stack_specs, 1) + per_device(outer, outer_specs, 2)
+    assert measured.by_op["all-reduce@fsdp"] == pytest.approx(once, rel=0.001)
 
 
 _SYNTHETIC = """

@@ -29,6 +29,7 @@ from zero_jax.sharding.mesh import MeshShape
 # Choices of this file's own fields (the others' are their modules').
 LayoutName = Literal["auto", "dp", "fsdp", "fsdp_tp", "fsdp_tp_sp"]  # sharding/rules.py PRESETS
 GradReduce = Literal["auto", "step", "microbatch"]  # job.resolve_grad_reduce
+PipelineTables = Literal["rows", "whole"]  # pipeline/executor.py row_tables
 Attention = Literal["auto", "xla", "cudnn"]  # job.attention_implementation
 DtypeOverride = Literal["", "float32", "bfloat16", "float16"]  # "": the policy's
 
@@ -75,6 +76,7 @@ class ParallelConfig:
     pipeline_schedule: ScheduleName = "1f1b"  # gpipe | 1f1b | interleaved | zb-h1 (with a pipe axis)
     virtual_stages: int = 0  # chunks per device for interleaved (0: 2 for interleaved, else 1)
     pipeline_gather_once: bool = False  # ZeRO-3: gather a stage's weights once per step, not per microbatch
+    pipeline_tables: PipelineTables = "rows"  # rows: each stage uses its row block of the embedding and head (where pipe divides them); whole: gathered, gradients summed whole
     grad_reduce: GradReduce = "auto"  # step | microbatch: when accumulated gradients are reduced; auto: microbatch at stage 3
 
 

@@ -57,12 +57,18 @@ def psum(x: jax.Array, axis: str, widen: bool) -> jax.Array:
 @dataclasses.dataclass(frozen=True)
 class RowSplit:
     """Tables whose rows are split in contiguous blocks over a manual mesh
-    axis (a pipeline's evaluation, inside `shard_map`): each device holds
-    block `axis_index(axis)` of every table and of the logits over it."""
+    axis (a pipeline, inside `shard_map`): each device holds block
+    `axis_index(axis)` of every table whose rows `tables` names, and of the
+    logits over the vocabulary's; the other tables are whole."""
 
     axis: str
     size: int  # the axis's size: the number of blocks
     widen: bool = False  # sum bf16 in float32 (`psum`)
+    tables: tuple[str, ...] = ("vocab",)  # logical names of the row dimensions split
+
+    def splits(self, names: Sequence[str | None]) -> bool:
+        """Whether a table with logical axes `names` is held in row blocks."""
+        return names[0] in self.tables
 
     def block(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         """The shape of one device's block of a table of `shape`."""
@@ -175,7 +181,7 @@ class Hooks:
         if isinstance(w, Gathered):
             return self._on_gathered(lambda use, i, t: param_use.lookup(use, out_dtype, t, i),
                                      w, names, ids)
-        if self.rows is not None:
+        if self.rows is not None and self.rows.splits(names):
             # This device's block of rows: each id is read where it is
             # stored, zeros elsewhere, and the blocks' results summed (one
             # nonzero term each, so the sum is exact in any dtype).
@@ -186,16 +192,18 @@ class Hooks:
             return self.rows.sum(jnp.where(inside[..., None], y, jnp.zeros((), y.dtype)))
         return param_use.lookup(self._use(w, names), out_dtype, w, ids)
 
-    def table_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
-        """The shape a table parameter of `shape` has here: this device's
-        block of rows under `rows`, else the whole."""
-        return shape if self.rows is None else self.rows.block(shape)
+    def table_shape(self, shape: tuple[int, ...], names: Sequence[str | None]) -> tuple[int, ...]:
+        """The shape a table parameter of `shape` and logical axes `names`
+        has here: this device's block of rows where `rows` splits it, else
+        the whole."""
+        return self.rows.block(shape) if self.rows is not None and self.rows.splits(names) else shape
 
     def vocab_ids(self, n: int) -> jax.Array:
         """Global indices of the last dimension's n entries of logits over a
         table's rows: 0..n-1, or this device's block under `rows`."""
         ids = jnp.arange(n)
-        return ids if self.rows is None else ids + self.rows.offset(n)
+        split = self.rows is not None and self.rows.splits(("vocab",))
+        return ids + self.rows.offset(n) if split else ids
 
     def gathered(self, w: jax.Array, names: Sequence[str | None]) -> "Gathered":
         """w gathered once for several uses (a tied embedding's lookup and

@@ -23,6 +23,7 @@ from zero_jax.analysis import memory
 from zero_jax.sharding import rules
 from zero_jax.analysis import traffic
 from zero_jax.sharding import mesh as mesh_lib
+from zero_jax.pipeline import executor as pipeline_executor
 from zero_jax.pipeline import schedule as sched_lib
 from zero_jax.pipeline.cut import Stages, balanced
 from zero_jax.sharding import zero as zero_lib
@@ -72,7 +73,8 @@ class Job:
     def jit_train_step(self):
         return step.jit_train_step(self.layout, self.model, self.hooks, self.tx, self.lr,
                                    self.run.train.microbatches, self.scale_cfg, self.schedule,
-                                   self.run.parallel.pipeline_gather_once, self.reduce_once)
+                                   self.run.parallel.pipeline_gather_once, self.reduce_once,
+                                   self.tables_in_rows)
 
     def jit_loss_and_grads(self):
         """The step's loss and gradients alone, `(params, batch) -> (loss, grads)`:
@@ -80,7 +82,8 @@ class Job:
         pipeline's layer stacks come back in layer order (as checkpoints hold them)."""
         fn = step.make_loss_and_grads(self.layout, self.model, self.hooks,
                                       self.run.train.microbatches, self.schedule,
-                                      self.run.parallel.pipeline_gather_once, self.reduce_once)
+                                      self.run.parallel.pipeline_gather_once, self.reduce_once,
+                                      self.tables_in_rows)
         layout = self.layout
         replicated = jax.sharding.NamedSharding(layout.mesh, jax.sharding.PartitionSpec())
         grads_out = layout.named(layout.specs.grads)
@@ -96,8 +99,33 @@ class Job:
                        out_shardings=(replicated, grads_out))
 
     def compile_eval_step(self):
-        fn = step.jit_eval_step(self.layout, self.model, self.hooks, self.schedule)
+        fn = step.jit_eval_step(self.layout, self.model, self.hooks, self.schedule,
+                                self.tables_in_rows)
         return fn.lower(self.layout.abstract.params, self.abstract_batch).compile()
+
+    @property
+    def tables_in_rows(self) -> bool:
+        """A pipeline's loops use the tables in the row blocks they are
+        stored in, where they are (`--pipeline-tables rows`)."""
+        return self.run.parallel.pipeline_tables == "rows"
+
+    def row_tables(self) -> list[bool]:
+        """Per parameter, in the order of the params tree: a table a
+        pipeline's loops can use in its row blocks over `pipe`, where it is
+        stored (executor.row_tables); none without a pipeline."""
+        fns = self.model.pipeline
+        if self.schedule is None:
+            return [False] * len(jax.tree.leaves(self.layout.abstract.params))
+        outer, stack = fns.split(self.layout.abstract.params)
+        stored, _ = fns.split(self.layout.specs.params)
+        names, _ = fns.split(self.layout.names)
+        rows = pipeline_executor.row_tables(fns, outer, stored, names)
+        return jax.tree.leaves(fns.merge(rows, jax.tree.map(lambda _: False, stack)))
+
+    def row_blocks(self) -> list[bool]:
+        """`row_tables` where the loops use them so (`--pipeline-tables rows`), else none."""
+        rows = self.row_tables()
+        return rows if self.tables_in_rows else [False] * len(rows)
 
     @property
     def sequence_parallel(self) -> bool:

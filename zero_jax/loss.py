@@ -30,7 +30,8 @@ def cross_entropy(logits_BxTxV: jax.Array, targets_BxT: jax.Array, weights_BxT: 
         logz_BxT = jax.nn.logsumexp(logits, axis=-1)
     else:
         vocab_V = vocab_V + jax.lax.axis_index(vocab_axis).astype(targets_BxT.dtype) * V
-        peak_BxT = jax.lax.stop_gradient(jax.lax.pmax(jnp.max(logits, axis=-1), vocab_axis))
+        # pmax has no derivative; the peak only steadies exp, so none is needed.
+        peak_BxT = jax.lax.pmax(jax.lax.stop_gradient(jnp.max(logits, axis=-1)), vocab_axis)
         total_BxT = jax.lax.psum(jnp.sum(jnp.exp(logits - peak_BxT[..., None]), axis=-1), vocab_axis)
         logz_BxT = jnp.log(total_BxT) + peak_BxT
     picked_BxT = jnp.sum(jnp.where(vocab_V == targets_BxT[..., None], logits, 0.0), axis=-1)

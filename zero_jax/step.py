@@ -172,8 +172,10 @@ def partial_sums(layout: Layout, model: ModelFns, hooks: Hooks, microbatches: in
 
 
 def pipelined(layout: Layout, model: ModelFns, hooks: Hooks, sched: Schedule,
-              constrain_grads: Callable, gather_once: bool, reduce_once: bool) -> Callable:
-    """loss_and_grads through the pipeline schedule `sched` (pipeline/executor.py)."""
+              constrain_grads: Callable, gather_once: bool, reduce_once: bool,
+              row_blocks: bool = True) -> Callable:
+    """loss_and_grads through the pipeline schedule `sched` (pipeline/executor.py);
+    `row_blocks`: the tables used in the row blocks they are stored in."""
     fns = model.pipeline
     axes = unreduced_axes(layout, sched.m, reduce_once)
     sizes = layout.mesh_shape.sizes
@@ -181,7 +183,7 @@ def pipelined(layout: Layout, model: ModelFns, hooks: Hooks, sched: Schedule,
     # (compute layout); otherwise in the gradient layout.
     accumulated = layout.specs.compute if set(axes) == set(layout.data_axes) and axes \
         else layout.specs.grads
-    _, stack_specs = fns.split(layout.specs.params)
+    outer_specs, stack_specs = fns.split(layout.specs.params)
     outer_acc, stack_acc = fns.split(accumulated)
     outer_compute, stack_compute = fns.split(layout.specs.compute)
     where = pipeline_lib.StageLayout(
@@ -189,7 +191,8 @@ def pipelined(layout: Layout, model: ModelFns, hooks: Hooks, sched: Schedule,
         outer_grads=map_specs(_without_pipe, outer_acc),
         grad_dtype=layout.grad_dtype,
         gather=(outer_compute, _within_stage(stack_compute, ())) if gather_once else None,
-        shard_axes=axes, shards=math.prod(sizes[a] for a in axes), stages=layout.stages)
+        shard_axes=axes, shards=math.prod(sizes[a] for a in axes), stages=layout.stages,
+        outer=outer_specs, names=fns.split(layout.names)[0], row_blocks=row_blocks)
 
     def loss_and_grads(params, batch, scale):
         loss, grads = pipeline_lib.loss_and_grads(
@@ -225,7 +228,7 @@ def _constrainer(layout: Layout, specs: Any, dtype) -> Callable[[Any], Any]:
 
 def make_loss_and_grads(layout: Layout, model: ModelFns, hooks: Hooks, microbatches: int,
                         sched: Schedule | None = None, gather_once: bool = False,
-                        reduce_once: bool = True) -> Callable:
+                        reduce_once: bool = True, row_blocks: bool = True) -> Callable:
     """`(params, batch, scale) -> (loss, grads)` for a layout: pipelined over
     `pipe` through `sched` if given, else accumulated over microbatches,
     reduced once per step (`reduce_once`) or once per microbatch.
@@ -233,7 +236,8 @@ def make_loss_and_grads(layout: Layout, model: ModelFns, hooks: Hooks, microbatc
     is what `weighted` takes, or gives."""
     constrain_grads = _constrainer(layout, layout.specs.grads, hooks.grad_dtype)
     if sched is not None:
-        fn = pipelined(layout, model, hooks, sched, constrain_grads, gather_once, reduce_once)
+        fn = pipelined(layout, model, hooks, sched, constrain_grads, gather_once, reduce_once,
+                       row_blocks)
     elif axes := unreduced_axes(layout, microbatches, reduce_once):
         fn = partial_sums(layout, model, hooks, microbatches, axes, constrain_grads)
     else:
@@ -251,10 +255,10 @@ def make_loss_and_grads(layout: Layout, model: ModelFns, hooks: Hooks, microbatc
 def jit_train_step(layout: Layout, model: ModelFns, hooks: Hooks, tx: optax.GradientTransformation,
                    lr: optax.Schedule, microbatches: int,
                    scale_cfg: loss_scale_lib.LossScaleConfig, sched: Schedule | None = None,
-                   gather_once: bool = False, reduce_once: bool = True):
+                   gather_once: bool = False, reduce_once: bool = True, row_blocks: bool = True):
     """`train_step` bound to a layout, jitted with its shardings, state donated."""
     loss_and_grads = make_loss_and_grads(layout, model, hooks, microbatches, sched, gather_once,
-                                         reduce_once)
+                                         reduce_once, row_blocks)
     # The new parameters go where they are stored: to the device, or left in
     # host memory under parameter offload.
     host = offload_lib.HostUpdate(layout.shardings.params) if layout.host_opt else None
@@ -269,7 +273,8 @@ def jit_train_step(layout: Layout, model: ModelFns, hooks: Hooks, tx: optax.Grad
                    compiler_options=offload_lib.compiler_options(layout.host_params))
 
 
-def jit_eval_step(layout: Layout, model: ModelFns, hooks: Hooks, sched: Schedule | None = None):
+def jit_eval_step(layout: Layout, model: ModelFns, hooks: Hooks, sched: Schedule | None = None,
+                  row_blocks: bool = True):
     """The mean loss over a batch's targets, with the parameters where they
     are stored: under a pipeline, through `sched`'s forwards (each stage
     runs the layers it stores; only activations cross `pipe`)."""
@@ -278,7 +283,8 @@ def jit_eval_step(layout: Layout, model: ModelFns, hooks: Hooks, sched: Schedule
         outer_specs, stack_specs = fns.split(layout.specs.params)
         where = pipeline_lib.StageLayout(stack=stack_specs, stage_grads=None, outer_grads=None,
                                          grad_dtype=layout.grad_dtype, stages=layout.stages,
-                                         outer=outer_specs)
+                                         outer=outer_specs, names=fns.split(layout.names)[0],
+                                         row_blocks=row_blocks)
         forwards = sched_lib.forward_only(sched.name, sched.p, sched.m, sched.v)
 
         def loss_fn(params, batch):

@@ -212,7 +212,8 @@ def pipeline_rows(job: Job) -> list[str]:
     """Stage placement, the schedule's cost and its tick chart."""
     s, stages = job.schedule, job.layout.stages
     head = job.model.head_cost(job.run.data.seq_len) if job.model.head_cost else 0.0
-    cost = sched_lib.cost(s, stages.counts, head=head)
+    shared = any(job.row_blocks())
+    cost = sched_lib.cost(s, stages.counts, head=head, shared_ends=shared)
     waiting = (f"; weight gradients waiting, per stage: {', '.join(map(str, s.pending_w_peak()))}"
                if s.split_backward else "")
     rows = [f"pipeline   {s.name}: p={s.p} stages, m={s.m} microbatches, v={s.v} chunks per stage; "
@@ -220,10 +221,11 @@ def pipeline_rows(job: Job) -> list[str]:
             + ("; stage weights gathered once per step" if job.run.parallel.pipeline_gather_once else ""),
             f"  microbatch inputs stashed, per stage: {', '.join(map(str, s.stash_peak()))}" + waiting,
             f"  cost {cost.total:.1f} layer-forwards per step (a backward recomputes its forward: 3; "
-            f"head {head:.2f} forward, 3x with its backward, on the last stage); idle "
+            f"head {head:.2f} forward, 3x with its backward, "
+            + ("shared by every stage" if shared else "on the last stage") + "); idle "
             f"{cost.bubble:.3f} of that; sends not counted"]
     for d in range(s.p):
-        ends = (["embedding"] if d == 0 else []) + (["head and loss"] if d == s.p - 1 else [])
+        ends = [] if shared else (["embedding"] if d == 0 else []) + (["head and loss"] if d == s.p - 1 else [])
         chunks = [k * s.p + d for k in range(s.v)]
         spans = (f"{stages.first_layer[g]}-{stages.first_layer[g] + stages.counts[g] - 1}"
                  for g in chunks)
@@ -233,8 +235,7 @@ def pipeline_rows(job: Job) -> list[str]:
     if stages.padded != stages.layers:
         rows.append(f"  {stages.slots} layer slots per chunk: {stages.padded} stored for "
                     f"{stages.layers} layers (the embedding and head count one layer each)")
-    rows.append("  embedding and head stored split over pipe, gathered once per training step "
-                "for the first and last stage")
+    rows.append("  embedding and head stored split over pipe")
     rows += _table_rows(job)
     if s.ticks <= 80:
         rows += ["  " + line for line in s.chart().splitlines()]
@@ -242,24 +243,29 @@ def pipeline_rows(job: Job) -> list[str]:
 
 
 def _table_rows(job: Job) -> list[str]:
-    """Whether evaluation can use the tables where they are stored."""
+    """Whether training and evaluation use the tables where they are stored."""
     fns = job.model.pipeline
     outer, _ = fns.split(job.layout.abstract.params)
     stored, _ = fns.split(job.layout.specs.params)
+    names, _ = fns.split(job.layout.names)
     misfits = pipeline_lib.tables_not_in_rows(outer, stored)
     if not fns.vocab_parallel:
-        return ["  evaluation gathers them over pipe (the model's embedding and head do not run "
-                "on row blocks)"]
+        return ["  gathered over pipe at each step, their gradients summed whole (the model's "
+                "embedding and head do not run on row blocks)"]
+    split = pipeline_lib.split_tables(fns, outer, stored, names)
+    lines = []
+    if split:
+        lines.append("  every stage looks up rows, computes logits and adds their gradients on "
+                     "the row block it stores of the tables whose rows are "
+                     f"{', '.join(split)}: nothing of them gathered or accumulated whole")
     if not misfits:
-        return ["  evaluation looks rows up and computes logits where they are stored "
-                "(row blocks over pipe): nothing gathered over pipe"]
+        return lines
     t = job.layout.mesh_shape.sizes["tensor"]
     tables = ", ".join(f"{path} ({shape[0]} rows)" for path, shape in misfits)
-    line = (f"  evaluation gathers them over pipe: {tables} not divisible into "
-            f"pipe={job.schedule.p}{f' x tensor={t}' if t > 1 else ''} row blocks")
-    names, _ = fns.split(job.layout.names)
+    line = (f"  gathered over pipe at each step, gradients summed whole: {tables}, not "
+            f"divisible into pipe={job.schedule.p}{f' x tensor={t}' if t > 1 else ''} row blocks")
     named = named_leaves(names, is_leaf=is_spec)
     if any(named[path][0] == "vocab" for path, _ in misfits):
         line += (f"; --vocab-multiple {math.lcm(128, job.schedule.p * t)} pads the vocabulary "
                  "into such blocks")
-    return [line]
+    return lines + [line]

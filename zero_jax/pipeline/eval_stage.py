@@ -43,7 +43,7 @@ class EvalStage(LocalStage):
 
     def loop(self, tables: Tables, enters: jax.Array, leaves: jax.Array) -> EvalCarry:
         """The carry after every tick of the forward-only program; `enters`
-        and `leaves` per tick as `Program.ends` gives them."""
+        and `leaves` per tick as `Program.ends` gives them (its first two)."""
         d = jax.lax.axis_index("pipe")
         p = tables.p
 

@@ -48,7 +48,7 @@ from zero_jax.pipeline.program import Program, Tables
 from zero_jax.pipeline.schedule import Schedule
 from zero_jax.pipeline.stage import chunks_of, constrain
 from zero_jax.pipeline.train_stage import TrainStage
-from zero_jax.sharding.specs import entry_axes, named_leaves, spec_leaves
+from zero_jax.sharding.specs import entry_axes, map_specs, named_leaves, spec_leaves
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +78,8 @@ class StageLayout:
     shards: int = 1  # product of their sizes
     stages: Stages | None = None  # the stack's cut into chunks and slots
     outer: Any = None  # storage specs of the parameters outside the stack (their `pipe` split)
+    names: Any = None  # logical axes of the parameters outside the stack
+    row_blocks: bool = True  # use tables in the row blocks they are stored in (row_tables)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,24 +125,31 @@ def loss_and_grads(fns: PipelineFns, hooks, schedule: Schedule, mesh: Mesh, para
     Gradients come back as sums per shard of the batch over
     `where.shard_axes`, with a leading axis of `where.shards`, for the caller
     to reduce once; with no such axes they are reduced already (a leading
-    axis of one).
+    axis of one). The tables that `row_tables` finds are used, and their
+    gradients accumulated and returned, in the row blocks over `pipe` they
+    are stored in (train_stage.py); the other parameters outside the stack
+    are taken whole and their gradients summed over `pipe`.
     """
     loop, outer, stack, micro = _prepare(fns, hooks, schedule, mesh, params, batch, where)
     cpu = mesh.devices.flat[0].platform == "cpu"
-    replicated = jax.tree.map(lambda _: PartitionSpec(), outer)
+    outer_specs, rows = _outer_in_specs(fns, outer, where, dict(mesh.shape), cpu)
+    ends = tuple(jnp.asarray(a) for a in loop.program.ends())
     piped = jax.tree.map(lambda _: PartitionSpec("pipe"), stack)
     per_shard_piped = jax.tree.map(lambda _: PartitionSpec(None, "pipe"), stack)
-    run = jax.shard_map(functools.partial(_train, loop, cpu), mesh=mesh,
-                        in_specs=(replicated, piped, PartitionSpec(), PartitionSpec()),
-                        out_specs=(PartitionSpec(), replicated, per_shard_piped),
+    per_shard_outer = map_specs(lambda s: PartitionSpec(None, *s), outer_specs)
+    run = jax.shard_map(functools.partial(_train, loop, cpu, rows, ends, outer_specs), mesh=mesh,
+                        in_specs=(outer_specs, piped, PartitionSpec(), PartitionSpec()),
+                        out_specs=(PartitionSpec(), per_shard_outer, per_shard_piped),
                         axis_names={"pipe"}, check_vma=False)
     loss, g_outer, g_stack = run(outer, stack, micro, scale)
     return loss, fns.merge(g_outer, g_stack)
 
 
-def _train(loop: _Loop, cpu: bool, outer, stack, micro, scale):
+def _train(loop: _Loop, cpu: bool, rows: RowSplit | None, ends, outer_specs, outer, stack, micro,
+           scale):
     """One device's training loop, inside `shard_map`: the loss summed over
-    `pipe`, the embedding's and head's gradients (summed over `pipe`; bf16
+    `pipe`, the embedding's and head's gradients (the row block of each
+    table taken in blocks, `outer_specs`; the rest summed over `pipe`, bf16
     in float32 on CPU, hooks.psum) and its stage's gradients."""
     # Inside, shardings refer to the context mesh, whose `pipe` is manual.
     inner = jax.sharding.get_abstract_mesh()
@@ -152,11 +161,12 @@ def _train(loop: _Loop, cpu: bool, outer, stack, micro, scale):
         outer = constrain(outer, inner, where.gather[0])
         stack = constrain(stack, inner, where.gather[1])
     stage = TrainStage(loop.fns, hooks, where, outer, chunks_of(stack, loop.schedule.v), micro,
-                       loop.x_shape, scale, split=loop.schedule.split_backward)
-    c = stage.loop(loop.tables)
+                       loop.x_shape, scale, split=loop.schedule.split_backward, rows=rows)
+    c = stage.loop(loop.tables, ends)
     # (shards, v, slots, ...) -> (shards, v * slots, ...): the device's part of the stack
     g_stack = jax.tree.map(lambda a: a.reshape(a.shape[0], -1, *a.shape[3:]), c.g_stack)
-    g_outer = jax.tree.map(lambda g: psum(g, "pipe", cpu), c.g_outer)
+    g_outer = jax.tree.map(lambda g, s: g if s == PartitionSpec("pipe") else psum(g, "pipe", cpu),
+                           c.g_outer, spec_leaves_like(c.g_outer, outer_specs))
     return jax.lax.psum(c.loss.sum(), "pipe"), g_outer, g_stack
 
 
@@ -178,9 +188,9 @@ def loss(fns: PipelineFns, hooks, schedule: Schedule, mesh: Mesh, params: Any, b
     Otherwise those parameters are gathered once, at entry.
     """
     loop, outer, stack, micro = _prepare(fns, hooks, schedule, mesh, params, batch, where)
-    outer_specs, rows = _outer_in_specs(fns, outer, where.outer, dict(mesh.shape),
+    outer_specs, rows = _outer_in_specs(fns, outer, where, dict(mesh.shape),
                                         mesh.devices.flat[0].platform == "cpu")
-    enters, leaves = (jnp.asarray(a) for a in loop.program.ends())
+    enters, leaves, _ = (jnp.asarray(a) for a in loop.program.ends())
     piped = jax.tree.map(lambda _: PartitionSpec("pipe"), stack)
     run = jax.shard_map(functools.partial(_evaluate, loop, rows, enters, leaves), mesh=mesh,
                         in_specs=(outer_specs, piped, PartitionSpec()),
@@ -201,22 +211,57 @@ def tables_not_in_rows(outer: Any, stored: Any) -> list[tuple[str, tuple[int, ..
     """(path, shape) of the tables (two or more dimensions) among the
     parameters outside the stack that are not stored in row blocks over
     `pipe` (rows that `pipe` times the axes already there does not divide)."""
-    out = []
-    for (path, leaf), spec in zip(named_leaves(outer).items(), spec_leaves(stored)):
-        major = entry_axes(spec[0] if len(spec) else None)[:1]
-        if leaf.ndim >= 2 and major != ("pipe",):
-            out.append((path, tuple(leaf.shape)))
-    return out
+    return [(path, tuple(leaf.shape)) for (path, leaf), rows
+            in zip(named_leaves(outer).items(), jax.tree.leaves(_in_rows(outer, stored)))
+            if _is_table(leaf) and not rows]
 
 
-def _outer_in_specs(fns: PipelineFns, outer: Any, stored: Any, sizes: dict, widen: bool):
-    """How evaluation takes the parameters outside the stack into its
-    shard_map, and the RowSplit its hooks use: every table as the row blocks
-    over `pipe` it is stored in, and the rest whole, if the model allows
-    (`fns.vocab_parallel`) and every table is stored so; else everything
-    whole (gathered at entry), and no RowSplit."""
-    whole = jax.tree.map(lambda _: PartitionSpec(), outer)
-    if not fns.vocab_parallel or stored is None or tables_not_in_rows(outer, stored):
-        return whole, None
-    specs = jax.tree.map(lambda a: PartitionSpec("pipe") if a.ndim >= 2 else PartitionSpec(), outer)
-    return specs, RowSplit("pipe", sizes["pipe"], widen)
+def _in_rows(outer: Any, stored: Any) -> Any:
+    """Per parameter outside the stack: a table stored in row blocks over `pipe`."""
+    def rows(leaf, spec):
+        return _is_table(leaf) and entry_axes(spec[0] if len(spec) else None)[:1] == ("pipe",)
+    return jax.tree.map(rows, outer, spec_leaves_like(outer, stored))
+
+
+def spec_leaves_like(tree: Any, specs: Any) -> Any:
+    """The spec tree `specs` with the structure of `tree` (a spec per leaf)."""
+    return jax.tree.unflatten(jax.tree.structure(tree), spec_leaves(specs))
+
+
+def row_tables(fns: PipelineFns, outer: Any, stored: Any, names: Any) -> Any:
+    """Per parameter outside the stack, whether the loops use it in the row
+    blocks over `pipe` it is stored in: the tables so stored, if the model
+    allows (`fns.vocab_parallel`) and the vocabulary's tables (logical rows
+    "vocab", the first axis in `names`) are among them; else none."""
+    none = jax.tree.map(lambda _: False, outer)
+    if not fns.vocab_parallel or stored is None or names is None:
+        return none
+    in_rows = _in_rows(outer, stored)
+    rows_of = [n[0] if len(n) else None for n in spec_leaves(names)]
+    if not all(r for r, n in zip(jax.tree.leaves(in_rows), rows_of) if n == "vocab"):
+        return none
+    return in_rows
+
+
+def split_tables(fns: PipelineFns, outer: Any, stored: Any, names: Any) -> tuple[str, ...]:
+    """The logical row names of the tables `row_tables` finds."""
+    rows = jax.tree.leaves(row_tables(fns, outer, stored, names))
+    return tuple(sorted({n[0] for r, n in zip(rows, spec_leaves(names)) if r}))
+
+
+def _outer_in_specs(fns: PipelineFns, outer: Any, where: StageLayout, sizes: dict, widen: bool):
+    """How the loop takes the parameters outside the stack into its
+    shard_map, and the RowSplit its hooks use: the tables `split_tables`
+    names as their row blocks (unless `where.row_blocks` is off), the rest
+    whole (gathered at entry); with no such tables, everything whole and no
+    RowSplit."""
+    stored, names = (where.outer, where.names) if where.row_blocks else (None, None)
+    rows = row_tables(fns, outer, stored, names)
+    specs = jax.tree.map(lambda r: PartitionSpec("pipe") if r else PartitionSpec(), rows)
+    split = split_tables(fns, outer, stored, names)
+    return specs, (RowSplit("pipe", sizes["pipe"], widen, split) if split else None)
+
+
+def _is_table(leaf) -> bool:
+    """Tables (two or more dimensions) are what may be stored in row blocks."""
+    return leaf.ndim >= 2

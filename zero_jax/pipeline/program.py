@@ -72,14 +72,18 @@ class Program:
     def of(cls, s: Schedule) -> "Program":
         return _Compiler(s).program()
 
-    def ends(self) -> tuple[np.ndarray, np.ndarray]:
-        """Per tick, the microbatch whose forward starts (on the first chunk)
-        and the one whose forward finishes (on the last chunk), or -1."""
+    def ends(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per tick, the microbatch whose forward starts (on the first chunk),
+        the one whose forward finishes (on the last chunk) and the one whose
+        backward finishes (on the first chunk), or -1: the ticks at which
+        tables in row blocks are used by every stage. A tick has at most one
+        of each, since one device holds each end chunk."""
         out = []
-        for at in (self.f_first, self.f_last):
-            hit = (self.f == 1) & (at == 1)
-            out.append(np.where(hit.any(1), (self.f_mb * hit).sum(1), -1).astype(np.int32))
-        return out[0], out[1]
+        for run, mb, at in ((self.f, self.f_mb, self.f_first), (self.f, self.f_mb, self.f_last),
+                            (self.b, self.b_mb, self.b_first)):
+            hit = (run == 1) & (at == 1)
+            out.append(np.where(hit.any(1), (mb * hit).sum(1), -1).astype(np.int32))
+        return out[0], out[1], out[2]
 
     def messages(self) -> int:
         """Messages sent in the step (activations and gradients)."""

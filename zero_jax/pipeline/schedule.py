@@ -138,7 +138,7 @@ class Cost(NamedTuple):
 
     total: float  # the step: every tick lasts its slowest device, then its sends
     busy: float  # work done, summed over devices
-    sends: float  # of `total`, the ticks' sends
+    sends: float  # of `total`, the ticks' sends (and sums over `pipe`, `shared_ends`)
     ticks: tuple[float, ...]  # each tick's length
     p: int = 1
 
@@ -149,7 +149,8 @@ class Cost(NamedTuple):
 
 
 def cost(s: Schedule, layers: Sequence[float], head: float = 0.0, embed: float = 0.0,
-         send: float = 0.0, backward: float = 3.0, weight: float = 1.0) -> Cost:
+         send: float = 0.0, backward: float = 3.0, weight: float = 1.0,
+         shared_ends: bool = False, end_sum: float = 0.0) -> Cost:
     """The time of the loop that runs `s` (executor.py).
 
     `layers[g]`: the work of global chunk g, in layer forwards. A forward
@@ -163,21 +164,43 @@ def cost(s: Schedule, layers: Sequence[float], head: float = 0.0, embed: float =
     matrix, from the inputs and output gradients B kept). A tick lasts as
     long as its slowest device, then each of its two sends (`send` each)
     that carries anything.
+
+    `shared_ends`: the tables are used in row blocks over `pipe`
+    (executor.py), so every device does a p-th of the embedding's and the
+    head's work at the ticks that have it, and each such end adds sums of
+    one activation over `pipe` (`end_sum` each): one where a microbatch
+    enters, two where one leaves, one where one's backward ends.
     """
     G = s.chunks
     split = s.split_backward
 
-    def of(d: int, a: Action) -> float:
+    def ends(d: int, a: Action) -> tuple[float, int]:
+        """The embedding's and head's work in action a, and its sums over `pipe`."""
         g = s.global_chunk(d, a)
         if a.kind == "F":
-            return layers[g] + (embed if g == 0 else 0) + (3 * head if g == G - 1 else 0)
+            return (embed if g == 0 else 0) + (3 * head if g == G - 1 else 0), \
+                (g == 0) + 2 * (g == G - 1)
+        if a.kind == "B" and g == 0:
+            return embed, 1
+        return 0.0, 0
+
+    def of(d: int, a: Action) -> float:
+        g = s.global_chunk(d, a)
+        own = 0.0 if shared_ends else ends(d, a)[0]
+        if a.kind == "F":
+            return layers[g] + own
         if a.kind == "W":
             return weight * layers[g]
-        return (backward - weight * split) * layers[g] + (embed if g == 0 else 0)
+        return (backward - weight * split) * layers[g] + own
 
     work = [[sum(of(d, a) for a in acts) for d, acts in enumerate(row)] for row in s.table]
     sends = [send * (any(_sends(s, t, d, "F") for d in range(s.p))
                      + any(_sends(s, t, d, "B") for d in range(s.p))) for t in range(s.ticks)]
+    if shared_ends:
+        for t, row in enumerate(s.table):
+            parts = [ends(d, a) for d, acts in enumerate(row) for a in acts]
+            work[t] = [w + sum(e for e, _ in parts) / s.p for w in work[t]]
+            sends[t] += end_sum * sum(n for _, n in parts)
     ticks = tuple(max(row) + c for row, c in zip(work, sends))
     return Cost(sum(ticks), sum(map(sum, work)), sum(sends), ticks, s.p)
 

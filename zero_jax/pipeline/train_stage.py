@@ -14,10 +14,23 @@ A forward keeps only its chunk's input (the stash); the backward recomputes
 the chunk's forward from it (activation checkpointing at chunk
 granularity). A split backward keeps, for its W, each matrix product's
 input and output gradient (weight_grad.py).
+
+With the embedding and head tables in row blocks over `pipe` (`rows`,
+executor.py), every stage takes part in their work, as in evaluation
+(eval_stage.py): at a tick where a microbatch enters, every stage looks up
+the rows it holds; where one leaves, the last stage's output is summed
+(sent) to every stage, each computes the logits of its block of the
+vocabulary and their gradient, and the output's gradient is summed back;
+where one's backward ends, the first stage's input gradient reaches every
+stage through the lookup's transpose, and each adds its rows' gradient.
+Those conditions are the tick's (`Program.ends`), the same on every device,
+as collectives over `pipe` need. So each stage's table gradients are its
+block's: nothing of a table is gathered or accumulated whole.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -25,6 +38,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
+from zero_jax.hooks import RowSplit
 from zero_jax.loss import cross_entropy
 from zero_jax.pipeline.program import Row, Tables
 from zero_jax.pipeline.schedule import W_PER_TICK
@@ -54,12 +68,17 @@ class Carry(NamedTuple):
 class TrainStage(LocalStage):
     """A device's stage in the training loop: `loss_scale` multiplies the
     loss its gradients are taken of; with `split`, backwards give the input
-    gradient and Ws the matrices' gradients."""
+    gradient and Ws the matrices' gradients; with `rows`, the embedding and
+    head tables are this device's row blocks of them."""
 
     def __init__(self, fns: PipelineFns, hooks, where: StageLayout, outer, chunks, micro,
-                 x_shape: jax.ShapeDtypeStruct, loss_scale: jax.Array, split: bool = False):
+                 x_shape: jax.ShapeDtypeStruct, loss_scale: jax.Array, split: bool = False,
+                 rows: RowSplit | None = None):
         super().__init__(fns, hooks, where, outer, chunks, micro, x_shape)
         self.loss_scale = loss_scale
+        self.rows = rows
+        self.ends = dataclasses.replace(hooks, rows=rows)  # the embedding's and head's hooks
+        self.shard_ends = dataclasses.replace(self.shard_hooks, rows=rows)
         self.split_bwd = None
         if split:
             rows = jax.ShapeDtypeStruct((x_shape.shape[0] // self.n, *x_shape.shape[1:]),
@@ -68,10 +87,13 @@ class TrainStage(LocalStage):
             self.split_bwd = SplitBackward(functools.partial(self.run, layers=slots),
                                            self.chunk(0), rows, self.shard_hooks)
 
-    def loop(self, tables: Tables) -> Carry:
-        """The carry after every tick of the program in `tables`."""
+    def loop(self, tables: Tables, ends: tuple[jax.Array, jax.Array, jax.Array]) -> Carry:
+        """The carry after every tick of the program in `tables`; `ends`:
+        per tick the microbatches that enter, leave and return
+        (`Program.ends`), used with `rows`."""
         d = jax.lax.axis_index("pipe")
         f_pairs, b_pairs = tables.pairs
+        enters, leaves, returns = ends
 
         def tick(t, c):
             row = tables.at(t, d)
@@ -80,8 +102,13 @@ class TrainStage(LocalStage):
             # backward writes its zeros into the spare slot), and the Ws
             # after it only read it.
             keep, c = c.keep, c._replace(keep=None)
-            c, y = jax.lax.cond(row.f, self.forward, self.no_forward, c, row)
+            if self.rows is None:
+                c, y = jax.lax.cond(row.f, self.forward, self.no_forward, c, row)
+            else:
+                c, y = self.forward_split(c, row, enters[t], leaves[t])
             c, dx, taps = jax.lax.cond(row.b, self.backward, self.no_backward, c, row)
+            if self.rows is not None:
+                c, dx = self.embed_back_split(c, dx, row, returns[t])
             if self.split_bwd is not None:
                 keep = jax.tree.map(lambda buf, t: buf.at[row.b_keep].set(t), keep, taps)
                 keep = self.pin_keep(keep)
@@ -120,15 +147,22 @@ class TrainStage(LocalStage):
     def no_forward(self, c: Carry, row: Row) -> tuple[Carry, jax.Array]:
         return c, self.x_zero
 
-    def forward(self, c: Carry, row: Row) -> tuple[Carry, jax.Array]:
+    def forward(self, c: Carry, row: Row, x0: jax.Array | None = None) -> tuple[Carry, jax.Array]:
         """Stashes its input; on the last chunk adds the loss and the head's
         gradients and leaves the loss gradient in the gradient inbox;
-        returns the output for the next stage."""
+        returns the output for the next stage. Given `x0` (the first
+        chunk's input, looked up by every stage), it returns the chunk's
+        output on the last chunk too, for `head_split`."""
         mb = self.microbatch(row.f_mb)
-        x = jax.lax.cond(row.f_first, lambda: self.embed(mb["tokens"], self.hooks),
-                         lambda: self.act(c.fwd[row.f_read]))
+        if x0 is None:
+            x = jax.lax.cond(row.f_first, lambda: self.embed(mb["tokens"], self.hooks),
+                             lambda: self.act(c.fwd[row.f_read]))
+        else:
+            x = jnp.where(row.f_first, x0, self.act(c.fwd[row.f_read]))
         y = self.act(self.run(self.chunk(row.f_chunk), x, self.hooks, row.f_layers))
         c = c._replace(stash=self.place(c.stash.at[row.f_stash].set(x)))
+        if x0 is not None:
+            return c, y
 
         def with_head(c):
             loss, g_o, dy = self.head(y, mb)
@@ -150,6 +184,48 @@ class TrainStage(LocalStage):
             jax.value_and_grad(head_loss, argnums=(0, 1)), self.outer, self.split(y),
             self.split(mb))
         return loss, self.cast(g_o), self.merge(dy)
+
+    def forward_split(self, c: Carry, row: Row, enters, leaves) -> tuple[Carry, jax.Array]:
+        """`forward` with the tables in row blocks over `pipe`: microbatch
+        `enters` (if not -1) is looked up by every stage for the first
+        chunk, and the loss of microbatch `leaves` (if not -1) is taken by
+        every stage (`head_split`)."""
+        x0 = jax.lax.cond(enters >= 0,
+                          lambda: self.embed(self.microbatch(enters)["tokens"], self.ends),
+                          lambda: self.x_zero)
+        c, y = jax.lax.cond(row.f, self.forward, lambda c, row, x0: (c, self.x_zero), c, row, x0)
+        c = jax.lax.cond(leaves >= 0, functools.partial(self.head_split, leaves),
+                         lambda c, y, row: c, c, y, row)
+        return c, jnp.where(row.f_last, self.x_zero, y)
+
+    def head_split(self, leaves, c: Carry, y, row: Row) -> Carry:
+        """The loss of microbatch `leaves`, whose last chunk's output y is on
+        the last stage: every stage computes the logits of its block of the
+        vocabulary and adds its block's gradients; the last stage adds the
+        loss and gets the loss gradient in its gradient inbox."""
+        mb = self.microbatch(leaves)
+        last = jax.lax.axis_index("pipe") == self.rows.size - 1
+
+        def head_loss(outer, y, mb):
+            out = self.rows.sum(jnp.where(row.f_last, y, jnp.zeros((), y.dtype)))
+            logits = self.fns.head(outer, out, self.shard_ends)
+            return cross_entropy(logits, mb["tokens"][:, 1:], mb["weights"],
+                                 self.rows.axis) * self.loss_scale
+
+        def loss_and_grads(outer, y, mb):
+            loss, pull = jax.vjp(lambda o, y: head_loss(o, y, mb), outer, y)
+            # Every stage holds the loss; seeded on the last stage only, the
+            # transpose of each sum over `pipe` (a sum: the shard_map tracks
+            # no replication) takes the seed to every stage's block of
+            # logits, and the output's gradient, summed, back to the last.
+            g_o, dy = pull(jnp.where(last, 1.0, 0.0).astype(loss.dtype))
+            return jnp.where(last, loss, 0.0), g_o, dy
+
+        loss, g_o, dy = self.per_shard(loss_and_grads, self.outer, self.split(y), self.split(mb))
+        dy = self.merge(dy)
+        bwd = c.bwd.at[row.f_dy].set(jnp.where(row.f_last, dy, c.bwd[row.f_dy]))
+        return c._replace(loss=c.loss + loss, g_outer=self.add_outer(c.g_outer, self.cast(g_o)),
+                          bwd=self.place(bwd))
 
     # -- backward: one chunk, then the embedding (first chunk) --------------
     def no_backward(self, c: Carry, row: Row) -> tuple[Carry, jax.Array, Any]:
@@ -181,18 +257,33 @@ class TrainStage(LocalStage):
             c = c._replace(g_stack=self.add_stack(c.g_stack, k, g_others))
 
         def first(c):
-            g_o = self.embed_grads(row.b_mb, dx)
+            g_o = self.embed_grads(row.b_mb, dx, self.shard_hooks)
             return c._replace(g_outer=self.add_outer(c.g_outer, g_o)), self.x_zero
 
+        if self.rows is not None:  # embed_back_split, on every stage
+            return c, self.merge(dx), taps
         c, dx = jax.lax.cond(row.b_first, first, lambda c: (c, self.merge(dx)), c)
         return c, dx, taps
 
-    def embed_grads(self, mb, dx) -> Any:
+    def embed_back_split(self, c: Carry, dx, row: Row, returns) -> tuple[Carry, jax.Array]:
+        """With the tables in row blocks: where microbatch `returns` (if not
+        -1) ends its backward, on the first stage with input gradient dx,
+        every stage adds its rows' gradients (the lookup's sum over `pipe`
+        transposes to a sum, which takes dx from the first stage to all).
+        Returns what the backward sends: dx except on the first chunk."""
+        def grads(c):
+            cotangent = self.split(jnp.where(row.b_first, dx, jnp.zeros((), dx.dtype)))
+            g_o = self.embed_grads(returns, cotangent, self.shard_ends)
+            return c._replace(g_outer=self.add_outer(c.g_outer, g_o))
+
+        c = jax.lax.cond(returns >= 0, grads, lambda c: c, c)
+        return c, jnp.where(row.b_first, self.x_zero, dx)
+
+    def embed_grads(self, mb, dx, hooks) -> Any:
         """The embedding's gradients, per shard, for microbatch `mb`, from
         dx: the gradient of the first chunk's input, split per shard."""
         def embed_vjp(outer, tokens, dx):
-            return jax.vjp(lambda o: self.fns.embed(o, tokens[:, :-1], self.shard_hooks),
-                           outer)[1](dx)[0]
+            return jax.vjp(lambda o: self.fns.embed(o, tokens[:, :-1], hooks), outer)[1](dx)[0]
         tokens = self.split(self.microbatch(mb)["tokens"])
         return self.cast(self.per_shard(embed_vjp, self.outer, tokens, dx))
 

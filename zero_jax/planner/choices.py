@@ -66,12 +66,14 @@ class Choice:
     schedule: str = ""  # with pipe > 1
     virtual: int = 1
     offload: str = ""  # in host memory: "" nothing, "opt" the optimizer state, "opt+params" both
+    tables: str = "rows"  # with pipe > 1: how the loops use the embedding and head (--pipeline-tables)
 
     @property
     def label(self) -> str:
         s = f"{self.schedule}{f' v={self.virtual}' if self.virtual > 1 else ''}" if self.pipe > 1 else "-"
         return (f"PP={self.pipe} TP={self.tensor} DP={self.data} ZeRO-{self.zero} {self.remat} "
                 f"mb={self.micro}x{self.microbatches} {s}"
+                + (" tables=whole" if self.pipe > 1 and self.tables == "whole" else "")
                 + (f" offload={self.offload}" if self.offload else ""))
 
     def mesh(self, cluster: Cluster) -> dict[str, dict[str, int]]:
@@ -102,6 +104,7 @@ class Choice:
         if self.pipe > 1:
             out["parallel.pipeline_schedule"] = self.schedule
             out["parallel.virtual_stages"] = self.virtual
+            out["parallel.pipeline_tables"] = self.tables
         if self.offload:
             out["offload.optimizer"] = True
             out["offload.params"] = self.offload == "opt+params"
@@ -114,13 +117,14 @@ OFFLOADS = ("", "opt", "opt+params")
 def choices(model_cfg, cluster: Cluster, global_batch: int, *, stages=(0, 1, 2, 3),
             remats=("full", "none"), micros=(1, 2, 4, 8),
             schedules=("gpipe", "1f1b", "interleaved", "zb-h1"),
-            offloads=OFFLOADS) -> list[Choice]:
+            offloads=OFFLOADS, tables=("rows", "whole")) -> list[Choice]:
     """Every layout that divides the model and the cluster: tensor inside a
     node and dividing the heads, pipe up to the layer count, the global batch
-    split evenly, and a pipeline with at least as many microbatches as stages.
-    gpipe is left out: 1f1b has its cost and holds fewer inputs. Offload
-    where the device kind has host figures: the optimizer state at ZeRO-1
-    and up, the parameters too at ZeRO-3 without a pipeline (job.py)."""
+    split evenly, and a pipeline with at least as many microbatches as
+    stages, its tables used either way (`tables`; search.estimate_all drops
+    "whole" where no table is in row blocks, the two being one layout then).
+    Offload where the device kind has host figures: the optimizer state at
+    ZeRO-1 and up, the parameters too at ZeRO-3 without a pipeline (job.py)."""
     if not cluster.device.can_offload:
         offloads = tuple(o for o in offloads if not o)
     out = []
@@ -142,8 +146,8 @@ def choices(model_cfg, cluster: Cluster, global_batch: int, *, stages=(0, 1, 2, 
                     o == "opt" or (zero == 3 and pipe == 1)))]
                 for remat in remats:
                     for schedule, v in plans:
-                        out += [Choice(pipe, tensor, data, zero, remat, micro, m, schedule, v, o)
-                                for o in kept]
+                        out += [Choice(pipe, tensor, data, zero, remat, micro, m, schedule, v, o, t)
+                                for o in kept for t in (tables if pipe > 1 else ("rows",))]
     return out
 
 

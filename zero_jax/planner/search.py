@@ -71,6 +71,7 @@ def estimate_all(problem: Problem, layouts: list[Choice],
                  progress: Progress = quiet) -> list[cost.Estimate]:
     """Every layout's estimate, but those whose job the config checks refuse."""
     jobs: dict[tuple, Any] = {}
+    rows: dict[int, bool] = {}
     estimates = []
     for choice in progress(layouts, "estimate"):
         key = (choice.pipe, choice.tensor, choice.data, choice.zero, choice.virtual, choice.offload)
@@ -80,9 +81,19 @@ def estimate_all(problem: Problem, layouts: list[Choice],
                                          problem.cluster.size)
             except (ValueError, config_lib.ConfigError) as e:
                 jobs[key] = e
-        if not isinstance(jobs[key], Exception):
-            estimates.append(cost.estimate(jobs[key], choice, problem.cluster))
+        if isinstance(jobs[key], Exception):
+            continue
+        if choice.tables == "whole" and not _has_row_tables(jobs[key], rows):
+            continue  # the same layout as its "rows" twin
+        estimates.append(cost.estimate(jobs[key], choice, problem.cluster))
     return estimates
+
+
+def _has_row_tables(job, known: dict[int, bool]) -> bool:
+    """Whether any table of `job` can be used in row blocks (cached by job)."""
+    if id(job) not in known:
+        known[id(job)] = any(job.row_tables())
+    return known[id(job)]
 
 
 def fitting(estimates: list[cost.Estimate]) -> list[cost.Estimate]:
@@ -91,8 +102,14 @@ def fitting(estimates: list[cost.Estimate]) -> list[cost.Estimate]:
 
 
 def matching(estimates: list[cost.Estimate], prefixes: list[str]) -> list[cost.Estimate]:
-    """Those whose label starts with one of `prefixes` (--include)."""
-    return [e for e in estimates if any(e.choice.label.startswith(p) for p in prefixes)]
+    """Those named by one of `prefixes` (--include): a whole label names its
+    layout alone; any other string, every layout whose label starts with it."""
+    labels = {e.choice.label for e in estimates}
+
+    def named(label: str, p: str) -> bool:
+        return label == p if p in labels else label.startswith(p)
+
+    return [e for e in estimates if any(named(e.choice.label, p) for p in prefixes)]
 
 
 def compiled_as(choice: Choice) -> Choice:

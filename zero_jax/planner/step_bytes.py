@@ -160,11 +160,12 @@ def _pipeline_backward(job: job_lib.Job, choice: Choice, acts, gathers: float,
                        per_microbatch: bool) -> float:
     """Throughout: accumulators in the gradient layout (reduced each
     microbatch) or the compute layout (partial sums), `pipe` left out for
-    the embedding and head, which are gathered whole for the step; the
-    stash. A forward tick of the last stage adds the head and the
-    embedding's and head's full gradient; a backward tick the rebuilt chunk,
-    its gradients and its layers' gathers. They are branches of one switch:
-    never live together."""
+    the embedding and head, which are gathered whole for the step, except
+    for the tables the loop uses in their row blocks (`row_blocks`); the
+    stash. A forward tick of the last stage adds the head (with row blocks:
+    every stage, its block of the logits) and the embedding's and head's
+    gradient; a backward tick the rebuilt chunk, its gradients and its
+    layers' gathers. They are branches of one switch: never live together."""
     layout, cfg = job.layout, job.model.config
     c, g = dtype_bytes(job)
     schedule = pipeline_schedule(choice)
@@ -177,14 +178,32 @@ def _pipeline_backward(job: job_lib.Job, choice: Choice, acts, gathers: float,
     per_w = job.layout.stages.slots * 16 * act / choice.tensor
     stash = max(s * act + w * per_w for s, w in zip(schedule.stash_peak(), waiting))
     specs = layout.specs.grads if per_microbatch else layout.specs.compute
-    outer_acc, _ = _split_bytes(layout, layout.abstract_grads, map_specs(
-        lambda sp: without_axis(sp, "pipe"), specs))
+    rows = row_blocks(job, choice)
+    outer_acc = _outer_here(layout, map_specs(lambda sp: without_axis(sp, "pipe"), specs), rows,
+                            choice.pipe)
     _, stack_acc = _split_bytes(layout, layout.abstract_grads, specs)
-    outer_grads, _ = _split_bytes(layout, layout.abstract_grads, layout.specs.compute)
+    outer_grads = _outer_here(layout, layout.specs.compute, rows, choice.pipe)
     base = outer_acc + stack_acc + outer_grads / g * c + stash
-    forward = acts.head + outer_grads
+    forward = acts.head / (choice.pipe if any(rows) else 1) + outer_grads
     backward_tick = acts.kept + acts.rebuilt + stack_acc / choice.virtual + gathers
     return base + max(forward, backward_tick)
+
+
+def row_blocks(job: job_lib.Job, choice: Choice) -> list[bool]:
+    """Per parameter: a table the loops of `choice` use in its row blocks
+    over `pipe` (`choice.tables`; `job` may be another choice's of the
+    same mesh)."""
+    rows = job.row_tables()
+    return rows if choice.tables == "rows" else [False] * len(rows)
+
+
+def _outer_here(layout, specs, rows: list[bool], p: int) -> float:
+    """Gradient bytes per device of the parameters outside the stack laid out
+    by `specs` (`pipe` left out), a table used in row blocks a `p`-th."""
+    sizes = leaf_bytes(layout.abstract_grads, specs, layout.mesh)
+    return sum(size / (p if row else 1)
+               for size, stacked, row in zip(sizes, jax.tree.leaves(layout.stacked[0]), rows)
+               if not stacked)
 
 
 def _reduced_backward(job: job_lib.Job, choice: Choice, state: dict[str, int], acts,

@@ -37,7 +37,7 @@ from zero_jax.analysis import memory
 from zero_jax.pipeline import schedule as sched_lib
 from zero_jax.planner.choices import Choice, Cluster, pipeline_schedule
 from zero_jax.planner.step_bytes import (compute_grad_bytes, dtype_bytes, reduces_each_microbatch,
-                                         update_elements)
+                                         row_blocks, update_elements)
 from zero_jax.sharding import zero as zero_lib
 
 # Bytes of host memory the update reads and writes per parameter it updates:
@@ -159,12 +159,18 @@ def _pipeline_compute(job: job_lib.Job, choice: Choice, cluster: Cluster,
     backward rebuilds its chunk (1), runs the backward proper (2) and, under
     full remat, rebuilds each block again inside it (1); a split backward
     leaves the weight products (W) for later. Each tick's sends are one
-    microbatch's activation, split over tensor under sequence parallelism."""
+    microbatch's activation, split over tensor under sequence parallelism.
+    With the tables in row blocks over `pipe`, every stage shares the head's
+    work, and each end of a microbatch adds ring all-reduces of such an
+    activation over `pipe` (schedule.cost `shared_ends`)."""
     unit = _layer_forward_s(job, choice, cluster, work)
-    send = _activation_bytes(job, choice) / choice.link_bw(cluster, "pipe") / unit
+    link = choice.link_bw(cluster, "pipe")
+    send = _activation_bytes(job, choice) / link / unit
+    p = choice.pipe
     cost = sched_lib.cost(pipeline_schedule(choice), job.layout.stages.counts,
                           head=work.head_flops / work.layer_flops, send=send,
-                          backward=work.passes + 1, weight=work.weight_share)
+                          backward=work.passes + 1, weight=work.weight_share,
+                          shared_ends=any(row_blocks(job, choice)), end_sum=send * 2 * (p - 1) / p)
     return cost.total * unit, cost.bubble
 
 
