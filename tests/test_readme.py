@@ -79,7 +79,7 @@ SHORTEN: dict[str, dict[str, object]] = {
     "memory_report": {"--seq-len": "64"},
     # the search narrowed to the layouts of the README's --include, nothing compiled
     "plan": {"--compile": "0", "--micro": "2", "--stages": "1", "--remat": "full",
-             "--offload": "none"},
+             "--offload": "none", "--tables": "whole"},
 }
 
 
@@ -233,4 +233,5 @@ def test_shortening_reaches_the_program_after_launchers_double_dash():
         ".venv/bin/python scripts/launch.py -n 2 -- scripts/train.py --steps 5 --stop-at 2 "
         "--eval-every 0 --eval-batches 1 --seq-len 32 --no-progress")
     assert shorten(".venv/bin/zero-jax plan --compile 4") == (
-        ".venv/bin/zero-jax plan --compile 0 --micro 2 --stages 1 --remat full --offload none")
+        ".venv/bin/zero-jax plan --compile 0 --micro 2 --stages 1 --remat full --offload none "
+        "--tables whole")

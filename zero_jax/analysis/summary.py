@@ -225,7 +225,8 @@ def pipeline_rows(job: Job) -> list[str]:
             + ("shared by every stage" if shared else "on the last stage") + "); idle "
             f"{cost.bubble:.3f} of that; sends not counted"]
     for d in range(s.p):
-        ends = [] if shared else (["embedding"] if d == 0 else []) + (["head and loss"] if d == s.p - 1 else [])
+        ends = [] if shared else ((["embedding"] if d == 0 else [])
+                                  + (["head and loss"] if d == s.p - 1 else []))
         chunks = [k * s.p + d for k in range(s.v)]
         spans = (f"{stages.first_layer[g]}-{stages.first_layer[g] + stages.counts[g] - 1}"
                  for g in chunks)

@@ -68,6 +68,9 @@ def parse(argv):
     p.add_argument("--micro", default="1,2,4,8", help="microbatch sizes to consider")
     p.add_argument("--offload", default="none,opt,opt+params",
                    help="host offload to consider: none, opt (optimizer state), opt+params (ZeRO-3)")
+    p.add_argument("--tables", default="rows,whole",
+                   help="how pipelines use the embedding and head to consider "
+                        "(--pipeline-tables): rows, whole")
     p.add_argument("--top", type=int, default=10)
     p.add_argument("--reserve-gb", type=float, default=None,
                    help="memory per device kept free beyond the estimate (default: the larger "
@@ -140,7 +143,8 @@ def layout_options(args) -> dict:
     return {"stages": int_list("--stages", args.stages, allowed=range(4)),
             "remats": names("--remat", args.remat, remat.POLICIES),
             "micros": int_list("--micro", args.micro),
-            "offloads": tuple("" if o == "none" else o for o in offloads)}
+            "offloads": tuple("" if o == "none" else o for o in offloads),
+            "tables": names("--tables", args.tables, ("rows", "whole"))}
 
 
 def problem_of(args) -> tuple[search.Problem, str, dict]:

@@ -161,7 +161,7 @@ def _pipeline_backward(job: job_lib.Job, choice: Choice, acts, gathers: float,
     """Throughout: accumulators in the gradient layout (reduced each
     microbatch) or the compute layout (partial sums), `pipe` left out for
     the embedding and head, which are gathered whole for the step, except
-    for the tables the loop uses in their row blocks (`row_blocks`); the
+    for the tables the loop uses in their row blocks (`tables_in_blocks`); the
     stash. A forward tick of the last stage adds the head (with row blocks:
     every stage, its block of the logits) and the embedding's and head's
     gradient; a backward tick the rebuilt chunk, its gradients and its
@@ -178,7 +178,7 @@ def _pipeline_backward(job: job_lib.Job, choice: Choice, acts, gathers: float,
     per_w = job.layout.stages.slots * 16 * act / choice.tensor
     stash = max(s * act + w * per_w for s, w in zip(schedule.stash_peak(), waiting))
     specs = layout.specs.grads if per_microbatch else layout.specs.compute
-    rows = row_blocks(job, choice)
+    rows = tables_in_blocks(job, choice)
     outer_acc = _outer_here(layout, map_specs(lambda sp: without_axis(sp, "pipe"), specs), rows,
                             choice.pipe)
     _, stack_acc = _split_bytes(layout, layout.abstract_grads, specs)
@@ -189,7 +189,7 @@ def _pipeline_backward(job: job_lib.Job, choice: Choice, acts, gathers: float,
     return base + max(forward, backward_tick)
 
 
-def row_blocks(job: job_lib.Job, choice: Choice) -> list[bool]:
+def tables_in_blocks(job: job_lib.Job, choice: Choice) -> list[bool]:
     """Per parameter: a table the loops of `choice` use in its row blocks
     over `pipe` (`choice.tables`; `job` may be another choice's of the
     same mesh)."""

@@ -37,7 +37,7 @@ from zero_jax.analysis import memory
 from zero_jax.pipeline import schedule as sched_lib
 from zero_jax.planner.choices import Choice, Cluster, pipeline_schedule
 from zero_jax.planner.step_bytes import (compute_grad_bytes, dtype_bytes, reduces_each_microbatch,
-                                         row_blocks, update_elements)
+                                         tables_in_blocks, update_elements)
 from zero_jax.sharding import zero as zero_lib
 
 # Bytes of host memory the update reads and writes per parameter it updates:
@@ -170,7 +170,8 @@ def _pipeline_compute(job: job_lib.Job, choice: Choice, cluster: Cluster,
     cost = sched_lib.cost(pipeline_schedule(choice), job.layout.stages.counts,
                           head=work.head_flops / work.layer_flops, send=send,
                           backward=work.passes + 1, weight=work.weight_share,
-                          shared_ends=any(row_blocks(job, choice)), end_sum=send * 2 * (p - 1) / p)
+                          shared_ends=any(tables_in_blocks(job, choice)),
+                          end_sum=send * 2 * (p - 1) / p)
     return cost.total * unit, cost.bubble
 
 
