@@ -77,7 +77,8 @@ def parse(argv):
                         "of 10%% of the device's and 4 GB)")
     p.add_argument("--compile", type=int, default=4, help="compile the best N that fit (0: none)")
     p.add_argument("--include", action="append", default=[],
-                   help="a layout to show and compile whatever its rank (label prefix)")
+                   help="a layout to show and compile whatever its rank: its whole label "
+                        "names it alone, a prefix every layout it begins")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--cache-dir", default=os.path.expanduser("~/.cache/zero_jax/plan"))
     p.add_argument("--json", action="store_true")
