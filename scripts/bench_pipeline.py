@@ -55,7 +55,7 @@ def prepare(args, corpus, mesh: str, schedule: str, devices=None) -> job_lib.Job
         "model.name": args.model, "parallel.mesh": mesh, "parallel.zero_stage": args.zero_stage,
         "parallel.pipeline_schedule": schedule, "train.microbatches": args.microbatches,
         "data.seq_len": args.seq_len, "train.batch_size": args.batch_size, **shape})
-    return job_lib.prepare(cfg, models.builder(args.model, corpus.vocab_size), devices)
+    return job_lib.prepare(cfg, models.for_run(cfg.model, corpus.vocab_size)[0], devices)
 
 
 def _run(job: job_lib.Job, corpus, args, mesh: str) -> dict:

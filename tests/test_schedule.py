@@ -1,9 +1,10 @@
 """Pipeline schedule tables and their compiled programs (no JAX)."""
 
+import numpy as np
 import pytest
 
 from zero_jax.pipeline import schedule as sched
-from zero_jax.pipeline.program import Program
+from zero_jax.pipeline.program import Program, Tables
 from zero_jax.pipeline.schedule import W_PER_TICK
 
 CASES = [(name, p, m, (2 if name == "interleaved" else 1))
@@ -87,6 +88,9 @@ def test_program_buffers_deliver_each_message_to_its_reader(name, p, m, v):
     fwd = [[None] * (n_fwd + 1) for _ in range(p)]
     bwd = [[None] * (n_bwd + 1) for _ in range(p)]
     keep = [[None] * n_keep for _ in range(p)]
+    tables = Tables(prog, np.ones((p, v), np.int32))
+    kept = {t for start, stop, k in tables.runs() if k for t in range(start, stop)}
+    weights = 0  # Ws run: in a B's tick with it, or later from its W slot
     for t in range(s.ticks):
         to_next, to_prev = [None] * p, [None] * p
         for d in range(p):
@@ -103,14 +107,21 @@ def test_program_buffers_deliver_each_message_to_its_reader(name, p, m, v):
                 mb, g = prog.b_mb[t, d], prog.b_chunk[t, d] * p + d
                 assert stash[d][prog.b_stash[t, d]] == ("act", mb, g), (t, d)
                 assert bwd[d][prog.b_read[t, d]] == ("grad", mb, g), (t, d)
-                if s.split_backward:
-                    keep[d][prog.b_keep[t, d]] = ("taps", prog.b_chunk[t, d], mb)
+                weights += bool(prog.b_whole[t, d])
                 if not prog.b_first[t, d]:
                     to_prev[(d - 1) % p] = ("grad", mb, g - 1)
+            # The Ws read their slots, then (at a tick that uses the W
+            # buffer) the B's taps are written, or zeros into a free slot.
             for j in range(W_PER_TICK):
                 if prog.w[t, d, j]:
                     assert keep[d][prog.w_slot[t, d, j]][:2] == ("taps", prog.w_chunk[t, d, j])
                     keep[d][prog.w_slot[t, d, j]] = None
+                    weights += 1
+            if prog.b[t, d] and not prog.b_whole[t, d]:
+                assert t in kept and keep[d][prog.b_keep[t, d]] is None, (t, d)
+                keep[d][prog.b_keep[t, d]] = ("taps", prog.b_chunk[t, d], prog.b_mb[t, d])
+            elif t in kept and prog.b_keep[t, d] < n_keep:
+                assert keep[d][prog.b_keep[t, d]] is None, (t, d)  # zeros clobber nothing
         for d in range(p):
             fwd[d][prog.fwd_arrival[t, d]] = to_next[d]
             bwd[d][prog.bwd_arrival[t, d]] = to_prev[d]
@@ -122,6 +133,9 @@ def test_program_buffers_deliver_each_message_to_its_reader(name, p, m, v):
         assert {b for _, b in prog.b_pairs[prog.b_send[t]]} == senders
     # One message per microbatch and chunk boundary, each way.
     assert prog.messages() == 2 * m * (p * v - 1)
+    assert weights == m * p * v  # every chunk's weights, once per microbatch
+    if s.split_backward:  # as many W slots as Ws wait at once, and a spare at most
+        assert max(s.pending_w_peak()) <= n_keep <= max(s.pending_w_peak()) + 1
     if name == "1f1b":
         assert n_stash == min(m, 2 * p - 1)
 
@@ -146,3 +160,18 @@ def test_fused_one_f_one_b_runs_a_forward_and_a_backward_per_tick():
     # tick pays for the sends it makes: 1, 2, 2, 1 and 0 of them.
     assert sched.cost(s, [1, 1], head=0.5).ticks[1] == 5.5
     assert sched.cost(s, [1, 1], send=0.25).total == pytest.approx(16 + 6 * 0.25)
+
+
+@pytest.mark.parametrize("p,m", [(4, 8), (12, 128)])
+def test_zero_bubble_steady_state_keeps_nothing_for_later(p, m):
+    """zb-h1 runs each B's own W with it where the tick has room: only the Ws
+    deferred while the pipeline fills wait, and the ticks in between (most
+    of them at m >> p) neither keep nor read a W's inputs; the bubble is the
+    same as deferring every W in turn."""
+    s = sched.build("zb-h1", p, m)
+    tables = Tables(Program.of(s), np.ones((p, 1), np.int32))
+    kept = sum(stop - start for start, stop, k in tables.runs() if k)
+    assert kept <= 3 * (p - 1) + 1, tables.runs()
+    assert s.pending_w_peak() == [2 * d for d in range(p)]
+    if (p, m) == (12, 128):
+        assert sched.cost(s, [1.0] * p).bubble <= 0.05

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zero_jax.pipeline.schedule import W_PER_TICK, Action, Schedule
+from zero_jax.pipeline.schedule import W_PER_TICK, Action, Schedule, whole_backward
 
 Pairs = tuple[tuple[int, int], ...]
 
@@ -50,13 +50,14 @@ class Program:
     b_first: np.ndarray  # global chunk 0: the backward ends in the embedding
     b_stash: np.ndarray  # stash slot of its input
     b_read: np.ndarray  # gradient-inbox slot of its output's gradient
+    b_whole: np.ndarray  # its W runs with it, as one backward (always, unless split)
     b_keep: np.ndarray  # split backward: W slot that what W needs is kept in (spare: none)
     w: np.ndarray  # (ticks, p, W_PER_TICK): a weight gradient runs
     w_chunk: np.ndarray
     w_slot: np.ndarray  # W slot it reads
     fwd_arrival: np.ndarray  # slot for the activation arriving at the end of this tick
     bwd_arrival: np.ndarray  # slot for the gradient arriving at the end of this tick
-    slots: tuple[int, int, int, int]  # (stash, forward inbox, gradient inbox, W) sizes
+    slots: tuple[int, int, int, int]  # stash, forward inbox, gradient inbox sizes; the W buffer's
     f_send: np.ndarray  # (ticks,): index into f_pairs of the tick's activation sends
     b_send: np.ndarray  # (ticks,): index into b_pairs of its gradient sends
     f_pairs: tuple[Pairs, ...]  # (source, target) lists of activation sends; the first empty
@@ -114,6 +115,9 @@ class _Slots:
         self._free[d].append(slot)
         return slot
 
+    def held(self, d: int) -> set[int]:
+        return {slot for (device, *_), slot in self._held.items() if device == d}
+
     @property
     def size(self) -> int:
         """Slots the buffer needs: the most one device opened (at least one).
@@ -134,28 +138,47 @@ class _Compiler:
         self.stash, self.fwd, self.bwd, self.keep = (_Slots(s.p) for _ in range(4))
         self.pairs: tuple[dict[Pairs, int], ...] = ({(): 0}, {(): 0})
         self.sends = np.zeros((2, s.ticks), np.int32)
+        self.unkept: list[tuple[int, int, set[int]]] = []  # (tick, device, W slots held)
 
     def program(self) -> Program:
         for t, row in enumerate(self.s.table):
             for d, actions in enumerate(row):
-                ws = 0
+                whole = whole_backward(actions)
                 for a in actions:
                     if a.kind == "F":
                         self.forward(t, d, a)
-                    elif a.kind == "B":
-                        self.backward(t, d, a)
-                    else:
-                        self.weight(t, d, a, ws)
-                        ws += 1
+                # A tick's Ws read their W slots before its B writes one, so
+                # the B may take a slot a W of the same tick gives back.
+                own = [(a.mb, a.chunk) for a in actions if a.kind == "B" and whole]
+                for j, a in enumerate(a for a in actions
+                                      if a.kind == "W" and (a.mb, a.chunk) not in own):
+                    self.weight(t, d, a, j)
+                for a in actions:
+                    if a.kind == "B":
+                        self.backward(t, d, a, whole)
+                if not any(a.kind == "B" for a in actions) or whole:
+                    self.unkept.append((t, d, self.keep.held(d)))
             self.arrivals(t, row)
-        slots = (self.stash.size, self.fwd.size, self.bwd.size, self.keep.size)
         # "No arrival" writes into a spare slot past the end.
-        self.arr["fwd_arrival"][self.arr["fwd_arrival"] < 0] = slots[1]
-        self.arr["bwd_arrival"][self.arr["bwd_arrival"] < 0] = slots[2]
-        self.arr["b_keep"][self.arr["b"] == 0] = slots[3]  # and "no backward" into the W buffer's
+        self.arr["fwd_arrival"][self.arr["fwd_arrival"] < 0] = self.fwd.size
+        self.arr["bwd_arrival"][self.arr["bwd_arrival"] < 0] = self.bwd.size
+        slots = (self.stash.size, self.fwd.size, self.bwd.size, self.unkept_slots())
         f_pairs, b_pairs = (tuple(sorted(p, key=p.get)) for p in self.pairs)
         return Program(**self.arr, slots=slots, f_send=self.sends[0], b_send=self.sends[1],
                        f_pairs=f_pairs, b_pairs=b_pairs)
+
+    def unkept_slots(self) -> int:
+        """The W buffer's size, after giving each (tick, device) whose B
+        keeps nothing a slot to write its zeros into: a free one where
+        the tick writes into the W buffer at all, else one past the end."""
+        size, arr = self.keep.size, self.arr
+        kept = ((arr["b"] == 1) & (arr["b_whole"] == 0)).any(1) | arr["w"].any((1, 2))
+        spare = False
+        for t, d, held in self.unkept:
+            free = [i for i in range(size) if i not in held]
+            arr["b_keep"][t, d] = free[0] if free and kept[t] else size
+            spare |= bool(kept[t] and not free)
+        return size + spare
 
     def forward(self, t: int, d: int, a: Action) -> None:
         """Reads its input's inbox slot (past the first chunk), stashes the
@@ -170,16 +193,18 @@ class _Compiler:
         if g == self.s.chunks - 1:
             arr["f_dy"][t, d] = self.bwd.take(d, key)
 
-    def backward(self, t: int, d: int, a: Action) -> None:
+    def backward(self, t: int, d: int, a: Action, whole: bool) -> None:
         """Reads its stash and its gradient's inbox slot; under a split
-        backward, opens the W slot of what its W needs."""
+        backward whose W runs later (not `whole`: its W is not in the
+        tick), opens the W slot of what its W needs."""
         arr, g = self.arr, self.s.global_chunk(d, a)
         key = (a.mb, a.chunk)
         arr["b"][t, d], arr["b_mb"][t, d], arr["b_chunk"][t, d] = 1, a.mb, a.chunk
         arr["b_first"][t, d] = g == 0
+        arr["b_whole"][t, d] = whole or not self.s.split_backward
         arr["b_stash"][t, d] = self.stash.give_back(d, key)
         arr["b_read"][t, d] = self.bwd.give_back(d, key)
-        if self.s.split_backward:
+        if not arr["b_whole"][t, d]:
             arr["b_keep"][t, d] = self.keep.take(d, key)
 
     def weight(self, t: int, d: int, a: Action, j: int) -> None:
@@ -231,6 +256,7 @@ class Row(NamedTuple):
     b_mb: jax.Array
     b_chunk: jax.Array
     b_first: jax.Array
+    b_whole: jax.Array
     b_stash: jax.Array
     b_read: jax.Array
     b_keep: jax.Array
@@ -252,9 +278,17 @@ class Tables:
         self.ticks, self.p = program.f.shape
         self.slots = program.slots
         self.pairs = program.f_pairs, program.b_pairs
+        self.kept = ((program.b == 1) & (program.b_whole == 0)).any(1) | program.w.any((1, 2))
         self.arrays = {k: jnp.asarray(getattr(program, k)) for k in Program.tables()}
         self.sends = jnp.asarray(np.stack([program.f_send, program.b_send]))
         self.counts = jnp.asarray(counts)  # layers in each (device, local chunk)
+
+    def runs(self) -> list[tuple[int, int, bool]]:
+        """(start, stop, kept): the ticks in runs alike, `kept` where some
+        device keeps taps for a later W or runs such a W (split backward)."""
+        kept = self.kept
+        edges = [0, *(t for t in range(1, self.ticks) if kept[t] != kept[t - 1]), self.ticks]
+        return [(a, b, bool(kept[a])) for a, b in zip(edges, edges[1:])]
 
     def at(self, t: jax.Array, d: jax.Array) -> Row:
         e = {k: a[t, d] for k, a in self.arrays.items()}

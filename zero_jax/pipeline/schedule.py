@@ -110,14 +110,17 @@ class Schedule:
     def pending_w_peak(self) -> list[int]:
         """Per device, the most weight gradients waiting at once (0 unless
         the backward is split): each holds its chunk's matrix inputs and
-        output gradients."""
+        output gradients. A W in its B's tick waits for nothing
+        (`whole_backward`)."""
         out = []
         for d in range(self.p):
             live = worst = 0
             for row in self.table:
-                for a in row[d]:
-                    live += (a.kind == "B" and self.split_backward) - (a.kind == "W")
-                    worst = max(worst, live)
+                acts, whole = row[d], whole_backward(row[d])
+                # A tick's Ws read their inputs before its B keeps its own.
+                live -= sum(a.kind == "W" for a in acts) - whole
+                live += self.split_backward and not whole and any(a.kind == "B" for a in acts)
+                worst = max(worst, live)
             out.append(worst)
         return out
 
@@ -329,11 +332,21 @@ def _place_ws(table, p: int, v: int, defer: list[int]):
     """The table with a W after each B, placed where it lengthens no tick.
 
     Tick by tick: device d must run a W when more than `defer[d]` wait
-    (that lengthens the tick); then every device with Ws waiting runs them,
-    oldest first, as long as they fit in the tick's length (at most
-    `W_PER_TICK`). Ws still waiting at the end get ticks of their own."""
+    (that lengthens the tick); then every device with Ws waiting runs them
+    as long as they fit in the tick's length (at most `W_PER_TICK`). A
+    device takes first the W of the tick's own B, which then needs nothing
+    kept (the loop runs the two as one backward, `whole_backward`), then
+    the oldest waiting: so the Ws that wait are those deferred when the
+    pipeline fills, and wait for the ticks where it drains. Ws still
+    waiting at the end get ticks of their own."""
     def load(acts):
         return sum(_UNIT[a.kind] for a in acts)
+
+    def take(d, acts):
+        own = [a for a in acts if a.kind == "B"]
+        if own and waiting[d][-1] == Action("W", own[0].mb, own[0].chunk):
+            return waiting[d].pop()
+        return waiting[d].popleft()
 
     waiting = [deque() for _ in range(p)]
     out = []
@@ -343,17 +356,25 @@ def _place_ws(table, p: int, v: int, defer: list[int]):
             waiting[d].extend(Action("W", a.mb, a.chunk) for a in acts if a.kind == "B")
         for d, acts in enumerate(row):
             if len(waiting[d]) > defer[d]:
-                acts.append(waiting[d].popleft())
+                acts.append(take(d, acts))
         length = max(map(load, row))
         for d, acts in enumerate(row):
             while (waiting[d] and sum(a.kind == "W" for a in acts) < W_PER_TICK
                    and load(acts) + _UNIT["W"] <= length):
-                acts.append(waiting[d].popleft())
+                acts.append(take(d, acts))
         out.append(tuple(map(tuple, row)))
     while any(waiting):
         out.append(tuple(tuple(waiting[d].popleft() for _ in range(min(W_PER_TICK, len(waiting[d]))))
                          for d in range(p)))
     return tuple(out)
+
+
+def whole_backward(actions: Sequence[Action]) -> bool:
+    """Whether a device's actions in a tick hold a B and its own W: the
+    loop then runs them as one backward, the weights' gradients with the
+    input's, and keeps nothing for a later W."""
+    bs = [a for a in actions if a.kind == "B"]
+    return bool(bs) and Action("W", bs[0].mb, bs[0].chunk) in actions
 
 
 def violations(s: Schedule) -> list[str]:

@@ -13,7 +13,10 @@ alike since the list is the tick's.
 A forward keeps only its chunk's input (the stash); the backward recomputes
 the chunk's forward from it (activation checkpointing at chunk
 granularity). A split backward keeps, for its W, each matrix product's
-input and output gradient (weight_grad.py).
+input and output gradient (weight_grad.py); a B whose W is in its own
+tick runs as one backward with it and keeps nothing, and the loop runs
+each run of ticks where no device keeps or reads a W's inputs without the
+W buffer (`Tables.runs`).
 
 With the embedding and head tables in row blocks over `pipe` (`rows`,
 executor.py), every stage takes part in their work, as in evaluation
@@ -95,39 +98,50 @@ class TrainStage(LocalStage):
         f_pairs, b_pairs = tables.pairs
         enters, leaves, returns = ends
 
-        def tick(t, c):
+        def tick(t, c, kept: bool):
             row = tables.at(t, d)
             # The W buffer is never a conditional's result, which would copy
-            # it: B's taps are written here, after B (a tick without a
-            # backward writes its zeros into the spare slot), and the Ws
-            # after it only read it.
+            # it: the Ws only read it, and B's taps are written here, after
+            # them (a device whose B keeps nothing writes zeros into a free
+            # slot).
             keep, c = c.keep, c._replace(keep=None)
             if self.rows is None:
                 c, y = jax.lax.cond(row.f, self.forward, self.no_forward, c, row)
             else:
                 c, y = self.forward_split(c, row, enters[t], leaves[t])
-            c, dx, taps = jax.lax.cond(row.b, self.backward, self.no_backward, c, row)
+            if kept:
+                c, dx, taps = jax.lax.cond(row.b, self.backward_keeping, self.no_backward_keeping,
+                                           c, row)
+            else:
+                c, dx = jax.lax.cond(row.b, self.backward, self.no_backward, c, row)
             if self.rows is not None:
                 c, dx = self.embed_back_split(c, dx, row, returns[t])
-            if self.split_bwd is not None:
-                keep = jax.tree.map(lambda buf, t: buf.at[row.b_keep].set(t), keep, taps)
-                keep = self.pin_keep(keep)
+            if kept:  # the Ws read their slots, then B's taps are written
                 for j in range(W_PER_TICK):
                     g = jax.lax.cond(row.w[j], functools.partial(self.weight, j),
                                      lambda g, keep, row: g, c.g_stack, keep, row)
                     c = c._replace(g_stack=g)
+                keep = jax.tree.map(lambda buf, t: buf.at[row.b_keep].set(t), keep, taps)
+                keep = self.pin_keep(keep)
             c = c._replace(keep=keep)
             fwd = c.fwd.at[row.fwd_arrival].set(send(y, row.f_send, f_pairs))
             bwd = c.bwd.at[row.bwd_arrival].set(send(dx, row.b_send, b_pairs))
             return c._replace(fwd=self.place(fwd), bwd=self.place(bwd))
 
-        return jax.lax.fori_loop(0, tables.ticks, tick, self.start(tables.slots))
+        # A loop per run of ticks alike: where no device keeps taps for a
+        # later W or runs one (a split backward's steady state, where each
+        # B runs with its own W), the tick moves nothing of the W buffer.
+        c = self.start(tables.slots)
+        for start, stop, kept in tables.runs():
+            kept = kept and self.split_bwd is not None
+            c = jax.lax.fori_loop(start, stop, functools.partial(tick, kept=kept), c)
+        return c
 
     def start(self, slots: tuple[int, int, int, int]) -> Carry:
         n_stash, n_fwd, n_bwd, n_keep = slots
         keep = jnp.zeros(())
         if self.split_bwd is not None:
-            keep = self.pin_keep(self.split_bwd.taps((n_keep + 1, self.n)))
+            keep = self.pin_keep(self.split_bwd.taps((n_keep, self.n)))
         # Inboxes have one spare slot, where "nothing arrived" is written.
         return Carry(fwd=self.buffer(n_fwd + 1), bwd=self.buffer(n_bwd + 1),
                      stash=self.buffer(n_stash), keep=keep,
@@ -228,42 +242,60 @@ class TrainStage(LocalStage):
                           bwd=self.place(bwd))
 
     # -- backward: one chunk, then the embedding (first chunk) --------------
-    def no_backward(self, c: Carry, row: Row) -> tuple[Carry, jax.Array, Any]:
-        taps = self.split_bwd.taps((self.n,)) if self.split_bwd is not None else ()
-        return c, self.x_zero, taps
+    def no_backward(self, c: Carry, row: Row) -> tuple[Carry, jax.Array]:
+        return c, self.x_zero
 
-    def backward(self, c: Carry, row: Row) -> tuple[Carry, jax.Array, Any]:
-        """Adds the chunk's weight gradients (under a split backward, those
-        of its non-matrix parameters), and on the first chunk the
-        embedding's; returns the input's gradient for the previous stage,
-        and under a split backward what W needs (the taps)."""
-        h, chunk, k = self.shard_hooks, self.chunk(row.b_chunk), row.b_chunk
+    def no_backward_keeping(self, c: Carry, row: Row) -> tuple[Carry, jax.Array, Any]:
+        return c, self.x_zero, self.split_bwd.taps((self.n,))
+
+    def backward(self, c: Carry, row: Row) -> tuple[Carry, jax.Array]:
+        """Adds the chunk's weight gradients, and on the first chunk the
+        embedding's; returns the input's gradient for the previous stage.
+        Under a split backward, a B whose W is in its tick runs so."""
+        def chunk_vjp(run, chunk, x, dy):
+            return jax.vjp(run, chunk, x)[1](dy)
+        g_chunk, dx = self.chunk_backward(chunk_vjp, c, row)
+        c = c._replace(g_stack=self.add_stack(c.g_stack, row.b_chunk, self.cast(g_chunk)))
+        return self.backward_end(c, dx, row)
+
+    def backward_keeping(self, c: Carry, row: Row) -> tuple[Carry, jax.Array, Any]:
+        """A B of a split backward, returning also what its W needs (the
+        taps). One whose W runs later adds the gradients of the chunk's
+        non-matrix parameters only; one whose W is in its tick runs as
+        `backward` (its taps zeros)."""
+        def whole(c):
+            return *self.backward(c, row), self.split_bwd.taps((self.n,))
+
+        def input_only(c):
+            def input_grad(run, chunk, x, dy):
+                return self.split_bwd.input_grad(run, chunk, x, dy)
+            taps, g_others, dx = self.chunk_backward(input_grad, c, row)
+            g_others = self.split_bwd.of_others(self.cast(g_others))
+            c = c._replace(g_stack=self.add_stack(c.g_stack, row.b_chunk, g_others))
+            return *self.backward_end(c, dx, row), taps
+
+        return jax.lax.cond(row.b_whole, whole, input_only, c)
+
+    def chunk_backward(self, f, c: Carry, row: Row):
+        """f(run, chunk, x, dy) per shard, for the backward's chunk, its
+        stashed input x and its output's gradient dy."""
+        h, chunk = self.shard_hooks, self.chunk(row.b_chunk)
         x, dy = c.stash[row.b_stash], c.bwd[row.b_read]
 
         def run(w, x):
             return self.run(w, x, h, row.b_layers)
+        return self.per_shard(functools.partial(f, run), chunk, self.split(x), self.split(dy))
 
-        if self.split_bwd is None:
-            def chunk_vjp(chunk, x, dy):
-                return jax.vjp(run, chunk, x)[1](dy)
-            g_chunk, dx = self.per_shard(chunk_vjp, chunk, self.split(x), self.split(dy))
-            c = c._replace(g_stack=self.add_stack(c.g_stack, k, self.cast(g_chunk)))
-            taps = ()
-        else:
-            def input_grad(chunk, x, dy):
-                return self.split_bwd.input_grad(run, chunk, x, dy)
-            taps, g_others, dx = self.per_shard(input_grad, chunk, self.split(x), self.split(dy))
-            g_others = self.split_bwd.of_others(self.cast(g_others))
-            c = c._replace(g_stack=self.add_stack(c.g_stack, k, g_others))
-
+    def backward_end(self, c: Carry, dx, row: Row) -> tuple[Carry, jax.Array]:
+        """On the first chunk, the embedding's gradients from dx (per
+        shard); returns the gradient sent to the previous stage."""
         def first(c):
             g_o = self.embed_grads(row.b_mb, dx, self.shard_hooks)
             return c._replace(g_outer=self.add_outer(c.g_outer, g_o)), self.x_zero
 
         if self.rows is not None:  # embed_back_split, on every stage
-            return c, self.merge(dx), taps
-        c, dx = jax.lax.cond(row.b_first, first, lambda c: (c, self.merge(dx)), c)
-        return c, dx, taps
+            return c, self.merge(dx)
+        return jax.lax.cond(row.b_first, first, lambda c: (c, self.merge(dx)), c)
 
     def embed_back_split(self, c: Carry, dx, row: Row, returns) -> tuple[Carry, jax.Array]:
         """With the tables in row blocks: where microbatch `returns` (if not
