@@ -80,6 +80,24 @@ def test_launch_starts_zero_jax_in_every_process():
         assert f"[{i}]   prepare-data " in p.stdout
 
 
+def test_launch_pin_cores_gives_each_process_a_core_of_its_own():
+    """--pin-cores: process i runs on core i of the launcher's, alone; more
+    processes than cores is refused before any starts."""
+    cores = sorted(os.sched_getaffinity(0))
+    n = min(2, len(cores))
+    show = "import os; print(sorted(os.sched_getaffinity(0)))"
+    p = subprocess.run([sys.executable, "-m", "zero_jax", "launch", "-n", str(n), "--pin-cores",
+                        "--", sys.executable, "-c", show], cwd=ROOT, env=ENV,
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stdout + p.stderr
+    for i in range(n):
+        assert f"[{i}] [{cores[i]}]" in p.stdout, p.stdout
+    with pytest.raises(ValueError, match=f"--pin-cores: {len(cores) + 1} processes, but only "
+                                         f"{len(cores)} cores"):
+        launch.checked_command(launch.parse(["-n", str(len(cores) + 1), "--pin-cores", "--",
+                                             sys.executable, "-c", show]))
+
+
 # -- the built wheel, installed away from the source tree ------------------
 
 SOURCES = ("pyproject.toml", "README.md", "zero_jax", "models", "meshes")
