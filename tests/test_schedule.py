@@ -175,3 +175,19 @@ def test_zero_bubble_steady_state_keeps_nothing_for_later(p, m):
     assert s.pending_w_peak() == [2 * d for d in range(p)]
     if (p, m) == (12, 128):
         assert sched.cost(s, [1.0] * p).bubble <= 0.05
+
+
+def test_a_waiting_w_holds_every_products_input_and_output_gradient(corpus):
+    """What the planner counts per waiting W, per token and layer: for GPT
+    16 d_model (qkv d + 3d, out d + d, fc d + 4d, proj 4d + d); for Llama
+    7 D + 2 H Q + 2 K Q + 3 F (q, k, v each read the block's input; o, gate,
+    up, down)."""
+    from tests.helpers import make_job
+    from zero_jax.planner import step_bytes
+
+    gpt = make_job(corpus, mesh="fsdp=8")
+    assert step_bytes._kept_per_token(gpt) == 16 * gpt.model.config.d_model
+    llama = make_job(corpus, model="llama-tiny", mesh="fsdp=8")
+    c = llama.model.config
+    D, HQ, KQ, F = c.d_model, c.n_head * c.q_dim, c.n_kv_head * c.q_dim, c.d_mlp
+    assert step_bytes._kept_per_token(llama) == 7 * D + 2 * HQ + 2 * KQ + 3 * F

@@ -13,13 +13,15 @@ per matrix and layer, reduced as the whole backward would reduce them
 (`Hooks.dense_weight_grad`).
 
 What waits between B and W is those inputs and output gradients, for every
-product of every layer of the chunk: for a GPT block about 16 d_model
-values per token and layer, where a stash entry holds d_model per chunk.
+product of every layer of the chunk (`kept_per_token`): for a GPT block 16
+d_model values per token and layer, for Llama-3-8B's 20, where a stash
+entry holds d_model per chunk.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable
 
 import jax
@@ -138,3 +140,13 @@ class SplitBackward:
         mats = iter(g_mats)
         return self.treedef.unflatten([None if p is None else next(mats)
                                        for p in self.products])
+
+
+def kept_per_token(stage: Callable, layer: Any, d_model: int, dtype, hooks) -> int:
+    """Values a waiting W holds per token and layer: every matrix
+    product's input and output gradient, from the products of one layer
+    (`layer`: a stack of one, as `stage(layer, x, hooks)` runs it) on one
+    token. Shapes only; nothing is computed."""
+    x = jax.ShapeDtypeStruct((1, 1, d_model), dtype)
+    split = SplitBackward(stage, layer, x, hooks)
+    return sum(math.prod(p.x.shape) + math.prod(p.y.shape) for p in split.products if p)

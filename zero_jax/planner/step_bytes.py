@@ -30,6 +30,7 @@ import numpy as np
 
 from zero_jax import job as job_lib, remat as remat_lib
 from zero_jax.analysis import memory
+from zero_jax.pipeline import weight_grad
 from zero_jax.planner.choices import Choice, pipeline_schedule
 from zero_jax.sharding import zero as zero_lib
 from zero_jax.sharding.specs import (bytes_per_device, leaf_bytes, map_specs, shard_elements,
@@ -171,11 +172,14 @@ def _pipeline_backward(job: job_lib.Job, choice: Choice, acts, gathers: float,
     schedule = pipeline_schedule(choice)
     act = choice.micro * job.run.data.seq_len * cfg.d_model * c
     # Per stage, its stash and (split backward) its waiting Ws: each holds
-    # every product's input and output gradient, about 16 d_model per token
-    # and layer (a GPT block), split over tensor. The two peak on opposite
+    # every product's input and output gradient (16 d_model per token and
+    # layer for a GPT block), split over tensor. The two peak on opposite
     # ends of the pipeline (stash on the first stage, Ws on the last).
     waiting = (schedule.pending_w_peak() if schedule.split_backward else [0] * choice.pipe)
-    per_w = job.layout.stages.slots * 16 * act / choice.tensor
+    per_w = 0.0
+    if schedule.split_backward:
+        per_w = (job.layout.stages.slots * _kept_per_token(job) / cfg.d_model * act
+                 / choice.tensor)
     stash = max(s * act + w * per_w for s, w in zip(schedule.stash_peak(), waiting))
     specs = layout.specs.grads if per_microbatch else layout.specs.compute
     rows = tables_in_blocks(job, choice)
@@ -269,3 +273,21 @@ def _gathered_once(layout, model) -> float:
         for key in model.gathered_once
         for leaf, spec in zip(jax.tree.leaves(layout.abstract.params.get(key, {})),
                               spec_leaves(layout.specs.compute.get(key, {})))))
+
+
+_KEPT: dict = {}
+
+
+def _kept_per_token(job: job_lib.Job) -> int:
+    """weight_grad.kept_per_token of the job's model, once per model shape."""
+    cfg = job.model.config
+    if cfg not in _KEPT:
+        fns = job.model.pipeline
+        _, stack = fns.split(job.layout.abstract.params)
+        layer = jax.tree.map(lambda a: jax.ShapeDtypeStruct((1, *a.shape[1:]), a.dtype), stack)
+        # Shapes only, traced here: the products are the same under any
+        # attention kernel, and cuDNN's cannot be traced without a GPU.
+        hooks = dataclasses.replace(job.hooks, attention="xla")
+        _KEPT[cfg] = weight_grad.kept_per_token(fns.stage, layer, cfg.d_model,
+                                                hooks.dtype, hooks)
+    return _KEPT[cfg]
