@@ -51,13 +51,13 @@ class Program:
     b_stash: np.ndarray  # stash slot of its input
     b_read: np.ndarray  # gradient-inbox slot of its output's gradient
     b_whole: np.ndarray  # its W runs with it, as one backward (always, unless split)
-    b_keep: np.ndarray  # split backward: W slot that what W needs is kept in (spare: none)
+    b_keep: np.ndarray  # split backward: W slot that what W needs is kept in (else: zeros)
     w: np.ndarray  # (ticks, p, W_PER_TICK): a weight gradient runs
     w_chunk: np.ndarray
     w_slot: np.ndarray  # W slot it reads
     fwd_arrival: np.ndarray  # slot for the activation arriving at the end of this tick
     bwd_arrival: np.ndarray  # slot for the gradient arriving at the end of this tick
-    slots: tuple[int, int, int, int]  # stash, forward inbox, gradient inbox sizes; the W buffer's
+    slots: tuple[int, int, int, int]  # (stash, forward inbox, gradient inbox, W buffer) sizes
     f_send: np.ndarray  # (ticks,): index into f_pairs of the tick's activation sends
     b_send: np.ndarray  # (ticks,): index into b_pairs of its gradient sends
     f_pairs: tuple[Pairs, ...]  # (source, target) lists of activation sends; the first empty
@@ -90,6 +90,12 @@ class Program:
         """Messages sent in the step (activations and gradients)."""
         return (sum(len(self.f_pairs[i]) for i in self.f_send)
                 + sum(len(self.b_pairs[i]) for i in self.b_send))
+
+
+def kept_ticks(b: np.ndarray, b_whole: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """Per tick, whether the W buffer is used: some device keeps a B's taps
+    for a later W, or runs such a W."""
+    return ((b == 1) & (b_whole == 0)).any(1) | w.any((1, 2))
 
 
 class _Slots:
@@ -172,7 +178,7 @@ class _Compiler:
         keeps nothing a slot to write its zeros into: a free one where
         the tick writes into the W buffer at all, else one past the end."""
         size, arr = self.keep.size, self.arr
-        kept = ((arr["b"] == 1) & (arr["b_whole"] == 0)).any(1) | arr["w"].any((1, 2))
+        kept = kept_ticks(arr["b"], arr["b_whole"], arr["w"])
         spare = False
         for t, d, held in self.unkept:
             free = [i for i in range(size) if i not in held]
@@ -278,7 +284,7 @@ class Tables:
         self.ticks, self.p = program.f.shape
         self.slots = program.slots
         self.pairs = program.f_pairs, program.b_pairs
-        self.kept = ((program.b == 1) & (program.b_whole == 0)).any(1) | program.w.any((1, 2))
+        self.kept = kept_ticks(program.b, program.b_whole, program.w)
         self.arrays = {k: jnp.asarray(getattr(program, k)) for k in Program.tables()}
         self.sends = jnp.asarray(np.stack([program.f_send, program.b_send]))
         self.counts = jnp.asarray(counts)  # layers in each (device, local chunk)
