@@ -1,5 +1,6 @@
 """Reference models for zero_jax, by family: the GPT (models/gpt.py) and the
-Llama family (models/llama.py: Llama 2 and 3, Mistral, Qwen2). Each names
+Llama family (models/llama.py: Llama 2 and 3, Mistral, Qwen2, and the
+mixtures of experts Mixtral and Qwen3-MoE, models/moe.py). Each names
 logical axes only. A model is chosen by preset name, or by "hf:DIR" for the
 shape in a Hugging Face directory's config.json; shape fields override it."""
 
@@ -67,8 +68,14 @@ def describe(name: str, data_vocab: int, vocab_multiple: int = 1, **overrides) -
     changed = list(decoder.given(overrides))
     head = f"{name or 'custom'}{' with ' + ', '.join(changed) + ' set' if name and changed else ''}"
     if isinstance(c, llama.LlamaConfig):
+        mlp = f"mlp {c.d_mlp}"
+        if c.n_experts:
+            shared = f" + {c.n_shared_experts} shared" if c.n_shared_experts else ""
+            mode = (f"capacity factor {c.capacity_factor:g}" if c.capacity_factor else "dropless")
+            mlp = (f"{c.n_experts} experts of {c.expert_mlp}{shared}, top-{c.n_experts_per_tok} "
+                   f"({mode}; {c.active_param_count:,} of {c.param_count:,} parameters active)")
         return (f"{head}: {c.family} family, {c.n_layer} layers, d_model {c.d_model}, "
-                f"{c.n_head} heads over {c.n_kv_head} kv heads of {c.q_dim}, mlp {c.d_mlp}, "
+                f"{c.n_head} heads over {c.n_kv_head} kv heads of {c.q_dim}, {mlp}, "
                 f"vocab {vocab}{', tied head' if c.tie_embeddings else ''}, rope theta "
                 f"{c.rope_theta:g}")
     return (f"{head}: {c.n_layer} layers, d_model {c.d_model}, {c.n_head} heads, "

@@ -81,8 +81,13 @@ def fns(module: type[nn.Module], block: type[nn.Module], cfg: Any) -> dict[str, 
     return {"init": init, "apply": apply, "decay_mask": decay_mask, "pipeline": pipeline}
 
 
+# Fields whose zero is a choice (no router loss; dropless), not "the preset's".
+ZERO_IS_SET = frozenset({"router_aux_loss_coef", "router_z_loss_coef", "capacity_factor"})
+
+
 def given(overrides: dict) -> dict:
     """The shape fields a run sets: not None, and not 0 or "" (the preset's),
-    except booleans, whose False is a choice (an untied head)."""
+    except booleans, whose False is a choice (an untied head), and the
+    router's coefficients, whose 0 is one."""
     return {k: v for k, v in overrides.items()
-            if v is not None and (isinstance(v, bool) or v not in (0, ""))}
+            if v is not None and (isinstance(v, bool) or k in ZERO_IS_SET or v not in (0, ""))}

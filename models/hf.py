@@ -3,7 +3,8 @@
 (`save`: 5 GB safetensors files with an index, as `save_pretrained` writes).
 
 Architectures: GPT2LMHeadModel (models/gpt_hf.py), and LlamaForCausalLM,
-MistralForCausalLM and Qwen2ForCausalLM (models/llama_hf.py). A directory
+MistralForCausalLM, Qwen2ForCausalLM, MixtralForCausalLM and
+Qwen3MoeForCausalLM (models/llama_hf.py). A directory
 holds `model.safetensors`, or `model-0000k-of-0000n.safetensors` files with
 `model.safetensors.index.json` mapping each tensor to its file.
 """
@@ -83,7 +84,9 @@ def load(path: Path, job) -> Any:
     mine = dataclasses.asdict(cfg)
     # Rotary embeddings have no table: a Llama-family model may be run at
     # another length than its config's max_position_embeddings.
-    free = ("max_seq_len",) if family == "llama" else ()
+    # The router's loss weights and capacity are training choices, not shape.
+    free = ("max_seq_len", "router_aux_loss_coef", "router_z_loss_coef",
+            "capacity_factor") if family == "llama" else ()
     differ = {k: (v, mine[k]) for k, v in fields.items()
               if k in mine and k not in free and not _same(v, mine[k])}
     if (family == "llama") != isinstance(cfg, llama.LlamaConfig) or differ:

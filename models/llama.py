@@ -1,7 +1,9 @@
-"""The decoder behind Llama 2 and 3, Mistral and Qwen2, in Flax: RMSNorm,
-rotary embeddings (Hugging Face's half-rotation layout), SwiGLU MLP,
-grouped-query attention, an untied head (tied as an option), q/k/v biases
-for Qwen2 and no other biases; the blocks are one scanned, stacked layer.
+"""The decoder behind Llama 2 and 3, Mistral, Qwen2, and the mixtures of
+experts Mixtral and Qwen3-MoE, in Flax: RMSNorm, rotary embeddings (Hugging
+Face's half-rotation layout), SwiGLU MLP or a mixture of SwiGLU experts
+(models/moe.py), grouped-query attention, an untied head (tied as an
+option), q/k/v biases for Qwen2, q/k norms for Qwen3, and no other biases;
+the blocks are one scanned, stacked layer.
 
 The model names logical axes only; `Hooks` (zero_jax.hooks) turn them into
 sharding constraints, exactly as for the GPT (models/gpt.py), so every ZeRO
@@ -22,8 +24,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from models import decoder, layers
+from models import decoder, layers, moe
 from models.gpt import ActivationParts
+from models.llama_presets import PRESETS
 from zero_jax.analysis.flops import Op
 from zero_jax.hooks import Hooks
 from zero_jax.model import ModelFns
@@ -51,9 +54,26 @@ class LlamaConfig:
     # original_max_position_embeddings), or () for none
     rope_scaling: tuple = ()
     vocab_multiple: int = 1  # embedding rows padded to a multiple of this (masked in the logits)
-    family: str = "llama"  # llama | mistral | qwen2: the Hugging Face architecture it maps to
+    family: str = "llama"  # llama | mistral | qwen2 | mixtral | qwen3_moe: the Hugging Face architecture
+    qk_norm: bool = False  # RMSNorm of each head's q and k before rotation (Qwen3)
+    # A mixture of experts (models/moe.py) in place of every block's MLP:
+    n_experts: int = 0  # routed experts (0: a dense MLP)
+    n_experts_per_tok: int = 0  # experts each token is routed to (top-k)
+    d_expert: int = 0  # each expert's SwiGLU width (0: d_mlp)
+    n_shared_experts: int = 0  # always-on experts of that width beside the routed ones
+    norm_topk_prob: bool = True  # the k routing weights renormalised to sum to one
+    router_aux_loss_coef: float = 0.0  # weight of the load-balancing loss in the training loss
+    router_z_loss_coef: float = 0.0  # weight of the router z-loss in the training loss
+    capacity_factor: float = 0.0  # > 0: each expert takes at most this times its even share (drops)
 
     def __post_init__(self):
+        if self.n_experts and not 0 < self.n_experts_per_tok <= self.n_experts:
+            raise ValueError(f"n_experts_per_tok={self.n_experts_per_tok} with n_experts="
+                             f"{self.n_experts}: each token goes to between 1 and n_experts "
+                             "experts; choose a top-k in that range")
+        if not self.n_experts and (self.n_experts_per_tok or self.n_shared_experts):
+            raise ValueError("n_experts_per_tok / n_shared_experts given without n_experts: "
+                             "set n_experts for a mixture of experts")
         if self.n_head % self.n_kv_head:
             raise ValueError(f"n_head={self.n_head} is not a multiple of n_kv_head={self.n_kv_head}")
         if not self.head_dim and self.d_model % self.n_head:
@@ -72,35 +92,70 @@ class LlamaConfig:
         return self.head_dim or self.d_model // self.n_head
 
     @property
+    def expert_mlp(self) -> int:
+        """Each expert's SwiGLU width."""
+        return self.d_expert or self.d_mlp
+
+    def _mlp_params(self, active: bool) -> int:
+        """One block's MLP matrices: every expert's, or (`active`) those a
+        token computes with: its k experts, the shared ones and the router."""
+        D = self.d_model
+        if not self.n_experts:
+            return 3 * D * self.d_mlp
+        experts = self.n_experts_per_tok if active else self.n_experts
+        return 3 * D * self.expert_mlp * (experts + self.n_shared_experts) + D * self.n_experts
+
+    def _attn_params(self) -> int:
+        D, Q, H, K = self.d_model, self.q_dim, self.n_head, self.n_kv_head
+        return D * H * Q + 2 * D * K * Q + H * Q * D
+
+    @property
     def param_count(self) -> int:
-        D, F, L, Q = self.d_model, self.d_mlp, self.n_layer, self.q_dim
+        D, L, Q = self.d_model, self.n_layer, self.q_dim
         H, K = self.n_head, self.n_kv_head
-        attn = D * H * Q + 2 * D * K * Q + H * Q * D + ((H + 2 * K) * Q if self.qkv_bias else 0)
-        block = 2 * D + attn + 3 * D * F
+        attn = self._attn_params() + ((H + 2 * K) * Q if self.qkv_bias else 0) \
+            + (2 * Q if self.qk_norm else 0)
+        block = 2 * D + attn + self._mlp_params(active=False)
         tables = self.padded_vocab * D * (1 if self.tie_embeddings else 2)
         return tables + L * block + D
 
+    @property
+    def active_param_count(self) -> int:
+        """Parameters a token computes with (all of them in a dense model)."""
+        return self.param_count - self.n_layer * (self._mlp_params(False) - self._mlp_params(True))
+
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token, 6 N + 12 L H Q T (PaLM, appendix B), N
-        the matmul parameters including the head."""
-        D, F, L, Q = self.d_model, self.d_mlp, self.n_layer, self.q_dim
-        H, K = self.n_head, self.n_kv_head
-        n_matmul = L * (2 * D * H * Q + 2 * D * K * Q + 3 * D * F) + self.padded_vocab * D
+        the matmul parameters a token computes with, including the head: in
+        a mixture of experts its k experts, the shared ones and the router."""
+        L, Q, H = self.n_layer, self.q_dim, self.n_head
+        n_matmul = L * (self._attn_params() + self._mlp_params(active=True)) \
+            + self.padded_vocab * self.d_model
         return 6 * n_matmul + 12 * L * H * Q * seq_len
 
     def block_ops(self, seq_len: int) -> list[Op]:
         """One block as the tensors `Block` computes, named as it names them
         (flops.Op): what a remat policy recomputes."""
-        D, F, H, K, Q = self.d_model, self.d_mlp, self.n_head, self.n_kv_head, self.q_dim
+        D, H, K, Q = self.d_model, self.n_head, self.n_kv_head, self.q_dim
+        # A mixture of experts computes its k experts (and shared ones) per token.
+        F = self.active_mlp
         return decoder.block_ops(seq_len, D, H, Q, qkv_features=(H + 2 * K) * Q, mlp=[
             Op("gate", "mlp_hidden", 2 * D * F, ("norm_2",), dot=True),
             Op("up", "mlp_hidden", 2 * D * F, ("norm_2",), dot=True),
             Op("act", "mlp_act", 0, ("gate", "up")),
             Op("down", None, 2 * F * D, ("act",), dot=True)])
 
+    @property
+    def active_mlp(self) -> int:
+        """The SwiGLU width a token computes with: d_mlp, or its k experts'
+        and the shared experts' widths together."""
+        if not self.n_experts:
+            return self.d_mlp
+        return self.expert_mlp * (self.n_experts_per_tok + self.n_shared_experts)
+
     def head_cost(self, seq_len: int) -> float:
         """The head's forward FLOPs in units of one block's forward."""
-        D, F, Q, H, K = self.d_model, self.d_mlp, self.q_dim, self.n_head, self.n_kv_head
+        D, F, Q, H, K = self.d_model, self.active_mlp, self.q_dim, self.n_head, self.n_kv_head
         block = 2 * (2 * D * H * Q + 2 * D * K * Q + 3 * D * F) + 4 * seq_len * H * Q
         return 2 * self.padded_vocab * D / block
 
@@ -120,7 +175,9 @@ class LlamaConfig:
         attention context ((2 H + 2 K) Q s b / t), the attention
         probabilities (a s^2 b / t; none under cuDNN's fused attention), the
         SwiGLU gate and up projections and their product (3 s b f / t)."""
-        s, b, h, f, L, t = seq_len, rows, self.d_model, self.d_mlp, self.n_layer, tensor
+        # A mixture of experts keeps its k copies' (and shared experts') hidden
+        # widths per token, and the copies themselves (k s b h, dropless).
+        s, b, h, f, L, t = seq_len, rows, self.d_model, self.active_mlp, self.n_layer, tensor
         H, K, Q = self.n_head, self.n_kv_head, self.q_dim
         res = s * b * h / (t if sequence_parallel else 1)
         full = s * b * h
@@ -130,7 +187,8 @@ class LlamaConfig:
         probs = layers.attention_probs(H, s, b, t, attention)
         named = {"ln_out": 2 * res, "qkv": q + 2 * kv, "attn_probs": probs, "attn_ctx": q,
                  "resid_mid": res, "mlp_hidden": 2 * mlp, "mlp_act": mlp}
-        layer = res + sum(named.values())
+        copies = self.n_experts_per_tok * full if self.n_experts else 0
+        layer = res + sum(named.values()) + copies
         kept = {
             "none": L * layer,
             "full": L * res,
@@ -143,29 +201,6 @@ class LlamaConfig:
         return ActivationParts(kept * dtype_bytes, rebuilt * dtype_bytes, head * dtype_bytes)
 
 
-# Published shapes (each model's config.json): name -> fields. Vocabulary 0 takes the data's.
-PRESETS: dict[str, dict] = {
-    "llama-tiny": dict(n_layer=4, n_head=8, n_kv_head=4, d_model=256, d_mlp=688,
-                       max_seq_len=256, vocab_size=0),
-    "llama-2-7b": dict(n_layer=32, n_head=32, n_kv_head=32, d_model=4096, d_mlp=11008,
-                       max_seq_len=4096, vocab_size=32000),
-    "llama-2-13b": dict(n_layer=40, n_head=40, n_kv_head=40, d_model=5120, d_mlp=13824,
-                        max_seq_len=4096, vocab_size=32000),
-    "llama-2-70b": dict(n_layer=80, n_head=64, n_kv_head=8, d_model=8192, d_mlp=28672,
-                        max_seq_len=4096, vocab_size=32000),
-    "llama-3-8b": dict(n_layer=32, n_head=32, n_kv_head=8, d_model=4096, d_mlp=14336,
-                       max_seq_len=8192, vocab_size=128256, rope_theta=500000.0),
-    # Mistral-7B-v0.3: no sliding window (v0.1's was 4096 positions)
-    "mistral-7b": dict(n_layer=32, n_head=32, n_kv_head=8, d_model=4096, d_mlp=14336,
-                       max_seq_len=32768, vocab_size=32768, rope_theta=1000000.0,
-                       family="mistral"),
-    "qwen2-0.5b": dict(n_layer=24, n_head=14, n_kv_head=2, d_model=896, d_mlp=4864,
-                       max_seq_len=32768, vocab_size=151936, rope_theta=1000000.0,
-                       rms_eps=1e-6, tie_embeddings=True, qkv_bias=True, family="qwen2"),
-    "qwen2-7b": dict(n_layer=28, n_head=28, n_kv_head=4, d_model=3584, d_mlp=18944,
-                     max_seq_len=32768, vocab_size=152064, rope_theta=1000000.0,
-                     rms_eps=1e-6, qkv_bias=True, family="qwen2"),
-}
 
 
 def config(name: str, data_vocab: int, **overrides) -> LlamaConfig:
@@ -223,6 +258,8 @@ class Block(nn.Module):
                  "b_k", (K, Q), ("kv_heads", "kv"))
         v = bias(dense("btd,dhq->bthq", y, "w_v", (D, K, Q), ("embed", "kv_heads", "kv")),
                  "b_v", (K, Q), ("kv_heads", "kv"))
+        if c.qk_norm:  # Qwen3: each head's q and k normalised over its Q dimensions
+            q, k = (_head_norm(c, h, param, x, name) for x, name in ((q, "q_norm"), (k, "k_norm")))
         inv_freq = layers.rope_frequencies(Q, c.rope_theta, c.rope_scaling)
         at = None if segments_BxT is None else layers.positions(segments_BxT)
         q = h.act(layers.rope(q, inv_freq, at), ("batch", "seq", "heads", "kv"), name="qkv")
@@ -238,19 +275,33 @@ class Block(nn.Module):
         out_BxTxD = h.act(out_BxTxD, ("batch", "res_seq", "embed"))
         x_BxTxD = h.act(x_BxTxD + out_BxTxD, ("batch", "res_seq", "embed"), name="resid_mid")
 
-        # SwiGLU: gate and up column-parallel, down row-parallel.
         y = h.act(RMSNorm(c, h, name="mlp_norm")(x_BxTxD), ("batch", "res_seq", "embed"),
                   name="ln_out")
         y = h.act(y, ("batch", "seq", "embed"))
-        gate = h.act(dense("btd,df->btf", y, "w_gate", (D, F), ("embed", "mlp")),
-                     ("batch", "seq", "mlp"), name="mlp_hidden")
-        up = h.act(dense("btd,df->btf", y, "w_up", (D, F), ("embed", "mlp")),
-                   ("batch", "seq", "mlp"), name="mlp_hidden")
-        hid_BxTxF = h.act(jax.nn.silu(gate.astype(jnp.float32)).astype(up.dtype) * up,
-                          ("batch", "seq", "mlp"), name="mlp_act")
-        out_BxTxD = dense("btf,fd->btd", hid_BxTxF, "w_down", (F, D), ("mlp", "embed"), residual)
+        stats = None
+        if c.n_experts:
+            out_BxTxD, stats = moe.MoEMLP(c, h, name="moe")(y)
+        else:
+            out_BxTxD = _swiglu(h, dense, y, D, F, residual)
         out_BxTxD = h.act(out_BxTxD, ("batch", "res_seq", "embed"))
-        return x_BxTxD + out_BxTxD, None
+        return x_BxTxD + out_BxTxD, stats
+
+
+def _head_norm(c: LlamaConfig, h: Hooks, param, x_BxTxHxQ, name: str):
+    """RMSNorm of each head over its Q dimensions, one scale for every head."""
+    scale = h.weight(param(name, (c.q_dim,), ("kv",), nn.initializers.ones), ("kv",), jnp.float32)
+    return layers.rms_norm(x_BxTxHxQ, scale, c.rms_eps)
+
+
+def _swiglu(h: Hooks, dense, y_BxTxD, D: int, F: int, residual):
+    """The dense SwiGLU MLP: gate and up column-parallel, down row-parallel."""
+    gate = h.act(dense("btd,df->btf", y_BxTxD, "w_gate", (D, F), ("embed", "mlp")),
+                 ("batch", "seq", "mlp"), name="mlp_hidden")
+    up = h.act(dense("btd,df->btf", y_BxTxD, "w_up", (D, F), ("embed", "mlp")),
+               ("batch", "seq", "mlp"), name="mlp_hidden")
+    hid_BxTxF = h.act(jax.nn.silu(gate.astype(jnp.float32)).astype(up.dtype) * up,
+                      ("batch", "seq", "mlp"), name="mlp_act")
+    return dense("btf,fd->btd", hid_BxTxF, "w_down", (F, D), ("mlp", "embed"), residual)
 
 
 def stack(cfg, hooks: Hooks) -> nn.Module:
@@ -303,8 +354,12 @@ class Llama(nn.Module):
         return logits_BxTxV
 
     def __call__(self, tokens_BxT, segments_BxT=None):
+        """Logits; for a mixture of experts, with the router's per-layer,
+        per-row statistics (moe.row_stats, stacked over layers)."""
         wte = self.hooks.gathered(self.wte, ("vocab", "embed")) if self.cfg.tie_embeddings else None
-        return self.head(self.stack(self.embed(tokens_BxT, wte), segments_BxT), wte)
+        x_BxTxD, stats = self.blocks(self.embed(tokens_BxT, wte), segments_BxT)
+        logits = self.head(x_BxTxD, wte)
+        return (logits, stats) if self.cfg.n_experts else logits
 
 
 def model_fns(cfg: LlamaConfig) -> ModelFns:
@@ -315,4 +370,8 @@ def model_fns(cfg: LlamaConfig) -> ModelFns:
                     block_ops=cfg.block_ops,
                     activation_bytes=cfg.activation_bytes, config=cfg,
                     gathered_once=("wte",) if cfg.tie_embeddings else (),
-                    head_cost=cfg.head_cost, replicable={"kv_heads": cfg.n_kv_head})
+                    head_cost=cfg.head_cost, replicable={"kv_heads": cfg.n_kv_head},
+                    router_penalty=functools.partial(
+                        moe.penalty, aux_coef=cfg.router_aux_loss_coef,
+                        z_coef=cfg.router_z_loss_coef) if cfg.n_experts else None,
+                    experts=cfg.n_experts)

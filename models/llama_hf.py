@@ -1,11 +1,15 @@
 """The Llama family in Hugging Face's layout (LlamaForCausalLM,
-MistralForCausalLM, Qwen2ForCausalLM): names, shapes and config.json.
+MistralForCausalLM, Qwen2ForCausalLM, and the mixtures of experts
+MixtralForCausalLM and Qwen3MoeForCausalLM): names, shapes and config.json.
 
 Hugging Face stores each layer separately, every projection a torch Linear
 weight of shape (out, in): q_proj is (H Q, D), our (D, H, Q) transposed
 and split by head; o_proj (D, H Q) is our (H, Q, D); gate, up and down are
 our (D, F), (D, F) and (F, D) transposed. Rotary embeddings use the same
-half-rotation layout, so the head dimensions map one to one.
+half-rotation layout, so the head dimensions map one to one. A mixture of
+experts stores each expert's three matrices separately (Mixtral's w1, w3,
+w2 are gate, up and down), and its router as a (E, D) Linear; ours are
+stacked, (E, D, F), and (D, E).
 """
 
 from __future__ import annotations
@@ -17,9 +21,20 @@ import numpy as np
 from models.gpt_hf import padded_rows as _padded
 from models.llama import LlamaConfig
 
-MODEL_TYPES = ("llama", "mistral", "qwen2")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "mixtral", "qwen3_moe")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                 "qwen2": "Qwen2ForCausalLM"}
+                 "qwen2": "Qwen2ForCausalLM", "mixtral": "MixtralForCausalLM",
+                 "qwen3_moe": "Qwen3MoeForCausalLM"}
+# A mixture of experts' tensors in layer i: the router, and expert j's
+# (gate, up, down) matrices, as torch Linear weights (out, in).
+EXPERTS = {"mixtral": ("block_sparse_moe.gate.weight",
+                       ("block_sparse_moe.experts.{j}.w1.weight",
+                        "block_sparse_moe.experts.{j}.w3.weight",
+                        "block_sparse_moe.experts.{j}.w2.weight")),
+           "qwen3_moe": ("mlp.gate.weight",
+                         ("mlp.experts.{j}.gate_proj.weight", "mlp.experts.{j}.up_proj.weight",
+                          "mlp.experts.{j}.down_proj.weight"))}
+STACKED = ("blocks.moe.w_experts_gate", "blocks.moe.w_experts_up", "blocks.moe.w_experts_down")
 
 Get = Callable[[str], np.ndarray]  # Hugging Face tensor by name
 Read = Callable[[str, int | None], np.ndarray]  # (our path, layer or None) -> array
@@ -60,6 +75,20 @@ def shape_from(hf: dict, where: str = "config.json") -> dict:
                                   int(scaling["original_max_position_embeddings"]))
     if kind != "qwen2" and hf.get("mlp_bias"):
         raise ValueError(f"{where}: mlp_bias = true is not supported")
+    if kind == "mixtral":
+        fields.update(n_experts=hf["num_local_experts"], n_experts_per_tok=hf["num_experts_per_tok"],
+                      router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.0)))
+    if kind == "qwen3_moe":
+        if hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1:
+            raise ValueError(f"{where}: dense layers among the experts' (mlp_only_layers, "
+                             "decoder_sparse_step != 1) are not supported: every layer here is "
+                             "a mixture of experts")
+        fields.update(n_experts=hf["num_experts"], n_experts_per_tok=hf["num_experts_per_tok"],
+                      d_expert=hf["moe_intermediate_size"], qk_norm=True,
+                      norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                      router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.0)))
+        if fields["d_expert"] == fields["d_mlp"]:
+            fields.pop("d_expert")
     return fields
 
 
@@ -78,8 +107,16 @@ def config_json(cfg: LlamaConfig) -> dict:
         out.update(attention_bias=cfg.qkv_bias, mlp_bias=False)
     if cfg.family in ("mistral", "qwen2"):
         out["sliding_window"] = cfg.sliding_window or None
-    if cfg.family == "qwen2":
+    if cfg.family in ("qwen2", "qwen3_moe"):
         out["use_sliding_window"] = bool(cfg.sliding_window)
+    if cfg.family == "mixtral":
+        out.update(num_local_experts=cfg.n_experts, num_experts_per_tok=cfg.n_experts_per_tok,
+                   router_aux_loss_coef=cfg.router_aux_loss_coef, sliding_window=None)
+    if cfg.family == "qwen3_moe":
+        out.update(num_experts=cfg.n_experts, num_experts_per_tok=cfg.n_experts_per_tok,
+                   moe_intermediate_size=cfg.expert_mlp, norm_topk_prob=cfg.norm_topk_prob,
+                   router_aux_loss_coef=cfg.router_aux_loss_coef, decoder_sparse_step=1,
+                   mlp_only_layers=[], attention_bias=False)
     if cfg.rope_scaling:
         factor, low, high, original = cfg.rope_scaling
         out["rope_scaling"] = {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
@@ -104,10 +141,19 @@ def _layer_map(cfg: LlamaConfig) -> dict[str, tuple[str, Callable, Callable, tup
         "blocks.w_o": ("self_attn.o_proj.weight", lambda w: w.T.reshape(H, Q, D),
                        lambda w: w.reshape(H * Q, D).T, (D, H * Q)),
         "blocks.mlp_norm.scale": ("post_attention_layernorm.weight", *same((D,))),
-        "blocks.w_gate": ("mlp.gate_proj.weight", lambda w: w.T, lambda w: w.T, (F, D)),
-        "blocks.w_up": ("mlp.up_proj.weight", lambda w: w.T, lambda w: w.T, (F, D)),
-        "blocks.w_down": ("mlp.down_proj.weight", lambda w: w.T, lambda w: w.T, (D, F)),
     }
+    if cfg.n_experts:
+        router = EXPERTS[cfg.family][0]
+        out["blocks.moe.w_router"] = (router, lambda w: w.T, lambda w: w.T, (cfg.n_experts, D))
+    else:
+        out.update({
+            "blocks.w_gate": ("mlp.gate_proj.weight", lambda w: w.T, lambda w: w.T, (F, D)),
+            "blocks.w_up": ("mlp.up_proj.weight", lambda w: w.T, lambda w: w.T, (F, D)),
+            "blocks.w_down": ("mlp.down_proj.weight", lambda w: w.T, lambda w: w.T, (D, F)),
+        })
+    if cfg.qk_norm:
+        out["blocks.q_norm"] = ("self_attn.q_norm.weight", *same((Q,)))
+        out["blocks.k_norm"] = ("self_attn.k_norm.weight", *same((Q,)))
     if cfg.qkv_bias:
         for ours, theirs, n in (("b_q", "q_proj", H), ("b_k", "k_proj", K), ("b_v", "v_proj", K)):
             out[f"blocks.{ours}"] = (f"self_attn.{theirs}.bias", lambda b, n=n: b.reshape(n, Q),
@@ -142,6 +188,12 @@ def sources(cfg: LlamaConfig) -> dict[str, Callable[[Get, int | None], np.ndarra
     for ours, (theirs, to_ours, _, _) in _layer_map(cfg).items():
         out[ours] = (lambda tensors, i, theirs=theirs, to_ours=to_ours:
                      np.ascontiguousarray(to_ours(get(tensors, f"model.layers.{i}.{theirs}"))))
+    if cfg.n_experts:
+        # One layer's stacked experts, read one expert's matrix at a time.
+        for ours, theirs in zip(STACKED, EXPERTS[cfg.family][1]):
+            out[ours] = (lambda tensors, i, theirs=theirs: np.stack([
+                get(tensors, f"model.layers.{i}.{theirs.format(j=j)}").T
+                for j in range(cfg.n_experts)]))
     return out
 
 
@@ -150,10 +202,35 @@ def pieces(cfg: LlamaConfig, read: Read) -> Iterator[tuple[str, tuple[int, ...],
     V, D = cfg.vocab_size, cfg.d_model
     yield "model.embed_tokens.weight", (V, D), lambda: read("wte", None)[:V]
     layer_map = _layer_map(cfg)
+    F = cfg.expert_mlp
     for i in range(cfg.n_layer):
         for ours, (theirs, _, to_theirs, shape) in layer_map.items():
             yield (f"model.layers.{i}.{theirs}", shape,
                    lambda ours=ours, i=i, to_theirs=to_theirs: to_theirs(read(ours, i)))
+        if cfg.n_experts:
+            for ours, theirs, shape in zip(STACKED, EXPERTS[cfg.family][1],
+                                           ((F, D), (F, D), (D, F))):
+                layer = _OneLayer(read, ours, i, cfg.n_experts)
+                for j in range(cfg.n_experts):
+                    yield (f"model.layers.{i}.{theirs.format(j=j)}", shape,
+                           lambda layer=layer, j=j: np.ascontiguousarray(layer.expert(j).T))
     yield "model.norm.weight", (D,), lambda: read("norm_f.scale", None)
     if not cfg.tie_embeddings:
         yield "lm_head.weight", (V, D), lambda: read("w_head", None)[:V]
+
+
+class _OneLayer:
+    """One layer of a stacked experts' parameter, read once for its first
+    expert and let go after its last (written in order)."""
+
+    def __init__(self, read: Read, path: str, layer: int, experts: int):
+        self.read, self.path, self.layer, self.last = read, path, layer, experts - 1
+        self.value = None
+
+    def expert(self, j: int) -> np.ndarray:
+        if self.value is None:
+            self.value = self.read(self.path, self.layer)
+        out = self.value[j]
+        if j == self.last:
+            self.value = None
+        return out

@@ -13,7 +13,7 @@ from zero_jax.sharding.rules import ShardingError
 
 @pytest.mark.parametrize("overrides,error,message", [
     ({"mesh": "fsdp=4"}, MeshError, "needs 4 devices but 8 are present"),
-    ({"mesh": "fsdp=8,expert=1"}, MeshError, "unknown axis 'expert'"),
+    ({"mesh": "fsdp=8,experts=1"}, MeshError, "unknown axis 'experts'"),
     ({"mesh": "fsdp=4,tensor=2", "layout": "fsdp"}, ShardingError, "splits nothing over the mesh's tensor=2"),
     ({"layout": "megatron"}, config_lib.ConfigError, "--layout 'megatron': choose from auto, dp, fsdp"),
     ({"precision": "fp8"}, config_lib.ConfigError, "--precision 'fp8': choose from auto, fp32, bf16, fp16"),

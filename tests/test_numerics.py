@@ -111,7 +111,7 @@ def test_four_microbatches_equal_one_whole_batch(corpus, stage):
     state = job.init_state()
     raw = data_lib.global_batch(corpus, "train", 32, 32, 0, 0, layout.batch_sharding)
     batch = step_lib.weighted(raw)
-    loss_fn = lambda p, b: step_lib.lm_loss(job.model, job.hooks, p, b)
+    loss_fn = lambda p, b: step_lib.lm_loss(job.model, job.hooks, p, b)[0]
     grads_sharding = layout.named(layout.specs.grads)
     constrain = lambda g: jax.lax.with_sharding_constraint(g, grads_sharding)
     micro_sharding = jax.sharding.NamedSharding(layout.mesh, jax.sharding.PartitionSpec(

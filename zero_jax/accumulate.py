@@ -47,7 +47,7 @@ def accumulate(value_and_grad: Callable[[Any, Any], tuple[jax.Array, Any]],
                params: Any, batch: Any, microbatches: int,
                constrain_grads: Callable[[Any], Any],
                constrain_micro: Callable[[Any], Any]) -> tuple[jax.Array, Any]:
-    """Sums of the loss and gradient over `microbatches` equal microbatches,
+    """Sums of the loss (a tree of metrics) and gradient over `microbatches` equal microbatches,
     each microbatch's gradient reduced into the gradient layout. A
     microbatch's loss is its share of the batch's (step.weighted: its
     targets' weights), so the sums are the batch's loss and gradient.
@@ -64,12 +64,18 @@ def accumulate(value_and_grad: Callable[[Any, Any], tuple[jax.Array, Any]],
         loss_sum, acc = carry
         loss, grads = value_and_grad(params, micro)
         acc = constrain_grads(jax.tree.map(jnp.add, acc, constrain_grads(grads)))
-        return (loss_sum + loss, acc), None
+        return (jax.tree.map(jnp.add, loss_sum, loss), acc), None
 
     zeros = constrain_grads(jax.tree.map(jnp.zeros_like, params))
     micro = constrain_micro(split_microbatches(batch, microbatches))
-    (loss_sum, acc), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), micro)
+    first = jax.tree.map(lambda x: x[0], micro)
+    loss_zeros = _zeros_like(jax.eval_shape(value_and_grad, params, first)[0])
+    (loss_sum, acc), _ = jax.lax.scan(body, (loss_zeros, zeros), micro)
     return loss_sum, acc
+
+
+def _zeros_like(shapes: Any) -> Any:
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
 def accumulate_partials(value_and_grad: Callable[[Any, Any], tuple[jax.Array, Any]],
@@ -98,11 +104,13 @@ def accumulate_partials(value_and_grad: Callable[[Any, Any], tuple[jax.Array, An
         loss_sum, acc = carry
         loss, grads = per_shard(params, rows)
         acc = constrain_partials(jax.tree.map(jnp.add, acc, constrain_partials(grads)))
-        return (loss_sum + loss, acc), None
+        return (jax.tree.map(jnp.add, loss_sum, loss), acc), None
 
     zeros = constrain_partials(jax.tree.map(lambda p: jnp.zeros((shards, *p.shape), p.dtype),
                                             params))
-    return jax.lax.scan(body, (jnp.zeros((shards,), jnp.float32), zeros), micro)[0]
+    first = jax.tree.map(lambda x: x[0], micro)
+    loss_zeros = _zeros_like(jax.eval_shape(per_shard, params, first)[0])
+    return jax.lax.scan(body, (loss_zeros, zeros), micro)[0]
 
 
 def reduce_partials(partials: Any, grad_specs: Any, mesh: Mesh, axes: Sequence[str],

@@ -54,16 +54,27 @@ class ModelConfig:
     head_dim: int = 0  # Llama family: head size (0: the preset's, or d_model / n_head)
     rope_theta: float = 0.0  # Llama family: rotary base (0: the preset's)
     tie_embeddings: bool | None = None  # Llama family: the head is the embedding (unset: the preset's)
+    n_experts: int = 0  # mixture of experts: routed experts per block (0: the preset's)
+    n_experts_per_tok: int = 0  # mixture of experts: experts per token, top-k (0: the preset's)
+    d_expert: int = 0  # mixture of experts: each expert's MLP width (0: the preset's)
+    router_aux_loss_coef: float | None = None  # mixture of experts: load-balancing loss weight (unset: the preset's)
+    router_z_loss_coef: float | None = None  # mixture of experts: router z-loss weight (unset: the preset's, 0)
+    capacity_factor: float | None = None  # mixture of experts: > 0 caps each expert's tokens (drops); 0: dropless (unset: the preset's)
     attention: Attention = "auto"  # xla | cudnn (jax.nn.dot_product_attention); auto: cudnn on GPU in 16 bits
     scan_layers: bool = True  # false: unroll the layer stack (longer compiles; the compiler then sees, and counts, every layer)
 
     SHAPE_FIELDS = ("n_layer", "n_head", "d_model", "d_mlp", "vocab_size", "max_seq_len",
-                    "n_kv_head", "head_dim", "rope_theta", "tie_embeddings")
+                    "n_kv_head", "head_dim", "rope_theta", "tie_embeddings", "n_experts",
+                    "n_experts_per_tok", "d_expert", "router_aux_loss_coef",
+                    "router_z_loss_coef", "capacity_factor")
+    # Fields whose zero is a choice (no router loss, dropless), not "the preset's".
+    ZERO_IS_SET = ("router_aux_loss_coef", "router_z_loss_coef", "capacity_factor")
 
     def shape(self) -> dict[str, Any]:
         """The shape fields given (non-zero, or set), to override the preset's."""
         return {f: v for f in self.SHAPE_FIELDS
-                if (v := getattr(self, f)) is not None and (isinstance(v, bool) or v)}
+                if (v := getattr(self, f)) is not None
+                and (isinstance(v, bool) or v or f in self.ZERO_IS_SET)}
 
 
 @dataclasses.dataclass(frozen=True)

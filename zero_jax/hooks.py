@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -204,6 +204,41 @@ class Hooks:
         ids = jnp.arange(n)
         split = self.rows is not None and self.rows.splits(("vocab",))
         return ids + self.rows.offset(n) if split else ids
+
+    def axis_of(self, logical: str) -> str | tuple[str, ...] | None:
+        """The mesh axes (of size > 1) that split the logical axis, for a
+        collective inside `local`: one name, a tuple, or None if unsplit."""
+        if self.mesh is None:
+            return None
+        axes = tuple(a for a in self.rules.mesh_axes(logical) if self.mesh.shape[a] > 1)
+        return axes[0] if len(axes) == 1 else (axes or None)
+
+    def local(self, fn, in_names: Sequence[Sequence[str | None]],
+              out_names: Any) -> Callable:
+        """`fn` run on each device's blocks of its arguments (shard_map),
+        the arguments and results laid out by logical names (`in_names`
+        one tuple per argument, `out_names` a tree of tuples like the
+        results). The mesh axes those names split are manual inside, where
+        `fn` may use them in collectives (`axis_of`); the others stay
+        automatic. Without a mesh, `fn` itself."""
+        if self.mesh is None:
+            return fn
+        sizes = dict(self.mesh.shape)
+
+        def spec(names):
+            return PartitionSpec(*(self.axis_of(n) if n else None for n in names))
+
+        def run(*args):
+            in_specs = tuple(self.rules.spec(n, a.shape, sizes, what=f"{fn.__name__} input")
+                             for n, a in zip(in_names, args))
+            out_specs = jax.tree.map(spec, out_names, is_leaf=lambda n: isinstance(n, tuple))
+            manual = {a for s in (*in_specs, *jax.tree.leaves(
+                out_specs, is_leaf=lambda s: isinstance(s, PartitionSpec)))
+                for e in s for a in ((e,) if isinstance(e, str) else (e or ()))}
+            return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
+                                 axis_names=manual)(*args)
+
+        return run
 
     def gathered(self, w: jax.Array, names: Sequence[str | None]) -> "Gathered":
         """w gathered once for several uses (a tied embedding's lookup and

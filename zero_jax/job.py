@@ -91,8 +91,8 @@ class Job:
             grads_out = jax.tree.map(lambda t: t.sharding, layout.targets.params)
 
         def loss_and_grads(params, batch):
-            loss, grads = fn(params, batch, None)
-            return loss, layout.unpad_params(grads)
+            metrics, grads = fn(params, batch, None)
+            return metrics["loss"], layout.unpad_params(grads)
 
         return jax.jit(loss_and_grads,
                        in_shardings=(layout.shardings.params, layout.batch_sharding),
@@ -202,7 +202,9 @@ def prepare_on(run: config_lib.RunConfig, build_model: Callable[[int], ModelFns]
         raise config_lib.ConfigError(
             f"--seq-len {run.data.seq_len} exceeds the model's {model.max_seq_len} positions "
             f"({run.model.name}); use --seq-len {model.max_seq_len} or less")
+    check_experts(model, shape.sizes)
     schedule, cut = pipeline_schedule(run, model, shape)
+    check_router_losses(model, schedule is not None, shape.sizes["pipe"])
     chosen = rules.preset(run.parallel.layout, shape.sizes)
     axis_rules, notes = unsplit_where_indivisible(chosen.rules, model, shape.sizes)
     zero_stage = chosen.zero_stage if run.parallel.zero_stage is None else run.parallel.zero_stage
@@ -268,6 +270,37 @@ def check_combination(run: config_lib.RunConfig, zero_stage: int, shape: mesh_li
             f"[offload] params = true with pipe={pipe}: a pipeline stage holds only "
             "its own layers, so parameter offload is not supported with pipelining; use pipe=1 "
             "(fsdp over the same devices), or --offload-optimizer alone")
+
+
+def check_experts(model: ModelFns, sizes: dict[str, int]) -> None:
+    """An `expert` axis needs a mixture of experts whose experts it divides."""
+    ep = sizes.get("expert", 1)
+    if ep == 1:
+        return
+    if not model.experts:
+        raise config_lib.ConfigError(
+            f"mesh axis expert={ep} on a dense model: it splits a mixture of experts' experts, "
+            "and this model has none; put those devices on data or fsdp, or choose a mixture "
+            "of experts (moe-tiny, mixtral-8x7b, qwen3-30b-a3b)")
+    if model.experts % ep:
+        raise config_lib.ConfigError(
+            f"the model's {model.experts} experts do not split over expert={ep}; choose an "
+            f"expert axis that divides {model.experts} (the rest of the devices on data or "
+            "fsdp)")
+
+
+def check_router_losses(model: ModelFns, pipelined: bool, pipe: int) -> None:
+    """A pipeline stage's router statistics do not leave it yet, so a
+    pipelined mixture of experts trains without router losses."""
+    cfg = model.config
+    coefs = {f: getattr(cfg, f, 0.0) for f in ("router_aux_loss_coef", "router_z_loss_coef")}
+    given = {f: c for f, c in coefs.items() if c}
+    if pipelined and model.experts and given:
+        flags = " ".join(f"--{f.replace('_', '-')} 0" for f in given)
+        raise config_lib.ConfigError(
+            f"pipe={pipe} with router losses ({', '.join(f'{f}={c:g}' for f, c in given.items())}): "
+            "the router's losses are not carried through pipeline stages; train with "
+            f"{flags}, or without a pipe axis (expert, fsdp and data over the same devices)")
 
 
 def unsplit_where_indivisible(axis_rules: rules.AxisRules, model: ModelFns,

@@ -96,6 +96,10 @@ class StepLog:
                   "tokens_per_s": float(values["tokens"]) / seconds,
                   "step_time_s": seconds, "loss_scale": float(values["loss_scale"]),
                   "skipped": bool(values["skipped"])}
+        if "expert_load" in values:  # a mixture of experts: the router's losses and load
+            load = [float(x) for x in values["expert_load"]]
+            record.update(aux_loss=float(values["aux_loss"]), z_loss=float(values["z_loss"]),
+                          expert_load=load, expert_load_max=max(load))
         if self.throughput is not None:
             record.update(self.throughput.fields(record["tokens_per_s"]))
         record.update(metrics_lib.memory())

@@ -39,3 +39,9 @@ def cross_entropy(logits_BxTxV: jax.Array, targets_BxT: jax.Array, weights_BxT: 
         picked_BxT = jax.lax.psum(picked_BxT, vocab_axis)
     nll_BxT = logz_BxT - picked_BxT
     return jnp.sum(nll_BxT * weights_BxT)
+
+
+def expert_load_ratio(counts_LxE: jax.Array) -> jax.Array:
+    """Per layer of a mixture of experts, the busiest expert's share of the
+    routed tokens over the mean share (1: balanced; E: all to one expert)."""
+    return jnp.max(counts_LxE, -1) / jnp.maximum(jnp.mean(counts_LxE, -1), 1e-9)

@@ -41,3 +41,13 @@ class ModelFns:
     # them, with their sizes: {"kv_heads": 2} replicates 2 key/value heads
     # within a tensor group of 4 rather than refusing the layout
     replicable: dict[str, int] = dataclasses.field(default_factory=dict)
+    # A mixture of experts: `apply` returns (logits, router statistics), and
+    # this maps them and the rows' weights (B,) to (the term the router
+    # losses add to the loss, their metrics) (models/moe.py `penalty`)
+    router_penalty: Callable[[Any, jax.Array], tuple[jax.Array, dict]] | None = None
+    experts: int = 0  # routed experts per block (0: dense), split over the `expert` axis
+
+    def logits(self, params: Any, tokens_BxT: jax.Array, hooks: Hooks, **kwargs) -> jax.Array:
+        """`apply`'s logits alone (a mixture of experts' without its statistics)."""
+        out = self.apply(params, tokens_BxT, hooks, **kwargs)
+        return out[0] if self.router_penalty is not None else out

@@ -27,7 +27,7 @@ from zero_jax.sharding import zero as zero_lib
 from zero_jax.sharding.specs import map_specs, without_axis
 from zero_jax.accumulate import accumulate, accumulate_partials, reduce_partials
 from zero_jax.hooks import Hooks
-from zero_jax.loss import cross_entropy
+from zero_jax.loss import cross_entropy, expert_load_ratio
 from zero_jax.model import ModelFns
 from zero_jax.pipeline import schedule as sched_lib
 from zero_jax.pipeline.schedule import Schedule
@@ -52,13 +52,47 @@ def weighted(batch: Any) -> dict[str, jax.Array]:
                                                  jnp.float32)}
 
 
-def lm_loss(model: ModelFns, hooks: Hooks, params: Any, batch: dict[str, jax.Array]) -> jax.Array:
-    """Next-token loss of (part of) a `weighted` batch: its weighted sum."""
+def lm_loss(model: ModelFns, hooks: Hooks, params: Any,
+            batch: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The training loss of (part of) a `weighted` batch, and its metrics:
+    the next-token loss, its weighted sum ("loss"); for a mixture of
+    experts, plus the router losses times their weights (their values
+    among the metrics, ModelFns.router_penalty). Every metric is a sum over
+    the batch's parts."""
     tokens = batch["tokens"]
     # With segment ids, each document in a row attends to itself only.
     segments = ({"segments_BxT": batch["segment_ids"][:, :-1]} if "segment_ids" in batch else {})
-    logits = model.apply(params, tokens[:, :-1], hooks, **segments)
-    return cross_entropy(logits, tokens[:, 1:], batch["weights"])
+    out = model.apply(params, tokens[:, :-1], hooks, **segments)
+    if model.router_penalty is None:
+        loss = cross_entropy(out, tokens[:, 1:], batch["weights"])
+        return loss, {"loss": loss}
+    logits, stats = out
+    loss = cross_entropy(logits, tokens[:, 1:], batch["weights"])
+    added, router = model.router_penalty(stats, jnp.sum(batch["weights"], axis=-1))
+    return loss + added, {"loss": loss, **router}
+
+
+def _scaled(loss_fn: Callable, scale) -> Callable:
+    """`loss_fn` whose training loss (not its metrics) is multiplied by `scale`."""
+    if scale is None:
+        return loss_fn
+
+    def scaled(params, batch):
+        objective, metrics = loss_fn(params, batch)
+        return objective * scale, metrics
+
+    return scaled
+
+
+def _metrics_and_grad(loss_fn: Callable) -> Callable:
+    """`(params, batch) -> (metrics, grads of the training loss)` of an lm_loss."""
+    grad_fn = jax.grad(loss_fn, has_aux=True)
+
+    def metrics_and_grad(params, batch):
+        grads, metrics = grad_fn(params, batch)
+        return metrics, grads
+
+    return metrics_and_grad
 
 
 def train_step(state: TrainState, batch: Any, *, loss_and_grads: Callable,
@@ -67,16 +101,17 @@ def train_step(state: TrainState, batch: Any, *, loss_and_grads: Callable,
                host: offload_lib.HostUpdate | None = None,
                fetch: Any = None) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer step. `loss_and_grads(params, batch, scale)` returns the
-    mean loss and its gradients, both times `scale` (accumulated or pipelined);
+    batch's metrics (lm_loss's: "loss", the mean next-token loss, and the
+    router's) and the training loss's gradients times `scale` (accumulated
+    or pipelined);
     `to_working` casts new master weights to the working copy (master.py);
     with `host` the update runs in host memory, where the optimizer state is
     (offload.py); with `fetch` (device shardings) the parameters, stored in
     host memory, are brought to the device for an update there."""
     scale = state.loss_scale.scale
     batch = weighted(batch)
-    loss, grads = loss_and_grads(state.params, batch, scale if scale_cfg.enabled else None)
+    measured, grads = loss_and_grads(state.params, batch, scale if scale_cfg.enabled else None)
     if scale_cfg.enabled:
-        loss = loss / scale
         grads = jax.tree.map(lambda g: (g.astype(jnp.float32) / scale).astype(g.dtype), grads)
     grad_norm = optax.tree.norm(grads)  # before clipping
     finite = jnp.isfinite(grad_norm)
@@ -93,8 +128,13 @@ def train_step(state: TrainState, batch: Any, *, loss_and_grads: Callable,
     params = state.params if fetch is None else jax.device_put(state.params, fetch)
     params, opt_state = run(grads, state.opt_state, params, finite)
     new_scale = loss_scale_lib.update(scale_cfg, state.loss_scale, finite)
+    router = {}
+    if "expert_load" in measured:
+        router = {"aux_loss": measured["aux_loss"], "z_loss": measured["z_loss"],
+                  "expert_load": expert_load_ratio(measured["expert_load"])}
     metrics = {
-        "loss": loss,
+        "loss": measured["loss"],
+        **router,
         "grad_norm": grad_norm,
         # The rate this update used: optax counts applied updates only.
         "lr": jnp.asarray(lr(state.step - state.loss_scale.skipped), jnp.float32),
@@ -112,14 +152,14 @@ def accumulated(loss_fn: Callable, microbatches: int, constrain_grads: Callable,
     """loss_and_grads by gradient accumulation over `microbatches` (accumulate.py)."""
 
     def loss_and_grads(params, batch, scale):
-        scaled = loss_fn if scale is None else (lambda p, b: loss_fn(p, b) * scale)
-        return accumulate(jax.value_and_grad(scaled), params, batch, microbatches,
-                          constrain_grads, constrain_micro)
+        return accumulate(_metrics_and_grad(_scaled(loss_fn, scale)), params, batch,
+                          microbatches, constrain_grads, constrain_micro)
 
     return loss_and_grads
 
 
-def unreduced_axes(layout: Layout, microbatches: int, reduce_once: bool) -> tuple[str, ...]:
+def unreduced_axes(layout: Layout, microbatches: int, reduce_once: bool,
+                   experts: int = 0) -> tuple[str, ...]:
     """Data-parallel axes over which the step keeps per-device partial sums of
     the gradients, to reduce them once at its end (accumulate.py).
 
@@ -130,7 +170,13 @@ def unreduced_axes(layout: Layout, microbatches: int, reduce_once: bool) -> tupl
     pass (its accumulator stays 1/N). Reducing each microbatch into sharded
     gradients: the axes ZeRO does not shard over (hybrid sharding), whose
     all-reduce of the shards then runs once per step.
+
+    A mixture of experts (`experts` > 0) reduces each microbatch: its
+    dispatch runs per device over every axis that splits the batch
+    (models/moe.py), which the per-shard `vmap` of partial sums would split.
     """
+    if experts:
+        return ()
     stage = zero_lib.stage(layout.zero_stage)
     if reduce_once and (microbatches > 1 or not stage.params):
         return layout.data_axes
@@ -156,17 +202,16 @@ def partial_sums(layout: Layout, model: ModelFns, hooks: Hooks, microbatches: in
     micro = NamedSharding(layout.mesh, PartitionSpec(None, axes))
 
     def value_and_grad(params, rows, scale):
-        scaled = local if scale is None else (lambda p, b: local(p, b) * scale)
-        loss, grads = jax.value_and_grad(scaled)(params, rows)
-        return loss, constrain_inside(grads) if inside else grads
+        metrics, grads = _metrics_and_grad(_scaled(local, scale))(params, rows)
+        return metrics, constrain_inside(grads) if inside else grads
 
     def loss_and_grads(params, batch, scale):
-        loss_sums, partials = accumulate_partials(
+        metric_sums, partials = accumulate_partials(
             lambda p, rows: value_and_grad(p, rows, scale), params, batch, m, axes, n,
             constrain_partials, lambda x: jax.lax.with_sharding_constraint(x, micro))
         grads = reduce_partials(partials, layout.specs.grads, layout.mesh, axes,
                                 layout.mesh_shape.shard_axes)
-        return loss_sums.sum(), constrain_grads(grads)
+        return jax.tree.map(lambda x: x.sum(0), metric_sums), constrain_grads(grads)
 
     return loss_and_grads
 
@@ -177,7 +222,7 @@ def pipelined(layout: Layout, model: ModelFns, hooks: Hooks, sched: Schedule,
     """loss_and_grads through the pipeline schedule `sched` (pipeline/executor.py);
     `row_blocks`: the tables used in the row blocks they are stored in."""
     fns = model.pipeline
-    axes = unreduced_axes(layout, sched.m, reduce_once)
+    axes = unreduced_axes(layout, sched.m, reduce_once, model.experts)
     sizes = layout.mesh_shape.sizes
     # Partial sums over every data-parallel axis are accumulated unreduced
     # (compute layout); otherwise in the gradient layout.
@@ -198,12 +243,13 @@ def pipelined(layout: Layout, model: ModelFns, hooks: Hooks, sched: Schedule,
         loss, grads = pipeline_lib.loss_and_grads(
             fns, hooks, sched, layout.mesh, params, batch,
             jnp.float32(1.0) if scale is None else scale, where)
+        metrics = {"loss": loss if scale is None else loss / scale}
         if axes:
             grads = reduce_partials(grads, layout.specs.grads, layout.mesh, axes,
                                     layout.mesh_shape.shard_axes)
         else:
             grads = jax.tree.map(lambda g: g[0], grads)
-        return loss, constrain_grads(grads)
+        return metrics, constrain_grads(grads)
 
     return loss_and_grads
 
@@ -238,7 +284,7 @@ def make_loss_and_grads(layout: Layout, model: ModelFns, hooks: Hooks, microbatc
     if sched is not None:
         fn = pipelined(layout, model, hooks, sched, constrain_grads, gather_once, reduce_once,
                        row_blocks)
-    elif axes := unreduced_axes(layout, microbatches, reduce_once):
+    elif axes := unreduced_axes(layout, microbatches, reduce_once, model.experts):
         fn = partial_sums(layout, model, hooks, microbatches, axes, constrain_grads)
     else:
         micro = NamedSharding(layout.mesh, PartitionSpec(None, *layout.batch_sharding.spec))
@@ -291,7 +337,7 @@ def jit_eval_step(layout: Layout, model: ModelFns, hooks: Hooks, sched: Schedule
             return pipeline_lib.loss(fns, hooks, forwards, layout.mesh, params, batch, where)
     else:
         def loss_fn(params, batch):
-            return lm_loss(model, hooks, params, batch)
+            return lm_loss(model, hooks, params, batch)[1]["loss"]
 
     def eval_step(params, batch):
         return loss_fn(params, weighted(batch))

@@ -24,7 +24,7 @@ from jax.sharding import NamedSharding
 from zero_jax import offload as offload_lib
 from zero_jax.analysis.traffic import CollectiveReport
 from zero_jax.sharding import zero as zero_lib
-from zero_jax.sharding.specs import bytes_per_device, shard_elements
+from zero_jax.sharding.specs import bytes_per_device, shard_elements, spec_leaves
 from zero_jax.state import Layout
 
 STATES = ("params", "grads", "opt_state")  # the keys of every {state: bytes} figure here
@@ -49,6 +49,25 @@ def param_count(layout: Layout) -> int:
                                      jax.tree.leaves(layout.stacked[0])))
 
 
+def expert_count(layout: Layout) -> int:
+    """Parameters stored in a mixture of experts' stacked experts (the
+    arrays with an `experts` dimension)."""
+    return sum(math.prod(p.shape) for p, n in zip(jax.tree.leaves(layout.abstract.params),
+                                                  spec_leaves(layout.names))
+               if "experts" in tuple(n))
+
+
+def _divisors(layout: Layout) -> tuple[int, int]:
+    """What ZeRO divides a sharded state by: (dense parameters: every ZeRO
+    axis; experts: the expert axis, which splits them anyway, times the
+    other ZeRO axes)."""
+    sizes = layout.mesh_shape.sizes
+    axes = layout.mesh_shape.shard_axes
+    ep = sizes.get("expert", 1)
+    return math.prod(sizes[a] for a in axes), ep * math.prod(sizes[a] for a in axes
+                                                           if a != "expert")
+
+
 def bytes_per_param(layout: Layout) -> dict[str, float]:
     """Model-state bytes per stored parameter: dtype sizes, and the optimizer's per-parameter bytes."""
     psi = stored_count(layout)
@@ -61,22 +80,28 @@ def bytes_per_param(layout: Layout) -> dict[str, float]:
 def theory(layout: Layout) -> dict[str, float]:
     """The ZeRO formula: bytes per parameter x Psi / (N_d if sharded) / t.
 
-    t is the tensor-parallel degree. Scalar optimizer leaves (step counts) are
-    never sharded and are counted in full.
+    t is the tensor-parallel degree. A mixture of experts' Psi_e expert
+    parameters are split over the expert axis (e) whatever the stage, and
+    ZeRO shards them over the other ZeRO axes (N_d / e, DeepSpeed-MoE's
+    expert-data-parallel group): Psi_e / (e (N_d / e if sharded)) / t.
+    Scalar optimizer leaves (step counts) are never sharded and are counted
+    in full.
     """
     stage = zero_lib.stage(layout.zero_stage)
     sizes = layout.mesh_shape.sizes
-    n_shard = math.prod(sizes[a] for a in layout.mesh_shape.shard_axes)
-    t = sizes["tensor"]
-    psi = stored_count(layout)
+    n_shard, n_expert = _divisors(layout)
+    ep, t = sizes.get("expert", 1), sizes["tensor"]
+    psi, psi_e = stored_count(layout), expert_count(layout)
     per = bytes_per_param(layout)
     scalars = sum(_nbytes(x) for x in jax.tree.leaves(layout.abstract.opt_state) if not x.shape)
-    def div(sharded):
-        return (n_shard if sharded else 1) * t
+
+    def share(sharded):  # parameters per device before the bytes per parameter
+        return ((psi - psi_e) / (n_shard if sharded else 1) + psi_e / (n_expert if sharded
+                                                                         else ep)) / t
     return {
-        "params": per["params"] * psi / div(stage.params),
-        "grads": per["grads"] * psi / div(stage.grads),
-        "opt_state": per["opt_state"] * psi / div(stage.opt_state) + scalars,
+        "params": per["params"] * share(stage.params),
+        "grads": per["grads"] * share(stage.grads),
+        "opt_state": per["opt_state"] * share(stage.opt_state) + scalars,
     }
 
 
@@ -94,9 +119,13 @@ def formula(layout: Layout) -> str:
         value = per[key] / (n if sharded_ else 1)
         total += value
         terms.append(f"{name} {per[key]:.3g}" + (f"/{n}" if sharded_ and n > 1 else ""))
-    t = sizes["tensor"]
+    t, ep = sizes["tensor"], sizes.get("expert", 1)
+    experts = ""
+    if ep > 1 and (psi_e := expert_count(layout)):
+        experts = (f"; the experts' {psi_e / stored_count(layout):.1%} of the parameters: "
+                   f"/ expert {ep} where unsharded, / {_divisors(layout)[1]} where sharded")
     return (" + ".join(terms) + f" = {total:.4g} bytes per parameter"
-            + (f", / tensor {t} = {total / t:.4g}" if t > 1 else ""))
+            + (f", / tensor {t} = {total / t:.4g}" if t > 1 else "") + experts)
 
 
 def sharded(layout: Layout) -> dict[str, int]:

@@ -67,20 +67,24 @@ class Choice:
     virtual: int = 1
     offload: str = ""  # in host memory: "" nothing, "opt" the optimizer state, "opt+params" both
     tables: str = "rows"  # with pipe > 1: how the loops use the embedding and head (--pipeline-tables)
+    expert: int = 1  # of the data-parallel devices, the expert axis (a mixture of experts' split)
 
     @property
     def label(self) -> str:
         s = f"{self.schedule}{f' v={self.virtual}' if self.virtual > 1 else ''}" if self.pipe > 1 else "-"
-        return (f"PP={self.pipe} TP={self.tensor} DP={self.data} ZeRO-{self.zero} {self.remat} "
+        ep = f" EP={self.expert}" if self.expert > 1 else ""
+        return (f"PP={self.pipe} TP={self.tensor} DP={self.data}{ep} ZeRO-{self.zero} {self.remat} "
                 f"mb={self.micro}x{self.microbatches} {s}"
                 + (" tables=whole" if self.pipe > 1 and self.tables == "whole" else "")
                 + (f" offload={self.offload}" if self.offload else ""))
 
     def mesh(self, cluster: Cluster) -> dict[str, dict[str, int]]:
-        """[ici] and [dcn] sizes: tensor inside a node first, then data, then pipe."""
+        """[ici] and [dcn] sizes: tensor inside a node first, then expert,
+        data, pipe (DP = data x expert)."""
         room = cluster.device.fast_domain if cluster.device.ici_domain else cluster.per_node
         ici, dcn = {}, {}
-        for axis, size in (("tensor", self.tensor), ("data", self.data), ("pipe", self.pipe)):
+        for axis, size in (("tensor", self.tensor), ("expert", self.expert),
+                           ("data", self.data // self.expert), ("pipe", self.pipe)):
             inside = math.gcd(size, room)
             room //= inside
             ici[axis], dcn[axis] = inside, size // inside
@@ -96,7 +100,9 @@ class Choice:
 
     def flat(self, base: dict[str, Any]) -> dict[str, Any]:
         """Run-config fields (section.field) of this layout on top of `base`."""
-        out = {**base, "parallel.mesh": f"pipe={self.pipe},data={self.data},tensor={self.tensor}",
+        mesh = (f"pipe={self.pipe},data={self.data // self.expert},expert={self.expert},"
+                f"tensor={self.tensor}")
+        out = {**base, "parallel.mesh": mesh,
                "parallel.zero_stage": self.zero, "activations.remat": self.remat,
                "train.microbatches": self.microbatches,
                # The vocabulary padded so that tensor and pipe split the embedding.
@@ -124,12 +130,18 @@ def choices(model_cfg, cluster: Cluster, global_batch: int, *, stages=(0, 1, 2, 
     stages, its tables used either way (`tables`; search.estimate_all drops
     "whole" where no table is in row blocks, the two being one layout then).
     Offload where the device kind has host figures: the optimizer state at
-    ZeRO-1 and up, the parameters too at ZeRO-3 without a pipeline (job.py)."""
+    ZeRO-1 and up, the parameters too at ZeRO-3 without a pipeline (job.py).
+    A mixture of experts also takes every expert axis that divides both its
+    experts and the data-parallel devices; a pipeline of one trains without
+    its router losses (job.check_router_losses), so it is left out while
+    they are on."""
     if not cluster.device.can_offload:
         offloads = tuple(o for o in offloads if not o)
     out = []
+    experts = getattr(model_cfg, "n_experts", 0)
+    router_losses = experts and (model_cfg.router_aux_loss_coef or model_cfg.router_z_loss_coef)
     for tensor, pipe, data in mesh_shapes(model_cfg, cluster):
-        if global_batch % data:
+        if global_batch % data or (router_losses and pipe > 1):
             continue
         rows = global_batch // data
         for micro in micros:
@@ -146,8 +158,9 @@ def choices(model_cfg, cluster: Cluster, global_batch: int, *, stages=(0, 1, 2, 
                     o == "opt" or (zero == 3 and pipe == 1)))]
                 for remat in remats:
                     for schedule, v in plans:
-                        out += [Choice(pipe, tensor, data, zero, remat, micro, m, schedule, v, o, t)
-                                for o in kept for t in (tables if pipe > 1 else ("rows",))]
+                        out += [Choice(pipe, tensor, data, zero, remat, micro, m, schedule, v, o, t, e)
+                                for o in kept for t in (tables if pipe > 1 else ("rows",))
+                                for e in _divisors(math.gcd(experts, data) if experts else 1)]
     return out
 
 
@@ -158,8 +171,13 @@ def mesh_shapes(model_cfg, cluster: Cluster) -> list[tuple[int, int, int]]:
     n = cluster.size
     return [(tensor, pipe, n // (tensor * pipe))
             for tensor in _divisors(min(cluster.per_node, n))
-            if not (model_cfg.n_head % tensor or model_cfg.d_mlp % tensor or n % tensor)
+            if not (model_cfg.n_head % tensor or _mlp(model_cfg) % tensor or n % tensor)
             for pipe in _divisors(n // tensor) if pipe <= model_cfg.n_layer]
+
+
+def _mlp(model_cfg) -> int:
+    """The MLP width tensor splits: each expert's in a mixture of experts."""
+    return getattr(model_cfg, "expert_mlp", model_cfg.d_mlp)
 
 
 def _divisors(n: int) -> list[int]:

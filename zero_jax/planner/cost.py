@@ -113,7 +113,8 @@ def _measured_comm(choice: Choice, collectives: dict[str, float],
     """Seconds per group of mesh axes of the collectives measured as
     {"op@axis,axis": payload bytes}; a collective over no named axis counts
     as over data."""
-    sizes = {"pipe": choice.pipe, "data": choice.data, "tensor": choice.tensor, "fsdp": 1}
+    sizes = {"pipe": choice.pipe, "data": choice.data // choice.expert, "tensor": choice.tensor,
+             "expert": choice.expert, "fsdp": 1}
     comm: dict[str, float] = {}
     for key, payload in collectives.items():
         op, _, axes = key.partition("@")

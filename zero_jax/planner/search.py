@@ -74,7 +74,8 @@ def estimate_all(problem: Problem, layouts: list[Choice],
     rows: dict[int, bool] = {}
     estimates = []
     for choice in progress(layouts, "estimate"):
-        key = (choice.pipe, choice.tensor, choice.data, choice.zero, choice.virtual, choice.offload)
+        key = (choice.pipe, choice.tensor, choice.data, choice.zero, choice.virtual, choice.offload,
+               choice.expert)
         if key not in jobs:
             try:
                 jobs[key] = abstract_job(choice.flat(problem.base), problem.build,

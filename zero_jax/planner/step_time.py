@@ -126,6 +126,8 @@ def step_time(job: job_lib.Job, choice: Choice, cluster: Cluster) -> StepTime:
         compute, bubble = _compute(job, choice, cluster, work), 0.0
     if choice.tensor > 1:
         comm["tensor"] = _tensor_time(job, choice, cluster, work) / (1 - bubble)
+    if choice.expert > 1:
+        comm["expert"] = _expert_time(job, choice, cluster, work) / (1 - bubble)
     if job.layout.host_opt or job.layout.host_params:
         comm.update(_host_time(job, choice, cluster))
     hidden = {}
@@ -191,6 +193,19 @@ def _tensor_time(job: job_lib.Job, choice: Choice, cluster: Cluster, work: _Work
     per = (2 * work.passes + 2) * payload * 2 * (t - 1) / t
     layers_here = job.model.config.n_layer / choice.pipe
     return choice.microbatches * layers_here * per / choice.link_bw(cluster, "tensor")
+
+
+def _expert_time(job: job_lib.Job, choice: Choice, cluster: Cluster, work: _Work) -> float:
+    """Per mixture-of-experts layer and microbatch, two all-to-alls over
+    `expert` per forward pass (the token copies to their experts and back)
+    and two in the backward. Dropless, each device sends every peer a block
+    sized for all of its k copies (models/moe.py), e times the copies."""
+    c, _ = dtype_bytes(job)
+    e, cfg = choice.expert, job.model.config
+    payload = e * choice.micro * job.run.data.seq_len * cfg.n_experts_per_tok * cfg.d_model * c
+    per = (2 * work.passes + 2) * payload * (e - 1) / e
+    layers_here = cfg.n_layer / choice.pipe
+    return choice.microbatches * layers_here * per / choice.link_bw(cluster, "expert")
 
 
 def _data_time(job: job_lib.Job, choice: Choice, cluster: Cluster,

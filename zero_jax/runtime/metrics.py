@@ -74,7 +74,11 @@ TAGS = {"loss": "train/loss", "val_loss": "val/loss", "grad_norm": "train/grad_n
         "hardware_tflops_per_device": "perf/hardware_tflops_per_device",
         "device_bytes_in_use": "memory/device_bytes_in_use",
         "device_peak_bytes": "memory/device_peak_bytes",
-        "host_resident_bytes": "memory/host_resident_bytes"}
+        "host_resident_bytes": "memory/host_resident_bytes",
+        "aux_loss": "moe/aux_loss", "z_loss": "moe/z_loss",
+        "expert_load_max": "moe/expert_load_max"}
+# A mixture of experts' per-layer load (record "expert_load", a list): one tag per layer.
+LOAD_TAG = "moe/expert_load_layer_{:02d}"
 
 
 class TensorBoardWriter:
@@ -112,8 +116,9 @@ class TensorBoardWriter:
         if self._events is None:
             return
         now = time.time()
-        for key, tag in TAGS.items():
-            value = record.get(key)
+        scalars = [(tag, record.get(key)) for key, tag in TAGS.items()]
+        scalars += [(LOAD_TAG.format(i), v) for i, v in enumerate(record.get("expert_load", ()))]
+        for tag, value in scalars:
             if isinstance(value, (int, float)) and not isinstance(value, str):
                 self._events.write_event(self._event(step=record["step"], wall_time=now,
                                                      summary=self._scalar(tag, float(value))))

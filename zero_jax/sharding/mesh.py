@@ -34,11 +34,13 @@ from jax.sharding import AxisType, Mesh
 from zero_jax.runtime import cpu
 
 # Outermost to innermost: the innermost axis gets the closest devices, so the
-# axis with the most traffic (tensor) is last and the lightest (pipe) first.
-AXES: tuple[str, ...] = ("pipe", "data", "fsdp", "tensor")
+# axis with the most traffic (tensor) is last and the lightest (pipe) first;
+# `expert` (a mixture of experts' all-to-alls) sits just outside `tensor`.
+AXES: tuple[str, ...] = ("pipe", "data", "fsdp", "expert", "tensor")
 # The global batch is split over these axes; ZeRO shards state over them too
-# unless a config narrows `zero_shard_axes` (hybrid sharding).
-DATA_AXES: tuple[str, ...] = ("data", "fsdp")
+# unless a config narrows `zero_shard_axes` (hybrid sharding). `expert` is
+# data-parallel for every parameter but the experts', which it splits.
+DATA_AXES: tuple[str, ...] = ("data", "fsdp", "expert")
 
 
 def _meshes_dir() -> Path:

@@ -21,12 +21,13 @@ from zero_jax.sharding.mesh import DATA_AXES
 
 # Logical names every model may use. Parameters: embed, heads, kv_heads (key
 # and value heads under grouped-query attention), kv (head size), mlp, vocab,
-# pos (position table), layers (the scanned stack). Activations: batch, seq
+# pos (position table), layers (the scanned stack), experts (a mixture of
+# experts' stacked experts). Activations: batch, seq
 # (inside a block), res_seq (the residual stream between blocks, split only
 # under sequence parallelism), and the parameter names above.
 LOGICAL_AXES: tuple[str, ...] = (
     "batch", "seq", "res_seq", "embed", "heads", "kv_heads", "kv", "mlp", "vocab", "pos",
-    "layers")
+    "layers", "experts")
 
 
 # How to make a dimension divisible, by logical name.
@@ -36,6 +37,7 @@ _FIXES = {
     "heads": "choose a number of heads divisible by {split}",
     "mlp": "choose an MLP width divisible by {split}",
     "batch": "choose a batch size divisible by {split}",
+    "experts": "choose a number of experts divisible by {split}",
 }
 
 
@@ -116,7 +118,9 @@ def _rules(name: str, **table: tuple[str, ...]) -> AxisRules:
 
 # The scanned layer stack is split into contiguous stages over `pipe` (a
 # no-op on meshes without it).
-_DATA = {**{a: () for a in LOGICAL_AXES}, "batch": DATA_AXES, "layers": ("pipe",)}
+# A mixture of experts' stacked experts are split over `expert`.
+_DATA = {**{a: () for a in LOGICAL_AXES}, "batch": DATA_AXES, "layers": ("pipe",),
+         "experts": ("expert",)}
 # Megatron tensor parallelism on the `tensor` axis: attention heads and the MLP
 # hidden dimension split (column-parallel in, row-parallel out), and the
 # vocabulary split for the embedding and the logits.

@@ -101,18 +101,31 @@ class Placement:
     axes: tuple[str, ...]  # the ZeRO axes (MeshShape.shard_axes)
     n_shard: int  # product of their sizes
     min_elements: int  # arrays smaller than this per layer stay whole
+    sizes: tuple[int, ...] = ()  # each axis's size (default: one axis of n_shard)
 
     @classmethod
     def on(cls, mesh: MeshShape, min_elements: int) -> "Placement":
         axes = mesh.shard_axes
-        return cls(axes, math.prod(mesh.sizes[a] for a in axes), min_elements)
+        return cls(axes, math.prod(mesh.sizes[a] for a in axes), min_elements,
+                   tuple(mesh.sizes[a] for a in axes))
+
+    def axes_for(self, spec: PartitionSpec) -> tuple[tuple[str, ...], int]:
+        """The ZeRO axes an array laid out by `spec` can take, and their
+        size: those its compute layout does not use already. An expert's
+        weights, split over `expert`, are sharded over the other data axes
+        only: DeepSpeed-MoE's expert-data-parallel group."""
+        used = {a for e in spec for a in entry_axes(e)}
+        sizes = self.sizes or (self.n_shard,)
+        kept = [(a, n) for a, n in zip(self.axes, sizes) if a not in used]
+        return tuple(a for a, _ in kept), math.prod(n for _, n in kept)
 
     def dim(self, shape, spec: PartitionSpec, names=None) -> tuple[int | None, str]:
-        return zero_dim(shape, spec, names, self.n_shard, self.min_elements)
+        return zero_dim(shape, spec, names, self.axes_for(spec)[1], self.min_elements)
 
     def spec(self, shape, spec: PartitionSpec, names=None) -> PartitionSpec:
         """`spec` plus the ZeRO split where the rule allows it."""
-        return with_zero(spec, self.dim(shape, spec, names)[0], len(shape), self.axes)
+        return with_zero(spec, self.dim(shape, spec, names)[0], len(shape),
+                         self.axes_for(spec)[0])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,8 +164,8 @@ def state_specs(abstract_params: Any, compute_specs: Any, names: Any, abstract_o
         dim, why = placement.dim(leaf.shape, spec, leaf_names)
         if dim is None and placement.n_shard > 1:
             replicated.append((path_name(path), why))
-        return over_pipe(leaf, with_zero(spec, dim, len(leaf.shape), placement.axes), leaf_names,
-                         is_outer)
+        return over_pipe(leaf, with_zero(spec, dim, len(leaf.shape), placement.axes_for(spec)[0]),
+                         leaf_names, is_outer)
 
     full = jax.tree_util.tree_map_with_path(sharded, abstract_params, compute_specs, names, outer)
     stored = jax.tree.map(over_pipe, abstract_params, compute_specs, names, outer)

@@ -1,0 +1,256 @@
+"""A mixture-of-experts MLP for the Llama family (Mixtral, Qwen3-MoE).
+
+A router (a linear map, no bias) scores every expert for each token; each
+token goes to its top-k (token choice), weighted by the softmax of the
+scores, renormalised over the k where the model says so (Mixtral, Qwen3).
+Each expert is a SwiGLU MLP; the experts' matrices are stored stacked,
+`(experts, embed, mlp)`.
+
+Dropless (the default): a device's token copies are sorted by expert and
+multiplied with grouped matmuls (`jax.lax.ragged_dot`), so no token is
+dropped and no padding is computed. With a capacity factor c, expert e
+takes at most C = ceil(c k N / E) of a device's N tokens' copies, first
+choices first and then by position (GShard, Switch, DeepSpeed-MoE); the
+copies past it are dropped (the token keeps its residual) and each expert
+multiplies a fixed (C, D) block.
+
+Expert parallelism: the `experts` dimension is split over the mesh axis
+that the `experts` rule names (`expert`). The dispatch runs per device
+(`Hooks.local`, a shard_map over every axis that splits the tokens or an
+expert): the router's choices are local, the copies travel to their
+experts' devices with one all-to-all and come back with another. Dropless,
+each device sends every peer a block sized for the worst case (all of its
+copies) because XLA:CPU has no `ragged-all-to-all`; the padding rows are
+sent but never multiplied. An expert's `mlp` split over `tensor` is
+Megatron's column/row split, the output summed over `tensor`.
+
+Names: N tokens on this device, k choices per token, A = N k copies, E
+experts (El on this device, ep devices over the expert axis), D model
+width, F expert width, C capacity.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from models import layers
+from zero_jax.hooks import Hooks
+
+
+class Routing(NamedTuple):
+    """The router's choice for each token."""
+
+    weights_Nxk: jax.Array  # float32 weight of each chosen expert
+    experts_Nxk: jax.Array  # int32 expert ids, best first
+    probs_NxE: jax.Array  # float32 softmax over all experts
+    logz_N: jax.Array  # float32 log-sum-exp of the router's scores (for the z-loss)
+
+
+def route(logits_NxE: jax.Array, k: int, normalise: bool) -> Routing:
+    """Softmax over the experts, then the top k, their weights renormalised
+    to sum to one when `normalise` (as Hugging Face's Mixtral and Qwen3-MoE)."""
+    logits = logits_NxE.astype(jnp.float32)
+    probs = jax.nn.softmax(logits, axis=-1)
+    weights, experts = jax.lax.top_k(probs, k)
+    if normalise:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return Routing(weights, experts.astype(jnp.int32), probs, jax.nn.logsumexp(logits, axis=-1))
+
+
+def row_stats(routing: Routing, n_experts: int, rows: int) -> dict[str, jax.Array]:
+    """Per sequence (row) of `rows`: the load-balancing loss of Switch and
+    Mixtral, E sum_e f_e P_e (f_e the row's copies routed to expert e per
+    token, which sum to k over the experts; P_e its mean router
+    probability: k when balanced), the router z-loss (the mean squared
+    log-sum-exp of the scores), and the copies routed to each expert.
+
+    Computed per sequence, so a batch's value is the weighted sum of its
+    rows' whatever the layout splits (DeepSeek-V3's sequence-wise balance
+    loss; Hugging Face's Mixtral pools the whole batch instead)."""
+    E, k = n_experts, routing.experts_Nxk.shape[-1]
+    chosen = jax.nn.one_hot(routing.experts_Nxk, E, dtype=jnp.float32).sum(1)  # N x E
+    chosen_BxSxE = chosen.reshape(rows, -1, E)
+    f_BxE = chosen_BxSxE.mean(1)
+    p_BxE = routing.probs_NxE.reshape(rows, -1, E).mean(1)
+    return {"aux_loss": E * jnp.sum(f_BxE * p_BxE, axis=-1),
+            "z_loss": jnp.mean(jnp.square(routing.logz_N.reshape(rows, -1)), axis=1),
+            "expert_load": chosen_BxSxE.sum(1) / k}
+
+
+def _swiglu(x, w_gate, w_up, w_down, product):
+    """SwiGLU through `product(x, w)` (one matrix per expert), its
+    activations named as the dense MLP names them (for remat policies)."""
+    gate = checkpoint_name(product(x, w_gate), "mlp_hidden")
+    up = checkpoint_name(product(x, w_up), "mlp_hidden")
+    hidden = checkpoint_name(jax.nn.silu(gate.astype(jnp.float32)).astype(up.dtype) * up,
+                             "mlp_act")
+    return product(hidden, w_down)
+
+
+def _grouped(rows_AxD, counts_E, w_gate, w_up, w_down):
+    """SwiGLU of rows sorted by expert, `counts_E` rows each: grouped matmuls.
+    Rows past the counts' sum come out zero."""
+    return _swiglu(rows_AxD, w_gate, w_up, w_down,
+                   lambda x, w: jax.lax.ragged_dot(x, w, counts_E))
+
+
+def _count(ids, n: int) -> jax.Array:
+    """How many of `ids` equal each of 0..n-1 (ids >= n are not counted)."""
+    return jnp.zeros((n,), jnp.int32).at[ids].add(1, mode="drop")
+
+
+def _exchange(x, axis: str | None):
+    """Block s of a (ep, ...) array to device s of `axis`; the result's block
+    s came from device s. Named (`moe_exchange`): a policy that keeps named
+    activations keeps it, so the backward pass does not exchange again."""
+    if axis is None:
+        return x
+    return checkpoint_name(jax.lax.all_to_all(x, axis, 0, 0), "moe_exchange")
+
+
+def dropless(x_NxD, routing: Routing, w_gate, w_up, w_down, n_experts: int,
+             axis: str | None, ep: int):
+    """Every copy multiplied by its expert; (N, D), weighted and summed over k.
+    The expert weights are this device's El = E / ep experts."""
+    N, D = x_NxD.shape
+    k = routing.experts_Nxk.shape[1]
+    A, El = N * k, n_experts // ep
+    flat = routing.experts_Nxk.reshape(A)  # copy a is token a // k's choice a % k
+    order = jnp.argsort(flat, stable=True)
+    sorted_e = flat[order]
+    rows = x_NxD[order // k]
+    if ep == 1:
+        out = _grouped(rows, _count(sorted_e, El), w_gate, w_up, w_down)
+    else:
+        # Copies for device d sit at rows [0, sent_d) of block d, sorted by expert.
+        dest = sorted_e // El
+        sent = _count(dest, ep)
+        pos = jnp.arange(A) - (jnp.cumsum(sent) - sent)[dest]
+        send = jnp.zeros((ep, A, D), x_NxD.dtype).at[dest, pos].set(rows)
+        local = jnp.full((ep, A), El, jnp.int32).at[dest, pos].set(sorted_e - dest * El)
+        got, got_e = _exchange(send, axis).reshape(ep * A, D), _exchange(local, axis).reshape(-1)
+        # Padding rows carry id El: sorted last, not counted, multiplied by nothing.
+        by_expert = jnp.argsort(got_e, stable=True)
+        done = _grouped(got[by_expert], _count(got_e, El), w_gate, w_up, w_down)
+        back = jnp.zeros_like(done).at[by_expert].set(done)
+        out = _exchange(back.reshape(ep, A, D), axis)[dest, pos]
+    copies = jnp.zeros_like(out).at[order].set(out).reshape(N, k, D)
+    return jnp.einsum("nkd,nk->nd", copies, routing.weights_Nxk.astype(copies.dtype))
+
+
+def capacity(tokens: int, k: int, n_experts: int, factor: float) -> int:
+    """Copies each expert takes from one device's `tokens` tokens."""
+    return max(1, math.ceil(factor * tokens * k / n_experts))
+
+
+def capped(x_NxD, routing: Routing, w_gate, w_up, w_down, n_experts: int,
+           axis: str | None, ep: int, factor: float):
+    """At most C copies per expert from this device, first choices first;
+    the copies past C contribute nothing. (N, D)."""
+    N, D = x_NxD.shape
+    k = routing.experts_Nxk.shape[1]
+    E, El, C = n_experts, n_experts // ep, capacity(N, k, n_experts, factor)
+    # Priority: choice j of every token before choice j + 1 of any, then position.
+    flat = routing.experts_Nxk.T.reshape(N * k)
+    order = jnp.argsort(flat, stable=True)
+    sorted_e = flat[order]
+    count = _count(sorted_e, E)
+    pos = jnp.arange(N * k) - (jnp.cumsum(count) - count)[sorted_e]
+    token = order % N
+    slots = jnp.zeros((E, C, D), x_NxD.dtype).at[sorted_e, pos].set(x_NxD[token], mode="drop")
+    # Expert e's block goes to device e // El; each device stacks its experts'
+    # blocks from every source device.
+    got = _exchange(slots.reshape(ep, El, C, D), axis)
+    got = got.transpose(1, 0, 2, 3).reshape(El, ep * C, D)
+    done = _swiglu(got, w_gate, w_up, w_down, lambda x, w: jnp.einsum("ecd,edf->ecf", x, w))
+    back = _exchange(done.reshape(El, ep, C, D).transpose(1, 0, 2, 3), axis).reshape(E, C, D)
+    kept = (pos < C)[:, None]
+    out = jnp.where(kept, back[sorted_e, jnp.minimum(pos, C - 1)], 0)
+    weight = routing.weights_Nxk.T.reshape(N * k)[order]
+    return jnp.zeros((N, D), out.dtype).at[token].add(out * weight[:, None].astype(out.dtype))
+
+
+class MoEMLP(nn.Module):
+    """The block's MLP as a mixture of experts, with optional shared experts
+    (always on, beside the routed ones: DeepSeek, Qwen2-MoE). Returns the
+    output and the per-row router statistics (`row_stats`)."""
+
+    cfg: Any  # LlamaConfig with n_experts > 0
+    hooks: Hooks
+
+    @nn.compact
+    def __call__(self, y_BxTxD):
+        c, h = self.cfg, self.hooks
+        B, T, D = y_BxTxD.shape
+        E, F, k = c.n_experts, c.expert_mlp, c.n_experts_per_tok
+        normal = nn.initializers.normal(0.02)
+        residual = nn.initializers.normal(0.02 / math.sqrt(2 * c.n_layer))
+
+        def param(name, shape, names, init=normal):
+            return layers.param(self, name, shape, names, init)
+
+        # The router sees every expert on every device: its output axis is unsplit.
+        logits = h.dense("btd,de->bte", y_BxTxD, param("w_router", (D, E), ("embed", None)),
+                         ("embed", None))
+        routing = route(logits.reshape(B * T, E), k, c.norm_topk_prob)
+        stats = row_stats(routing, E, B)
+        stacked = ("experts", "embed", "mlp")
+        w_gate = h.weight(param("w_experts_gate", (E, D, F), stacked), stacked)
+        w_up = h.weight(param("w_experts_up", (E, D, F), stacked), stacked)
+        down = ("experts", "mlp", "embed")
+        w_down = h.weight(param("w_experts_down", (E, F, D), down, residual), down)
+        axis, tensor = h.axis_of("experts"), h.axis_of("mlp")
+
+        def dispatch(x_BxTxD, weights_BxTxk, experts_BxTxk, w_gate, w_up, w_down):
+            b, t, _ = x_BxTxD.shape
+            local = Routing(weights_BxTxk.reshape(b * t, k), experts_BxTxk.reshape(b * t, k),
+                            None, None)
+            ep = E // w_gate.shape[0]
+            x = x_BxTxD.reshape(b * t, D)
+            if c.capacity_factor:
+                out = capped(x, local, w_gate, w_up, w_down, E, axis, ep, c.capacity_factor)
+            else:
+                out = dropless(x, local, w_gate, w_up, w_down, E, axis, ep)
+            if tensor is not None:  # row-parallel down projection: partial sums
+                out = jax.lax.psum(out.astype(jnp.float32), tensor).astype(out.dtype)
+            return out.reshape(b, t, D)
+
+        tokens = ("batch", "seq", "embed")
+        choice = ("batch", "seq", None)
+        out = h.local(dispatch, (tokens, choice, choice, stacked, stacked, down), tokens)(
+            y_BxTxD, routing.weights_Nxk.reshape(B, T, k), routing.experts_Nxk.reshape(B, T, k),
+            w_gate, w_up, w_down)
+        out = h.act(out, tokens)
+        if c.n_shared_experts:
+            S = c.n_shared_experts * F
+            shared_gate = h.dense("btd,df->btf", y_BxTxD,
+                                  param("w_shared_gate", (D, S), ("embed", "mlp")), ("embed", "mlp"))
+            shared_up = h.dense("btd,df->btf", y_BxTxD,
+                                param("w_shared_up", (D, S), ("embed", "mlp")), ("embed", "mlp"))
+            hidden = jax.nn.silu(shared_gate.astype(jnp.float32)).astype(shared_up.dtype) * shared_up
+            out = out + h.dense("btf,fd->btd", hidden,
+                                param("w_shared_down", (S, D), ("mlp", "embed"), residual),
+                                ("mlp", "embed"))
+        return out, stats
+
+
+def penalty(stats: dict[str, jax.Array], row_weights_B: jax.Array, aux_coef: float,
+            z_coef: float) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The router losses of a batch (or part of one) from the stacked layers'
+    `row_stats` (L, B, ...): each the mean over layers of the rows' values
+    weighted by their share of the batch's targets (summing over the parts
+    of a batch gives the batch's), and the term they add to the training
+    loss; with the copies routed to each expert per layer (L, E)."""
+    def weighted(x_LxB):
+        return jnp.mean(jnp.sum(x_LxB * row_weights_B, axis=-1))
+
+    aux, z = weighted(stats["aux_loss"]), weighted(stats["z_loss"])
+    return aux_coef * aux + z_coef * z, {"aux_loss": aux, "z_loss": z,
+                                         "expert_load": stats["expert_load"].sum(1)}
+
