@@ -83,7 +83,9 @@ def shape_from(hf: dict, where: str = "config.json") -> dict:
             raise ValueError(f"{where}: dense layers among the experts' (mlp_only_layers, "
                              "decoder_sparse_step != 1) are not supported: every layer here is "
                              "a mixture of experts")
-        fields.update(n_experts=hf["num_experts"], n_experts_per_tok=hf["num_experts_per_tok"],
+        # Published configs say num_experts; transformers 5 writes num_local_experts.
+        experts = hf.get("num_experts", hf.get("num_local_experts"))
+        fields.update(n_experts=experts, n_experts_per_tok=hf["num_experts_per_tok"],
                       d_expert=hf["moe_intermediate_size"], qk_norm=True,
                       norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
                       router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.0)))

@@ -192,6 +192,7 @@ def test_experts_are_sharded_over_the_other_data_axes(corpus):
     (dict(n_experts_per_tok=9), "n_experts_per_tok=9 with n_experts=8"),
     (dict(mesh="pipe=2,expert=2,data=2", microbatches=2),
      "losses are not carried through pipeline stages"),
+    (dict(grad_reduce="step"), "--grad-reduce step with a mixture of experts"),
 ])
 def test_bad_input_is_one_line_before_compiling(corpus, fields, message):
     with pytest.raises((config_lib.ConfigError, ValueError), match=message):

@@ -163,3 +163,32 @@ def test_bloom_own_layout_predicts_the_published_throughput():
     rows = planner.estimate(job, dataclasses.replace(choice, tables="rows"), A100)
     assert rows.memory.backward < whole.memory.backward - 2.5e9
     assert rows.time.step_s > whole.time.step_s
+
+
+def test_a_mixture_of_experts_is_planned_over_expert_axes():
+    """Mixtral-8x7B on 8 x 8 H100: the search takes every expert axis that
+    divides the 8 experts and the data-parallel devices; an expert layout's
+    job splits the experts over `expert`, its step charges the all-to-alls
+    (there and back per forward pass and backward, each device's block for
+    all of its copies times e, (e - 1) / e over the link), and its model
+    FLOPs count the 12.9B parameters a token computes with."""
+    h100 = layouts.Cluster(hardware.load("h100-80gb"), 8, 8)
+    build = models.for_run(config_lib.ModelConfig(name="mixtral-8x7b"), 32000)[0]
+    cfg = build(1).config
+    found = layouts.choices(cfg, h100, 512, stages=(3,), remats=("full",), micros=(1,))
+    assert {c.expert for c in found if c.pipe == 1} == {1, 2, 4, 8}
+    assert not [c for c in found if c.pipe > 1]  # its router loss does not leave a stage
+    choice = layouts.Choice(1, 4, 16, 3, "full", 1, 32, expert=8)
+    base = {"model.name": "mixtral-8x7b", "precision.policy": "bf16", "data.seq_len": 4096,
+            "train.batch_size": 512}
+    job = layouts.abstract_job(choice.flat(base), build, 64)
+    assert job.layout.mesh_shape.sizes["expert"] == 8
+    est = planner.estimate(job, choice, h100)
+    payload = 8 * 4096 * 2 * cfg.d_model * 2  # e x (rows x k copies) x D, bf16
+    passes = 2  # the forward and full remat's rebuild
+    per_microbatch = cfg.n_layer * (2 * passes + 2) * payload * 7 / 8
+    assert est.time.comm_s["expert"] == pytest.approx(
+        32 * per_microbatch / choice.link_bw(h100, "expert"))
+    assert est.time.model_flops == pytest.approx(
+        cfg.flops_per_token(4096) * 16 * 32 * 4096)
+    assert cfg.flops_per_token(4096) < 6 * 13e9 + 12 * 32 * 32 * 128 * 4096

@@ -24,7 +24,7 @@ from zero_jax.precision import PresetName
 from zero_jax.remat import PolicyName
 from zero_jax.runtime import trace
 from zero_jax.runtime.distributed import DistributedConfig
-from zero_jax.sharding.mesh import MeshShape
+from zero_jax.sharding.mesh import DATA_AXES, MeshShape
 
 # Choices of this file's own fields (the others' are their modules').
 LayoutName = Literal["auto", "dp", "fsdp", "fsdp_tp", "fsdp_tp_sp"]  # sharding/rules.py PRESETS
@@ -319,12 +319,13 @@ def build(file: str | None = None, overrides: dict[str, Any] | None = None) -> R
 
 def validate(run: RunConfig, mesh: MeshShape) -> None:
     """Checks that need the mesh; each error names the sizes and the fix."""
-    t, dp = run.train, mesh.sizes["data"] * mesh.sizes["fsdp"]
+    t, dp = run.train, math.prod(mesh.sizes[a] for a in DATA_AXES)
+    split = " x ".join(f"{a}={mesh.sizes[a]}" for a in DATA_AXES if mesh.sizes[a] > 1) or "none"
     # (Ranges of single fields are checked as each section is built.)
     if t.batch_size % dp:
         raise ConfigError(
             f"--batch-size {t.batch_size} is not divisible by the data-parallel size {dp} "
-            f"(data={mesh.sizes['data']} x fsdp={mesh.sizes['fsdp']}); use a multiple of {dp}, "
+            f"({split}); use a multiple of {dp}, "
             f"e.g. {math.ceil(t.batch_size / dp) * dp}")
     if t.batch_size % t.microbatches:
         raise ConfigError(

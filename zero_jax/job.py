@@ -202,7 +202,7 @@ def prepare_on(run: config_lib.RunConfig, build_model: Callable[[int], ModelFns]
         raise config_lib.ConfigError(
             f"--seq-len {run.data.seq_len} exceeds the model's {model.max_seq_len} positions "
             f"({run.model.name}); use --seq-len {model.max_seq_len} or less")
-    check_experts(model, shape.sizes)
+    check_experts(model, shape.sizes, run.parallel.grad_reduce)
     schedule, cut = pipeline_schedule(run, model, shape)
     check_router_losses(model, schedule is not None, shape.sizes["pipe"])
     chosen = rules.preset(run.parallel.layout, shape.sizes)
@@ -272,8 +272,15 @@ def check_combination(run: config_lib.RunConfig, zero_stage: int, shape: mesh_li
             "(fsdp over the same devices), or --offload-optimizer alone")
 
 
-def check_experts(model: ModelFns, sizes: dict[str, int]) -> None:
-    """An `expert` axis needs a mixture of experts whose experts it divides."""
+def check_experts(model: ModelFns, sizes: dict[str, int], grad_reduce: str) -> None:
+    """An `expert` axis needs a mixture of experts whose experts it divides;
+    a mixture of experts reduces its gradients once per microbatch
+    (step.unreduced_axes)."""
+    if model.experts and grad_reduce == "step":
+        raise config_lib.ConfigError(
+            "--grad-reduce step with a mixture of experts: its dispatch runs per device over "
+            "every axis that splits the batch, which per-device partial sums would split; use "
+            "--grad-reduce microbatch (or auto)")
     ep = sizes.get("expert", 1)
     if ep == 1:
         return

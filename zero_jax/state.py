@@ -200,7 +200,7 @@ class Layout:
     @property
     def data_parallel_size(self) -> int:
         sizes = self.mesh_shape.sizes
-        return sizes["data"] * sizes["fsdp"]
+        return math.prod(sizes[a] for a in DATA_AXES)
 
 
 def init_params(model: ModelFns, key: jax.Array, param_dtype) -> Any:

@@ -42,7 +42,7 @@ ARCHITECTURES = {
                        head_dim=16, norm_topk_prob=True, rope_theta=1e6,
                        use_sliding_window=False)),
 }
-TOKENS = np.random.default_rng(0).integers(0, 256, size=(2, 24))
+TOKENS = np.random.default_rng(0).integers(0, 256, size=(4, 24))  # 4 rows: expert=2,fsdp=2 splits them
 
 
 @pytest.fixture(scope="module", params=list(ARCHITECTURES))

@@ -100,7 +100,7 @@ def summary_rows(job: Job, data_line: str, model_line: str,
     run, layout, shape = job.run, job.layout, job.layout.mesh_shape
     stage = zero_lib.stage(layout.zero_stage)
     sizes = shape.sizes
-    dp = sizes["data"] * sizes["fsdp"]
+    dp = layout.data_parallel_size
     shard_axes = shape.shard_axes
     n_shard = math.prod(sizes[a] for a in shard_axes)
     t = run.train
@@ -109,7 +109,8 @@ def summary_rows(job: Job, data_line: str, model_line: str,
           if n in used and "tensor" in layout.rules.mesh_axes(n)]
     master = ("; float32 master weights in the sharded optimizer state, a working copy "
               "stored replicated" if layout.master else "")
-    reduce = ("once per step" if job.reduce_once or t.microbatches == 1
+    reduce = ("every microbatch, into shards" if job.model.experts and t.microbatches > 1
+              else "once per step" if job.reduce_once or t.microbatches == 1
               else "every microbatch, into shards")
     return [
         ("model", f"{model_line} ({report.param_count / 1e6:.2f} M parameters)"),
