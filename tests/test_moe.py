@@ -29,6 +29,8 @@ GRID = [("expert=4,data=2", 1, {}), ("expert=2,fsdp=2,tensor=2", 3, {}),
         ("expert=2,fsdp=4", 1, {}), ("expert=2,fsdp=4", 3, {}), ("expert=4,data=2", 3, {}),
         # a capacity large enough to drop nothing computes what dropless does
         ("expert=4,data=2", 1, {"capacity_factor": 4.0})]
+# Shared experts change the model: a reference of their own (FULL only).
+SHARED = dict(n_shared_experts=1)
 CASES = GRID if FULL else GRID[:2]
 # A pipeline carries no router losses (job.check_router_losses): its own reference.
 PIPE = dict(router_aux_loss_coef=0.0, router_z_loss_coef=0.0)
@@ -76,6 +78,13 @@ def test_presets_have_the_published_parameter_counts():
     tiny, llama = models.config("moe-tiny", 256), models.config("llama-tiny", 256)
     # moe-tiny computes with llama-tiny's parameters per token, plus the routers.
     assert tiny.active_param_count - llama.param_count == tiny.n_layer * tiny.d_model * 8
+    shared = models.config("moe-tiny", 256, n_shared_experts=1)
+    shapes = jax.eval_shape(models.model_fns(shared).init, jax.random.key(0))
+    extra = 3 * shared.d_model * shared.d_mlp * shared.n_layer  # one always-on expert a layer
+    assert shared.param_count == tiny.param_count + extra == sum(
+        int(np.prod(x.value.shape)) for x in jax.tree.leaves(
+            shapes, is_leaf=lambda x: hasattr(x, "value")))
+    assert shared.active_param_count == tiny.active_param_count + extra
 
 
 def _reference_moe(x, logits, w_gate, w_up, w_down, k, normalise, capacity=None):
@@ -141,6 +150,26 @@ def test_ten_steps_match_one_device(corpus, reference, mesh, stage, extra):
     assert got["loss"][-1] < got["loss"][0] - 0.3, "the loss should fall over ten steps"
     for key in ("loss", "aux_loss", "z_loss", "expert_load"):
         np.testing.assert_allclose(got[key], ref[key], rtol=RTOL, err_msg=key)
+    assert_close(params, ref_params, RTOL)
+
+
+def test_bf16_trains_with_experts_and_tensor_split(corpus, reference):
+    """bf16 compute on expert=2,fsdp=2,tensor=2 at ZeRO-3: the dispatch's
+    gradient sums over the data and tensor axes compile on CPU (Hooks.local
+    runs them in float32) and three steps follow float32's to bf16's
+    precision."""
+    ref, _ = reference
+    job = _job(corpus, "expert=2,fsdp=2,tensor=2", 3, precision="bf16", steps=3)
+    got, _ = _train(job, corpus)
+    np.testing.assert_allclose(got["loss"], ref["loss"][:3], rtol=2e-2)
+
+
+@pytest.mark.skipif(not FULL, reason="ZERO_JAX_FULL_GRID=1: shared experts")
+def test_shared_experts_match_one_device(corpus):
+    ref, ref_params = _train(_job(corpus, "fsdp=1", 0, devices=jax.devices()[:1], **SHARED),
+                             corpus)
+    got, params = _train(_job(corpus, "expert=2,fsdp=2,tensor=2", 3, **SHARED), corpus)
+    np.testing.assert_allclose(got["loss"], ref["loss"], rtol=RTOL)
     assert_close(params, ref_params, RTOL)
 
 

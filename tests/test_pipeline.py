@@ -25,14 +25,15 @@ MESHES = {
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 GRID = list(itertools.product(SCHEDULES, MESHES, (4, 8), (1, 3)))
 # CI's time budget covers a sixth of the grid for one step: every schedule on
-# two meshes and every mesh under two schedules, each (m, ZeRO) pair at least
-# once; and two ten-step runs. ZERO_JAX_FULL_GRID=1 runs all 36 of both.
+# two meshes (zb-h1 on one here, its traffic checked on the other below) and
+# every mesh under two schedules, each (m, ZeRO) pair at least once; and three
+# ten-step runs. ZERO_JAX_FULL_GRID=1 runs all 36 of both.
 FULL = bool(os.environ.get("ZERO_JAX_FULL_GRID"))
 ONE = GRID if FULL else [
     ("gpipe", "pipe2-fsdp4", 4, 1), ("gpipe", "pipe4-data2", 8, 3),
     ("1f1b", "pipe2-fsdp2-tensor2", 8, 1), ("1f1b", "pipe2-fsdp4", 4, 3),
     ("interleaved", "pipe4-data2", 4, 1), ("interleaved", "pipe2-fsdp2-tensor2", 8, 3),
-    ("zb-h1", "pipe4-data2", 8, 1), ("zb-h1", "pipe2-fsdp2-tensor2", 4, 3)]
+    ("zb-h1", "pipe2-fsdp2-tensor2", 4, 3)]
 TEN = GRID if FULL else [("1f1b", "pipe4-data2", 4, 3), ("interleaved", "pipe2-fsdp2-tensor2", 8, 1),
                          ("zb-h1", "pipe2-fsdp2-tensor2", 8, 3)]
 
@@ -101,9 +102,9 @@ def _assert_only_the_embedding_crosses_pipe(job, text):
 
 
 # The traffic test below checks 1f1b's and zb-h1's permutes pair by pair;
-# CI runs this one for interleaved (its sends wrap around the ring) and
-# zb-h1, ZERO_JAX_FULL_GRID=1 for all four.
-TALK = SCHEDULES if FULL else ("interleaved", "zb-h1")
+# CI runs this one for interleaved (its sends wrap around the ring),
+# ZERO_JAX_FULL_GRID=1 for all four.
+TALK = SCHEDULES if FULL else ("interleaved",)
 
 
 @pytest.mark.parametrize("schedule", TALK)
@@ -218,9 +219,11 @@ def test_uneven_stages_match_one_device(corpus, uneven_reference, schedule, laye
 
 # Microbatches the stages do not divide, on a cut they do not divide either:
 # 10 layers over pipe=4 (2, 3, 3, 2; interleaved: 8 chunks), m = 6, so
-# interleaving runs a short last round. CI runs the two schedules whose
-# tables change most with m; ZERO_JAX_FULL_GRID=1 all four.
-RAGGED = SCHEDULES if FULL else ("interleaved", "zb-h1")
+# interleaving runs a short last round. CI runs the schedule whose tables
+# change most with m (zb-h1's program at m = 6 on 4 stages is run
+# symbolically in test_schedule.py);
+# ZERO_JAX_FULL_GRID=1 all four.
+RAGGED = SCHEDULES if FULL else ("interleaved",)
 
 
 @pytest.fixture(scope="module")

@@ -75,7 +75,7 @@ def test_shapes_that_cannot_be_scheduled_are_clear_errors(bad, message):
         sched.check_shape(*bad)
 
 
-@pytest.mark.parametrize("name,p,m,v", CASES + [("interleaved", 4, 6, 2)])
+@pytest.mark.parametrize("name,p,m,v", CASES + [("interleaved", 4, 6, 2), ("zb-h1", 4, 6, 1)])
 def test_program_buffers_deliver_each_message_to_its_reader(name, p, m, v):
     """Run the compiled program symbolically, in the loop's order: every
     buffer slot holds a label, and each forward must read its own input,

@@ -57,6 +57,7 @@ class ModelConfig:
     n_experts: int = 0  # mixture of experts: routed experts per block (0: the preset's)
     n_experts_per_tok: int = 0  # mixture of experts: experts per token, top-k (0: the preset's)
     d_expert: int = 0  # mixture of experts: each expert's MLP width (0: the preset's)
+    n_shared_experts: int = 0  # mixture of experts: always-on experts of that width (0: the preset's)
     router_aux_loss_coef: float | None = None  # mixture of experts: load-balancing loss weight (unset: the preset's)
     router_z_loss_coef: float | None = None  # mixture of experts: router z-loss weight (unset: the preset's, 0)
     capacity_factor: float | None = None  # mixture of experts: > 0 caps each expert's tokens (drops); 0: dropless (unset: the preset's)
@@ -65,7 +66,7 @@ class ModelConfig:
 
     SHAPE_FIELDS = ("n_layer", "n_head", "d_model", "d_mlp", "vocab_size", "max_seq_len",
                     "n_kv_head", "head_dim", "rope_theta", "tie_embeddings", "n_experts",
-                    "n_experts_per_tok", "d_expert", "router_aux_loss_coef",
+                    "n_experts_per_tok", "d_expert", "n_shared_experts", "router_aux_loss_coef",
                     "router_z_loss_coef", "capacity_factor")
     # Fields whose zero is a choice (no router loss, dropless), not "the preset's".
     ZERO_IS_SET = ("router_aux_loss_coef", "router_z_loss_coef", "capacity_factor")

@@ -205,6 +205,11 @@ class Hooks:
         split = self.rows is not None and self.rows.splits(("vocab",))
         return ids + self.rows.offset(n) if split else ids
 
+    @property
+    def _widen_local(self) -> bool:
+        """XLA:CPU aborts on a bf16 all-reduce inside shard_map (`psum`)."""
+        return isinstance(self.mesh, Mesh) and self.mesh.devices.flat[0].platform == "cpu"
+
     def axis_of(self, logical: str) -> str | tuple[str, ...] | None:
         """The mesh axes (of size > 1) that split the logical axis, for a
         collective inside `local`: one name, a tuple, or None if unsplit."""
@@ -220,7 +225,13 @@ class Hooks:
         one tuple per argument, `out_names` a tree of tuples like the
         results). The mesh axes those names split are manual inside, where
         `fn` may use them in collectives (`axis_of`); the others stay
-        automatic. Without a mesh, `fn` itself."""
+        automatic. Without a mesh, `fn` itself.
+
+        An argument unsplit over a manual axis has its gradient summed over
+        it, where it first meets a value split there. On CPU every floating
+        argument is marked as varying over those axes on entry, a 16-bit
+        one in float32 and cast back after, so that the sums run at the
+        entry in float32 (XLA:CPU aborts on a bf16 all-reduce there, `psum`)."""
         if self.mesh is None:
             return fn
         sizes = dict(self.mesh.shape)
@@ -228,15 +239,27 @@ class Hooks:
         def spec(names):
             return PartitionSpec(*(self.axis_of(n) if n else None for n in names))
 
+        def axes(spec):
+            return {a for e in spec for a in ((e,) if isinstance(e, str) else (e or ()))}
+
         def run(*args):
             in_specs = tuple(self.rules.spec(n, a.shape, sizes, what=f"{fn.__name__} input")
                              for n, a in zip(in_names, args))
             out_specs = jax.tree.map(spec, out_names, is_leaf=lambda n: isinstance(n, tuple))
-            manual = {a for s in (*in_specs, *jax.tree.leaves(
-                out_specs, is_leaf=lambda s: isinstance(s, PartitionSpec)))
-                for e in s for a in ((e,) if isinstance(e, str) else (e or ()))}
-            return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
-                                 axis_names=manual)(*args)
+            manual = set().union(*map(axes, in_specs), *map(axes, jax.tree.leaves(
+                out_specs, is_leaf=lambda s: isinstance(s, PartitionSpec))))
+            vary = [self._widen_local and jnp.issubdtype(a.dtype, jnp.floating)
+                    and bool(manual - axes(s)) for a, s in zip(args, in_specs)]
+
+            def body(*xs):
+                return fn(*(jax.lax.pcast(x, tuple(sorted(manual - axes(s))), to="varying")
+                            .astype(a.dtype) if v else x
+                            for x, a, s, v in zip(xs, args, in_specs, vary)))
+
+            wide = [a.astype(jnp.float32) if v and a.dtype.itemsize < 4 else a
+                    for a, v in zip(args, vary)]
+            return jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
+                                 axis_names=manual)(*wide)
 
         return run
 

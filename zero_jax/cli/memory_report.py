@@ -25,6 +25,7 @@ import argparse
 import dataclasses
 import json
 import sys
+import tomllib
 
 import jax
 
@@ -56,8 +57,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run, args = parse(argv)
         devices, note = devices_for(job_lib.mesh_config(run), args.devices)
-        if note:
-            print(f"note: {note}", file=sys.stderr)
+        run, batch_note = batch_for(run, args, devices)
+        for line in (note, batch_note):
+            if line:
+                print(f"note: {line}", file=sys.stderr)
         # Before the backend starts: simulate the devices the mesh needs.
         cpu.simulate(devices)
         vocab = data_vocab(run)
@@ -99,6 +102,25 @@ def devices_for(mesh_cfg, given: int | None, guess: int = 8) -> tuple[int, str]:
     name = "" if mesh_cfg.name == "inline" else f" {mesh_cfg.name}"
     return n, (f"the mesh{name} fills -1 from the device count: reporting for {n} simulated "
                "devices; give --devices N for the cluster's count")
+
+
+def batch_for(run, args, devices: int):
+    """The run with a batch the mesh can split: a report of a large mesh
+    given no batch size (flag or config) takes one row per data-parallel
+    device and microbatch where the default does not split, with a note."""
+    t = run.train
+    given = getattr(args, "train.batch_size") is not None
+    if args.config and not given:  # read once already, by flags.from_args
+        with open(args.config, "rb") as f:
+            given = "batch_size" in tomllib.load(f).get("train", {})
+    dp = job_lib.mesh_config(run).resolve(devices).data_parallel_size
+    if given or t.batch_size % (dp * t.microbatches) == 0:
+        return run, ""
+    rows = dp * t.microbatches
+    return (dataclasses.replace(run, train=dataclasses.replace(t, batch_size=rows)),
+            f"--batch-size {t.batch_size} (the default) does not split over {dp} data-parallel "
+            f"devices: reporting for {rows} rows (one per device and microbatch); give "
+            "--batch-size for the run's own")
 
 
 def data_vocab(run) -> int:

@@ -79,11 +79,12 @@ class Choice:
                 + (f" offload={self.offload}" if self.offload else ""))
 
     def mesh(self, cluster: Cluster) -> dict[str, dict[str, int]]:
-        """[ici] and [dcn] sizes: tensor inside a node first, then expert,
-        data, pipe (DP = data x expert)."""
+        """[ici] and [dcn] sizes: tensor inside a node first, then expert
+        (where there is one), data, pipe (DP = data x expert)."""
         room = cluster.device.fast_domain if cluster.device.ici_domain else cluster.per_node
         ici, dcn = {}, {}
-        for axis, size in (("tensor", self.tensor), ("expert", self.expert),
+        expert = (("expert", self.expert),) if self.expert > 1 else ()
+        for axis, size in (("tensor", self.tensor), *expert,
                            ("data", self.data // self.expert), ("pipe", self.pipe)):
             inside = math.gcd(size, room)
             room //= inside
@@ -100,8 +101,8 @@ class Choice:
 
     def flat(self, base: dict[str, Any]) -> dict[str, Any]:
         """Run-config fields (section.field) of this layout on top of `base`."""
-        mesh = (f"pipe={self.pipe},data={self.data // self.expert},expert={self.expert},"
-                f"tensor={self.tensor}")
+        expert = f"expert={self.expert}," if self.expert > 1 else ""
+        mesh = f"pipe={self.pipe},data={self.data // self.expert},{expert}tensor={self.tensor}"
         out = {**base, "parallel.mesh": mesh,
                "parallel.zero_stage": self.zero, "activations.remat": self.remat,
                "train.microbatches": self.microbatches,

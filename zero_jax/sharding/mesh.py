@@ -142,6 +142,11 @@ class MeshShape:
         return math.prod(self.sizes.values())
 
     @property
+    def data_parallel_size(self) -> int:
+        """The devices the batch is split over (DATA_AXES)."""
+        return math.prod(self.sizes[a] for a in DATA_AXES)
+
+    @property
     def shard_axes(self) -> tuple[str, ...]:
         """The axes ZeRO shards state over (size-1 axes dropped)."""
         axes = DATA_AXES if self.zero_shard_axes is None else self.zero_shard_axes
