@@ -3,8 +3,8 @@
 (`save`: 5 GB safetensors files with an index, as `save_pretrained` writes).
 
 Architectures: GPT2LMHeadModel (models/gpt_hf.py), and LlamaForCausalLM,
-MistralForCausalLM, Qwen2ForCausalLM, MixtralForCausalLM and
-Qwen3MoeForCausalLM (models/llama_hf.py). A directory
+MistralForCausalLM, Qwen2ForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM
+and Qwen3MoeForCausalLM (models/llama_hf.py). A directory
 holds `model.safetensors`, or `model-0000k-of-0000n.safetensors` files with
 `model.safetensors.index.json` mapping each tensor to its file.
 """

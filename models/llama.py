@@ -54,13 +54,15 @@ class LlamaConfig:
     # original_max_position_embeddings), or () for none
     rope_scaling: tuple = ()
     vocab_multiple: int = 1  # embedding rows padded to a multiple of this (masked in the logits)
-    family: str = "llama"  # llama | mistral | qwen2 | mixtral | qwen3_moe: the Hugging Face architecture
+    family: str = "llama"  # llama | mistral | qwen2 | mixtral | qwen2_moe | qwen3_moe: the HF architecture
     qk_norm: bool = False  # RMSNorm of each head's q and k before rotation (Qwen3)
     # A mixture of experts (models/moe.py) in place of every block's MLP:
     n_experts: int = 0  # routed experts (0: a dense MLP)
     n_experts_per_tok: int = 0  # experts each token is routed to (top-k)
     d_expert: int = 0  # each expert's SwiGLU width (0: d_mlp)
-    n_shared_experts: int = 0  # always-on experts of that width beside the routed ones
+    n_shared_experts: int = 0  # always-on experts beside the routed ones (DeepSeek, Qwen2-MoE)
+    d_shared: int = 0  # their SwiGLU width together (0: n_shared_experts x the expert width)
+    shared_expert_gate: bool = False  # a sigmoid of x w (w: D x 1) scales their output (Qwen2-MoE)
     norm_topk_prob: bool = True  # the k routing weights renormalised to sum to one
     router_aux_loss_coef: float = 0.0  # weight of the load-balancing loss in the training loss
     router_z_loss_coef: float = 0.0  # weight of the router z-loss in the training loss
@@ -96,6 +98,11 @@ class LlamaConfig:
         """Each expert's SwiGLU width."""
         return self.d_expert or self.d_mlp
 
+    @property
+    def shared_mlp(self) -> int:
+        """The shared experts' SwiGLU width together."""
+        return self.d_shared or self.n_shared_experts * self.expert_mlp
+
     def _mlp_params(self, active: bool) -> int:
         """One block's MLP matrices: every expert's, or (`active`) those a
         token computes with: its k experts, the shared ones and the router."""
@@ -103,7 +110,8 @@ class LlamaConfig:
         if not self.n_experts:
             return 3 * D * self.d_mlp
         experts = self.n_experts_per_tok if active else self.n_experts
-        return 3 * D * self.expert_mlp * (experts + self.n_shared_experts) + D * self.n_experts
+        return (3 * D * (self.expert_mlp * experts + self.shared_mlp) + D * self.n_experts
+                + (D if self.shared_expert_gate else 0))
 
     def _attn_params(self) -> int:
         D, Q, H, K = self.d_model, self.q_dim, self.n_head, self.n_kv_head
@@ -151,7 +159,7 @@ class LlamaConfig:
         and the shared experts' widths together."""
         if not self.n_experts:
             return self.d_mlp
-        return self.expert_mlp * (self.n_experts_per_tok + self.n_shared_experts)
+        return self.expert_mlp * self.n_experts_per_tok + self.shared_mlp
 
     def head_cost(self, seq_len: int) -> float:
         """The head's forward FLOPs in units of one block's forward."""

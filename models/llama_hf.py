@@ -1,6 +1,7 @@
 """The Llama family in Hugging Face's layout (LlamaForCausalLM,
 MistralForCausalLM, Qwen2ForCausalLM, and the mixtures of experts
-MixtralForCausalLM and Qwen3MoeForCausalLM): names, shapes and config.json.
+MixtralForCausalLM, Qwen2MoeForCausalLM and Qwen3MoeForCausalLM): names,
+shapes and config.json.
 
 Hugging Face stores each layer separately, every projection a torch Linear
 weight of shape (out, in): q_proj is (H Q, D), our (D, H, Q) transposed
@@ -21,10 +22,10 @@ import numpy as np
 from models.gpt_hf import padded_rows as _padded
 from models.llama import LlamaConfig
 
-MODEL_TYPES = ("llama", "mistral", "qwen2", "mixtral", "qwen3_moe")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "mixtral", "qwen2_moe", "qwen3_moe")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "mixtral": "MixtralForCausalLM",
-                 "qwen3_moe": "Qwen3MoeForCausalLM"}
+                 "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 # A mixture of experts' tensors in layer i: the router, and expert j's
 # (gate, up, down) matrices, as torch Linear weights (out, in).
 EXPERTS = {"mixtral": ("block_sparse_moe.gate.weight",
@@ -34,6 +35,7 @@ EXPERTS = {"mixtral": ("block_sparse_moe.gate.weight",
            "qwen3_moe": ("mlp.gate.weight",
                          ("mlp.experts.{j}.gate_proj.weight", "mlp.experts.{j}.up_proj.weight",
                           "mlp.experts.{j}.down_proj.weight"))}
+EXPERTS["qwen2_moe"] = EXPERTS["qwen3_moe"]
 STACKED = ("blocks.moe.w_experts_gate", "blocks.moe.w_experts_up", "blocks.moe.w_experts_down")
 
 Get = Callable[[str], np.ndarray]  # Hugging Face tensor by name
@@ -57,7 +59,7 @@ def shape_from(hf: dict, where: str = "config.json") -> dict:
         "max_seq_len": hf["max_position_embeddings"], "rope_theta": float(theta),
         "rms_eps": float(hf.get("rms_norm_eps", 1e-6)),
         "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
-        "qkv_bias": kind == "qwen2" or bool(hf.get("attention_bias", False)),
+        "qkv_bias": kind in ("qwen2", "qwen2_moe") or bool(hf.get("attention_bias", False)),
     }
     head_dim = hf.get("head_dim")
     if head_dim and head_dim != hf["hidden_size"] // heads:
@@ -78,7 +80,7 @@ def shape_from(hf: dict, where: str = "config.json") -> dict:
     if kind == "mixtral":
         fields.update(n_experts=hf["num_local_experts"], n_experts_per_tok=hf["num_experts_per_tok"],
                       router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.0)))
-    if kind == "qwen3_moe":
+    if kind in ("qwen2_moe", "qwen3_moe"):
         if hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1:
             raise ValueError(f"{where}: dense layers among the experts' (mlp_only_layers, "
                              "decoder_sparse_step != 1) are not supported: every layer here is "
@@ -86,9 +88,12 @@ def shape_from(hf: dict, where: str = "config.json") -> dict:
         # Published configs say num_experts; transformers 5 writes num_local_experts.
         experts = hf.get("num_experts", hf.get("num_local_experts"))
         fields.update(n_experts=experts, n_experts_per_tok=hf["num_experts_per_tok"],
-                      d_expert=hf["moe_intermediate_size"], qk_norm=True,
+                      d_expert=hf["moe_intermediate_size"], qk_norm=kind == "qwen3_moe",
                       norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
                       router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.0)))
+        if kind == "qwen2_moe":  # one shared expert of its own width, sigmoid-gated
+            fields.update(n_shared_experts=1, shared_expert_gate=True,
+                          d_shared=hf["shared_expert_intermediate_size"])
         if fields["d_expert"] == fields["d_mlp"]:
             fields.pop("d_expert")
     return fields
@@ -109,16 +114,19 @@ def config_json(cfg: LlamaConfig) -> dict:
         out.update(attention_bias=cfg.qkv_bias, mlp_bias=False)
     if cfg.family in ("mistral", "qwen2"):
         out["sliding_window"] = cfg.sliding_window or None
-    if cfg.family in ("qwen2", "qwen3_moe"):
+    if cfg.family in ("qwen2", "qwen2_moe", "qwen3_moe"):
         out["use_sliding_window"] = bool(cfg.sliding_window)
     if cfg.family == "mixtral":
         out.update(num_local_experts=cfg.n_experts, num_experts_per_tok=cfg.n_experts_per_tok,
                    router_aux_loss_coef=cfg.router_aux_loss_coef, sliding_window=None)
-    if cfg.family == "qwen3_moe":
+    if cfg.family in ("qwen2_moe", "qwen3_moe"):
         out.update(num_experts=cfg.n_experts, num_experts_per_tok=cfg.n_experts_per_tok,
                    moe_intermediate_size=cfg.expert_mlp, norm_topk_prob=cfg.norm_topk_prob,
                    router_aux_loss_coef=cfg.router_aux_loss_coef, decoder_sparse_step=1,
-                   mlp_only_layers=[], attention_bias=False)
+                   mlp_only_layers=[])
+        out["attention_bias" if cfg.family == "qwen3_moe" else "qkv_bias"] = cfg.qkv_bias
+    if cfg.family == "qwen2_moe":
+        out["shared_expert_intermediate_size"] = cfg.shared_mlp
     if cfg.rope_scaling:
         factor, low, high, original = cfg.rope_scaling
         out["rope_scaling"] = {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
@@ -147,6 +155,14 @@ def _layer_map(cfg: LlamaConfig) -> dict[str, tuple[str, Callable, Callable, tup
     if cfg.n_experts:
         router = EXPERTS[cfg.family][0]
         out["blocks.moe.w_router"] = (router, lambda w: w.T, lambda w: w.T, (cfg.n_experts, D))
+        S = cfg.shared_mlp
+        if cfg.family == "qwen2_moe":  # the shared expert, and its gate as a (1, D) Linear
+            for ours, theirs, shape in (("gate", "gate_proj", (S, D)), ("up", "up_proj", (S, D)),
+                                        ("down", "down_proj", (D, S))):
+                out[f"blocks.moe.w_shared_{ours}"] = (f"mlp.shared_expert.{theirs}.weight",
+                                                      lambda w: w.T, lambda w: w.T, shape)
+            out["blocks.moe.w_shared_mix"] = ("mlp.shared_expert_gate.weight", lambda w: w.T,
+                                              lambda w: w.T, (1, D))
     else:
         out.update({
             "blocks.w_gate": ("mlp.gate_proj.weight", lambda w: w.T, lambda w: w.T, (F, D)),

@@ -228,15 +228,20 @@ class MoEMLP(nn.Module):
             w_gate, w_up, w_down)
         out = h.act(out, tokens)
         if c.n_shared_experts:
-            S = c.n_shared_experts * F
+            S = c.shared_mlp
             shared_gate = h.dense("btd,df->btf", y_BxTxD,
                                   param("w_shared_gate", (D, S), ("embed", "mlp")), ("embed", "mlp"))
             shared_up = h.dense("btd,df->btf", y_BxTxD,
                                 param("w_shared_up", (D, S), ("embed", "mlp")), ("embed", "mlp"))
             hidden = jax.nn.silu(shared_gate.astype(jnp.float32)).astype(shared_up.dtype) * shared_up
-            out = out + h.dense("btf,fd->btd", hidden,
-                                param("w_shared_down", (S, D), ("mlp", "embed"), residual),
-                                ("mlp", "embed"))
+            shared = h.dense("btf,fd->btd", hidden,
+                             param("w_shared_down", (S, D), ("mlp", "embed"), residual),
+                             ("mlp", "embed"))
+            if c.shared_expert_gate:  # Qwen2-MoE: a per-token sigmoid scales them
+                mix = h.dense("btd,do->bto", y_BxTxD, param("w_shared_mix", (D, 1), ("embed", None)),
+                              ("embed", None))
+                shared = (jax.nn.sigmoid(mix.astype(jnp.float32)) * shared).astype(shared.dtype)
+            out = out + shared
         return out, stats
 
 

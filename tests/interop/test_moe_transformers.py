@@ -1,8 +1,10 @@
 """Mixture-of-experts checkpoints written by transformers import into
 zero_jax and export back (models/llama_hf.py, scripts/export.py).
 
-For MixtralForCausalLM (8 experts, top-2) and Qwen3MoeForCausalLM (q/k
-norms, 8 experts of their own width, top-2 renormalised), built by
+For MixtralForCausalLM (8 experts, top-2), Qwen2MoeForCausalLM (q/k/v
+biases, a sigmoid-gated shared expert of its own width, top-2 not
+renormalised) and Qwen3MoeForCausalLM (q/k norms, 8 experts of their own
+width, top-2 renormalised), built by
 transformers from a small config with random weights and saved with
 `save_pretrained`:
   - the import computes transformers' logits, float32, within 1e-4, on one
@@ -37,6 +39,10 @@ ARCHITECTURES = {
     "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM,
                 dict(intermediate_size=96, num_local_experts=8, rope_theta=1e6,
                      sliding_window=None)),
+    "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM,
+                  dict(intermediate_size=128, moe_intermediate_size=48, num_experts=8,
+                       shared_expert_intermediate_size=80, norm_topk_prob=False,
+                       rope_theta=1e6, use_sliding_window=False)),
     "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM,
                   dict(intermediate_size=128, moe_intermediate_size=48, num_experts=8,
                        head_dim=16, norm_topk_prob=True, rope_theta=1e6,
