@@ -1,10 +1,11 @@
-"""A mixture-of-experts MLP for the Llama family (Mixtral, Qwen3-MoE).
+"""A mixture-of-experts MLP for the Llama family (Mixtral, Qwen2-MoE, Qwen3-MoE).
 
 A router (a linear map, no bias) scores every expert for each token; each
 token goes to its top-k (token choice), weighted by the softmax of the
 scores, renormalised over the k where the model says so (Mixtral, Qwen3).
 Each expert is a SwiGLU MLP; the experts' matrices are stored stacked,
-`(experts, embed, mlp)`.
+`(experts, embed, mlp)`. Shared experts (DeepSeek, Qwen2-MoE: always on,
+Qwen2-MoE's scaled by a per-token sigmoid) are a dense SwiGLU beside them.
 
 Dropless (the default): a device's token copies are sorted by expert and
 multiplied with grouped matmuls (`jax.lax.ragged_dot`), so no token is

@@ -26,7 +26,7 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 GRID = list(itertools.product(SCHEDULES, MESHES, (4, 8), (1, 3)))
 # CI's time budget covers a sixth of the grid for one step: every schedule on
 # two meshes (zb-h1 on one here, its traffic checked on the other below) and
-# every mesh under two schedules, each (m, ZeRO) pair at least once; and three
+# every mesh under two schedules, each (m, ZeRO) pair at least once; and two
 # ten-step runs. ZERO_JAX_FULL_GRID=1 runs all 36 of both.
 FULL = bool(os.environ.get("ZERO_JAX_FULL_GRID"))
 ONE = GRID if FULL else [
@@ -34,8 +34,7 @@ ONE = GRID if FULL else [
     ("1f1b", "pipe2-fsdp2-tensor2", 8, 1), ("1f1b", "pipe2-fsdp4", 4, 3),
     ("interleaved", "pipe4-data2", 4, 1), ("interleaved", "pipe2-fsdp2-tensor2", 8, 3),
     ("zb-h1", "pipe2-fsdp2-tensor2", 4, 3)]
-TEN = GRID if FULL else [("1f1b", "pipe4-data2", 4, 3), ("interleaved", "pipe2-fsdp2-tensor2", 8, 1),
-                         ("zb-h1", "pipe2-fsdp2-tensor2", 8, 3)]
+TEN = GRID if FULL else [("1f1b", "pipe4-data2", 4, 3), ("interleaved", "pipe2-fsdp2-tensor2", 8, 1)]
 
 
 def _job(corpus, schedule, mesh, m, zero, **extra):
@@ -173,7 +172,8 @@ def test_one_f_one_b_memory_is_below_gpipe_and_flat_in_m(corpus, capsys):
     for schedule, m in itertools.product(("gpipe", "1f1b"), (8, 32)):
         job = make_job(corpus, mesh="pipe=4,data=2", n_layer=8, seq_len=128, batch_size=rows * m,
                        pipeline_schedule=schedule, microbatches=m)
-        temp[schedule, m] = compile_step(job).memory_analysis().temp_size_in_bytes
+        # Memory only: compiled at the tests' quick LLVM level (buffers are assigned before it).
+        temp[schedule, m] = job.compile_train_step().memory_analysis().temp_size_in_bytes
     d_model = job.model.config.d_model
     act = rows // 2 * 128 * d_model * 4  # one stage input, per device (fp32)
     with capsys.disabled():

@@ -15,23 +15,14 @@ transformers from a small config with random weights and saved with
 Run by `make test-interop`.
 """
 
-import subprocess
-import sys
-from pathlib import Path
-
-import jax
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch", reason="make test-interop installs torch")
 transformers = pytest.importorskip("transformers", reason="make test-interop installs transformers")
 
-import models  # noqa: E402
-from tests.helpers import make_job  # noqa: E402
-from zero_jax import generate, run  # noqa: E402
-from zero_jax.checkpoint import manager as ckpt_lib  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.interop.roundtrip import exported, imported, logits  # noqa: E402
+from zero_jax import generate  # noqa: E402
 SHAPE = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64, num_experts_per_tok=2,
              initializer_range=0.2)  # wide enough that greedy text and routing vary
@@ -60,42 +51,24 @@ def saved(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(tmp / "whole")
     with torch.no_grad():
-        logits = model(torch.tensor(TOKENS)).logits.numpy()
-    return request.param, model_cls, model, logits, tmp
-
-
-def _imported(corpus, directory, mesh, n_devices):
-    job = make_job(corpus, model=f"hf:{directory}", mesh=mesh, zero_stage=3,
-                   devices=jax.devices()[:n_devices])
-    return job, run.load_params(str(directory), job, loaders=[models.hf_loader])
-
-
-def _logits(job, params, tokens):
-    return np.asarray(jax.jit(lambda p, t: job.model.logits(p, t, job.hooks))(params, tokens))
+        expected = model(torch.tensor(TOKENS)).logits.numpy()
+    return request.param, model_cls, model, expected, tmp
 
 
 @pytest.mark.parametrize("mesh,n", [("data=1", 1), ("expert=2,fsdp=2", 4)])
 def test_imported_weights_compute_transformers_logits(corpus, saved, mesh, n):
     name, _, _, theirs, tmp = saved
-    job, params = _imported(corpus, tmp / "whole", mesh, n)
-    ours = _logits(job, params, TOKENS)
+    job, params = imported(corpus, tmp / "whole", mesh, n)
+    ours = logits(job, params, TOKENS)
     print(f"{name} on {mesh}: max |logits difference| {np.abs(ours - theirs).max():.2e}")
     np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
 
 
 def test_export_loads_in_transformers_and_generates_the_same_text(corpus, saved, tmp_path):
     name, model_cls, model, theirs, tmp = saved
-    job, params = _imported(corpus, tmp / "whole", "data=1", 1)
-    state = job.state_from_params(params)
-    writer = ckpt_lib.Checkpointer(ckpt_lib.CheckpointConfig(dir=str(tmp_path / "ckpt")),
-                                   job.layout.names, writer=True)
-    writer.save(0, job.layout.saved_form(state), run.checkpoint_meta(job, 0))
-    writer.wait()
-    p = subprocess.run([sys.executable, "scripts/export.py", "--checkpoint-dir",
-                        str(tmp_path / "ckpt"), "--hf-dir", str(tmp_path / "hf")],
-                       cwd=ROOT, capture_output=True, text=True)
-    assert p.returncode == 0, p.stderr
-    back = model_cls.from_pretrained(tmp_path / "hf", torch_dtype=torch.float32).eval()
+    job, params = imported(corpus, tmp / "whole", "data=1", 1)
+    back = model_cls.from_pretrained(exported(job, params, tmp_path),
+                                     torch_dtype=torch.float32).eval()
     with torch.no_grad():
         np.testing.assert_allclose(back(torch.tensor(TOKENS)).logits.numpy(), theirs,
                                    atol=1e-5, rtol=0)
