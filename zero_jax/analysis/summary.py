@@ -109,9 +109,11 @@ def summary_rows(job: Job, data_line: str, model_line: str,
           if n in used and "tensor" in layout.rules.mesh_axes(n)]
     master = ("; float32 master weights in the sharded optimizer state, a working copy "
               "stored replicated" if layout.master else "")
-    reduce = ("every microbatch, into shards" if job.model.experts and t.microbatches > 1
-              else "once per step" if job.reduce_once or t.microbatches == 1
-              else "every microbatch, into shards")
+    # A mixture of experts reduces each microbatch whatever --grad-reduce says
+    # (step.unreduced_axes); into shards only where ZeRO shards the gradients.
+    each = t.microbatches > 1 and (bool(job.model.experts) or not job.reduce_once)
+    reduce = ("every microbatch" + (", into shards" if stage.grads else "") if each
+              else "once per step")
     return [
         ("model", f"{model_line} ({report.param_count / 1e6:.2f} M parameters)"),
         ("data", data_line),
