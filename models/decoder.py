@@ -5,6 +5,7 @@ functions the train step needs from a module with `embed`, `stack` and
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import flax.linen as nn
@@ -47,8 +48,12 @@ def block_ops(seq_len: int, d_model: int, heads: int, head_dim: int, qkv_feature
             *mlp]
 
 
-def fns(module: type[nn.Module], block: type[nn.Module], cfg: Any) -> dict[str, Any]:
-    """init, apply, decay_mask and pipeline (ModelFns fields) of `module`."""
+def fns(module: type[nn.Module], block: type[nn.Module], cfg: Any,
+        router_penalty: Any = None) -> dict[str, Any]:
+    """init, apply, decay_mask, pipeline and router_penalty (ModelFns fields)
+    of `module`; a mixture of experts gives its `router_penalty` (a
+    function of the stats over every layer and the rows' weights, with a
+    keyword `layers` for those of some of them: moe.penalty)."""
 
     def init(key):
         tokens = jnp.zeros((1, min(8, cfg.max_seq_len)), jnp.int32)
@@ -65,8 +70,7 @@ def fns(module: type[nn.Module], block: type[nn.Module], cfg: Any) -> dict[str, 
     def stage(blocks, x_BxTxD, hooks):
         n = jax.tree.leaves(blocks)[0].shape[0]
         stack = scanned(block, dataclasses.replace(cfg, n_layer=n), hooks)
-        y, _ = stack.apply({"params": blocks}, x_BxTxD, None)
-        return y
+        return stack.apply({"params": blocks}, x_BxTxD, None)
 
     pipeline = PipelineFns(
         split=lambda params: ({k: v for k, v in params.items() if k != "blocks"}, params["blocks"]),
@@ -77,8 +81,11 @@ def fns(module: type[nn.Module], block: type[nn.Module], cfg: Any) -> dict[str, 
         head=lambda outer, x, hooks: module(cfg, hooks).apply({"params": outer}, x,
                                                               method=module.head),
         vocab_parallel=True,
+        penalty=None if router_penalty is None
+        else functools.partial(router_penalty, layers=cfg.n_layer),
     )
-    return {"init": init, "apply": apply, "decay_mask": decay_mask, "pipeline": pipeline}
+    return {"init": init, "apply": apply, "decay_mask": decay_mask, "pipeline": pipeline,
+            "router_penalty": router_penalty}
 
 
 # Fields whose zero is a choice (no router loss; dropless), not "the preset's".

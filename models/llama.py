@@ -372,14 +372,13 @@ class Llama(nn.Module):
 
 def model_fns(cfg: LlamaConfig) -> ModelFns:
     """The Llama as the zero_jax train step sees it."""
-    return ModelFns(**decoder.fns(Llama, Block, cfg), vocab_size=cfg.vocab_size,
+    penalty = functools.partial(moe.penalty, aux_coef=cfg.router_aux_loss_coef,
+                                z_coef=cfg.router_z_loss_coef) if cfg.n_experts else None
+    return ModelFns(**decoder.fns(Llama, Block, cfg, penalty), vocab_size=cfg.vocab_size,
                     max_seq_len=cfg.max_seq_len,
                     layers=cfg.n_layer, flops_per_token=cfg.flops_per_token,
                     block_ops=cfg.block_ops,
                     activation_bytes=cfg.activation_bytes, config=cfg,
                     gathered_once=("wte",) if cfg.tie_embeddings else (),
                     head_cost=cfg.head_cost, replicable={"kv_heads": cfg.n_kv_head},
-                    router_penalty=functools.partial(
-                        moe.penalty, aux_coef=cfg.router_aux_loss_coef,
-                        z_coef=cfg.router_z_loss_coef) if cfg.n_experts else None,
                     experts=cfg.n_experts)

@@ -247,14 +247,20 @@ class MoEMLP(nn.Module):
 
 
 def penalty(stats: dict[str, jax.Array], row_weights_B: jax.Array, aux_coef: float,
-            z_coef: float) -> tuple[jax.Array, dict[str, jax.Array]]:
+            z_coef: float, layers: int | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The router losses of a batch (or part of one) from the stacked layers'
     `row_stats` (L, B, ...): each the mean over layers of the rows' values
     weighted by their share of the batch's targets (summing over the parts
     of a batch gives the batch's), and the term they add to the training
-    loss; with the copies routed to each expert per layer (L, E)."""
+    loss; with the copies routed to each expert per layer (L, E).
+
+    With `layers`, the stats are those of some of the model's `layers`
+    (a pipeline stage's): the sum over them divided by `layers`, so that
+    the stages' values add up to the model's mean (rows of zeros, a padding
+    slot's, add nothing)."""
     def weighted(x_LxB):
-        return jnp.mean(jnp.sum(x_LxB * row_weights_B, axis=-1))
+        total = jnp.sum(x_LxB * row_weights_B)
+        return total / (x_LxB.shape[0] if layers is None else layers)
 
     aux, z = weighted(stats["aux_loss"]), weighted(stats["z_loss"])
     return aux_coef * aux + z_coef * z, {"aux_loss": aux, "z_loss": z,

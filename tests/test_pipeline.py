@@ -344,7 +344,7 @@ def test_split_backward_leaves_the_weights_to_w_and_w_runs_no_forward():
     hooks = Hooks()
 
     def run(c, x, h):
-        return fns.pipeline.stage(c, x, h)
+        return fns.pipeline.stage(c, x, h)[0]  # (output, per-layer statistics)
 
     split = SplitBackward(run, chunk, x, hooks)
     products = [p for p in split.products if p is not None]

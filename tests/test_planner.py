@@ -167,7 +167,8 @@ def test_bloom_own_layout_predicts_the_published_throughput():
 
 def test_a_mixture_of_experts_is_planned_over_expert_axes():
     """Mixtral-8x7B on 8 x 8 H100: the search takes every expert axis that
-    divides the 8 experts and the data-parallel devices; an expert layout's
+    divides the 8 experts and the data-parallel devices, with pipelines as
+    without (their stages carry the router losses); an expert layout's
     job splits the experts over `expert`, its step charges the all-to-alls
     (there and back per forward pass and backward, each device's block for
     all of its copies times e, (e - 1) / e over the link), and its model
@@ -177,7 +178,7 @@ def test_a_mixture_of_experts_is_planned_over_expert_axes():
     cfg = build(1).config
     found = layouts.choices(cfg, h100, 512, stages=(3,), remats=("full",), micros=(1,))
     assert {c.expert for c in found if c.pipe == 1} == {1, 2, 4, 8}
-    assert not [c for c in found if c.pipe > 1]  # its router loss does not leave a stage
+    assert {c.expert for c in found if c.pipe == 2} == {1, 2, 4, 8}
     choice = layouts.Choice(1, 4, 16, 3, "full", 1, 32, expert=8)
     base = {"model.name": "mixtral-8x7b", "precision.policy": "bf16", "data.seq_len": 4096,
             "train.batch_size": 512}

@@ -204,7 +204,6 @@ def prepare_on(run: config_lib.RunConfig, build_model: Callable[[int], ModelFns]
             f"({run.model.name}); use --seq-len {model.max_seq_len} or less")
     check_experts(model, shape.sizes, run.parallel.grad_reduce)
     schedule, cut = pipeline_schedule(run, model, shape)
-    check_router_losses(model, schedule is not None, shape.sizes["pipe"])
     chosen = rules.preset(run.parallel.layout, shape.sizes)
     axis_rules, notes = unsplit_where_indivisible(chosen.rules, model, shape.sizes)
     zero_stage = chosen.zero_stage if run.parallel.zero_stage is None else run.parallel.zero_stage
@@ -294,20 +293,6 @@ def check_experts(model: ModelFns, sizes: dict[str, int], grad_reduce: str) -> N
             f"the model's {model.experts} experts do not split over expert={ep}; choose an "
             f"expert axis that divides {model.experts} (the rest of the devices on data or "
             "fsdp)")
-
-
-def check_router_losses(model: ModelFns, pipelined: bool, pipe: int) -> None:
-    """A pipeline stage's router statistics do not leave it yet, so a
-    pipelined mixture of experts trains without router losses."""
-    cfg = model.config
-    coefs = {f: getattr(cfg, f, 0.0) for f in ("router_aux_loss_coef", "router_z_loss_coef")}
-    given = {f: c for f, c in coefs.items() if c}
-    if pipelined and model.experts and given:
-        flags = " ".join(f"--{f.replace('_', '-')} 0" for f in given)
-        raise config_lib.ConfigError(
-            f"pipe={pipe} with router losses ({', '.join(f'{f}={c:g}' for f, c in given.items())}): "
-            "the router's losses are not carried through pipeline stages; train with "
-            f"{flags}, or without a pipe axis (expert, fsdp and data over the same devices)")
 
 
 def unsplit_where_indivisible(axis_rules: rules.AxisRules, model: ModelFns,

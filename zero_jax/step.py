@@ -240,10 +240,12 @@ def pipelined(layout: Layout, model: ModelFns, hooks: Hooks, sched: Schedule,
         outer=outer_specs, names=fns.split(layout.names)[0], row_blocks=row_blocks)
 
     def loss_and_grads(params, batch, scale):
-        loss, grads = pipeline_lib.loss_and_grads(
+        loss, router, grads = pipeline_lib.loss_and_grads(
             fns, hooks, sched, layout.mesh, params, batch,
             jnp.float32(1.0) if scale is None else scale, where)
-        metrics = {"loss": loss if scale is None else loss / scale}
+        if "expert_load" in router and layout.stages is not None:  # stored slots -> layers
+            router["expert_load"] = layout.stages.unpad(router["expert_load"])
+        metrics = {"loss": loss if scale is None else loss / scale, **router}
         if axes:
             grads = reduce_partials(grads, layout.specs.grads, layout.mesh, axes,
                                     layout.mesh_shape.shard_axes)

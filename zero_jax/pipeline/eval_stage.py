@@ -74,7 +74,7 @@ class EvalStage(LocalStage):
         mb = self.microbatch(row.f_mb)
         x = jax.lax.cond(row.f_first, lambda: self.embed(mb["tokens"], h),
                          lambda: self.act(inbox[row.f_read]))
-        y = self.act(self.run(self.chunk(row.f_chunk), x, h, row.f_layers))
+        y = self.act(self.run(self.chunk(row.f_chunk), x, h, row.f_layers)[0])
 
         def loss():
             return cross_entropy(self.fns.head(self.outer, y, h), mb["tokens"][:, 1:],
@@ -94,7 +94,7 @@ class EvalStage(LocalStage):
                           lambda: self.x_zero)
         x = jnp.where(row.f_first, x0, inbox[row.f_read])
         chunk = self.chunk(row.f_chunk)
-        y = jax.lax.cond(row.f, lambda: self.act(self.run(chunk, x, self.hooks, row.f_layers)),
+        y = jax.lax.cond(row.f, lambda: self.act(self.run(chunk, x, self.hooks, row.f_layers)[0]),
                          lambda: self.x_zero)
 
         def head_loss():

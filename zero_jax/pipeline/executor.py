@@ -58,11 +58,17 @@ class PipelineFns:
     split: Callable[[Any], tuple[Any, Any]]  # params -> (outer params, stacked layers)
     merge: Callable[[Any, Any], Any]  # (outer, stacked) -> params
     embed: Callable[[Any, jax.Array, Any], jax.Array]  # (outer, tokens B x T, hooks) -> x
-    stage: Callable[[Any, jax.Array, Any], jax.Array]  # (stacked slice, x, hooks) -> x
+    # (stacked slice, x, hooks) -> (x, per-layer statistics: the layers'
+    # scan outputs, None for a dense model)
+    stage: Callable[[Any, jax.Array, Any], tuple[jax.Array, Any]]
     head: Callable[[Any, jax.Array, Any], jax.Array]  # (outer, x, hooks) -> logits
     # embed only reads table rows through hooks.lookup, and head's logits run
     # over the rows of a table: both can run on row blocks (hooks.RowSplit)
     vocab_parallel: bool = False
+    # A mixture of experts: (a stage's statistics over its n layers, its
+    # rows' weights (B,)) -> (its part of the router losses' term in the
+    # training loss, their metrics): n / L of the model's mean over layers
+    penalty: Callable[[Any, jax.Array], tuple[jax.Array, dict]] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,9 +124,15 @@ def _layer_counts(where: StageLayout, stack: Any, p: int, v: int) -> np.ndarray:
 
 
 def loss_and_grads(fns: PipelineFns, hooks, schedule: Schedule, mesh: Mesh, params: Any,
-                   batch: jax.Array, scale: jax.Array, where: StageLayout) -> tuple[jax.Array, Any]:
-    """Mean loss (times `scale`) and gradients of `params` over `batch` (a
-    `step.weighted` batch), pipelined.
+                   batch: jax.Array, scale: jax.Array,
+                   where: StageLayout) -> tuple[jax.Array, dict, Any]:
+    """Mean loss (times `scale`), router metrics and gradients of `params`
+    over `batch` (a `step.weighted` batch), pipelined.
+
+    The router metrics are a mixture of experts' (`fns.penalty`; {} for a
+    dense model): aux_loss and z_loss, and expert_load per stored slot of
+    the stack (its padding slots zeros), for the caller to put in layer
+    order.
 
     Gradients come back as sums per shard of the batch over
     `where.shard_axes`, with a leading axis of `where.shards`, for the caller
@@ -137,12 +149,15 @@ def loss_and_grads(fns: PipelineFns, hooks, schedule: Schedule, mesh: Mesh, para
     piped = jax.tree.map(lambda _: PartitionSpec("pipe"), stack)
     per_shard_piped = jax.tree.map(lambda _: PartitionSpec(None, "pipe"), stack)
     per_shard_outer = map_specs(lambda s: PartitionSpec(None, *s), outer_specs)
+    router = {} if fns.penalty is None else {"aux_loss": PartitionSpec(),
+                                             "z_loss": PartitionSpec(),
+                                             "expert_load": PartitionSpec("pipe")}
     run = jax.shard_map(functools.partial(_train, loop, cpu, rows, ends, outer_specs), mesh=mesh,
                         in_specs=(outer_specs, piped, PartitionSpec(), PartitionSpec()),
-                        out_specs=(PartitionSpec(), per_shard_outer, per_shard_piped),
+                        out_specs=(PartitionSpec(), router, per_shard_outer, per_shard_piped),
                         axis_names={"pipe"}, check_vma=False)
-    loss, g_outer, g_stack = run(outer, stack, micro, scale)
-    return loss, fns.merge(g_outer, g_stack)
+    loss, router, g_outer, g_stack = run(outer, stack, micro, scale)
+    return loss, router, fns.merge(g_outer, g_stack)
 
 
 def _train(loop: _Loop, cpu: bool, rows: RowSplit | None, ends, outer_specs, outer, stack, micro,
@@ -150,7 +165,8 @@ def _train(loop: _Loop, cpu: bool, rows: RowSplit | None, ends, outer_specs, out
     """One device's training loop, inside `shard_map`: the loss summed over
     `pipe`, the embedding's and head's gradients (the row block of each
     table taken in blocks, `outer_specs`; the rest summed over `pipe`, bf16
-    in float32 on CPU, hooks.psum) and its stage's gradients."""
+    in float32 on CPU, hooks.psum) and its stage's gradients; the router
+    metrics, summed over `pipe` but expert_load, the device's slots'."""
     # Inside, shardings refer to the context mesh, whose `pipe` is manual.
     inner = jax.sharding.get_abstract_mesh()
     hooks = dataclasses.replace(loop.hooks, mesh=inner)
@@ -167,7 +183,9 @@ def _train(loop: _Loop, cpu: bool, rows: RowSplit | None, ends, outer_specs, out
     g_stack = jax.tree.map(lambda a: a.reshape(a.shape[0], -1, *a.shape[3:]), c.g_stack)
     g_outer = jax.tree.map(lambda g, s: g if s == PartitionSpec("pipe") else psum(g, "pipe", cpu),
                            c.g_outer, spec_leaves_like(c.g_outer, outer_specs))
-    return jax.lax.psum(c.loss.sum(), "pipe"), g_outer, g_stack
+    router = {k: a.reshape(-1, *a.shape[2:]) if k == "expert_load" else jax.lax.psum(a, "pipe")
+              for k, a in c.router.items()}
+    return jax.lax.psum(c.loss.sum(), "pipe"), router, g_outer, g_stack
 
 
 def loss(fns: PipelineFns, hooks, schedule: Schedule, mesh: Mesh, params: Any, batch: jax.Array,

@@ -97,6 +97,10 @@ class LocalStage:
     def microbatch(self, i):
         return jax.tree.map(lambda a: a[i], self.micro)
 
+    def row_weights(self, i) -> jax.Array:
+        """Each row's share of the batch's targets in microbatch i (B,)."""
+        return jnp.sum(self.micro["weights"][i], axis=-1)
+
     def chunk(self, k):
         """The device's local chunk k of the stack."""
         return jax.tree.map(lambda a: a[k], self.chunks)
@@ -115,19 +119,23 @@ class LocalStage:
                         spmd_axis_name=self.where.shard_axes)(weights, *rows)
 
     def run(self, chunk, x, hooks, layers):
-        """The chunk's first `layers` slots on x. Where the cut has padding,
-        slot by slot, each padding slot passing x through (its weights get
-        a zero gradient); otherwise the model's own stack in one call."""
+        """The chunk's first `layers` slots on x: (output, per-slot
+        statistics, PipelineFns.stage). Where the cut has padding, slot by
+        slot, each padding slot passing x through (its weights get a zero
+        gradient, its statistics are zeros); otherwise the model's own stack
+        in one call."""
         stages = self.where.stages
         if stages is None or len(set(stages.counts)) == 1:
             return self.fns.stage(chunk, x, hooks)
 
         def slot(x, w_i):
             w, i = w_i
-            y = self.fns.stage(jax.tree.map(lambda a: a[None], w), x, hooks)
-            return jnp.where(i < layers, y, x), None
+            y, stats = self.fns.stage(jax.tree.map(lambda a: a[None], w), x, hooks)
+            real = i < layers
+            stats = jax.tree.map(lambda s: jnp.where(real, s[0], jnp.zeros((), s.dtype)), stats)
+            return jnp.where(real, y, x), stats
 
-        return jax.lax.scan(slot, x, (chunk, jnp.arange(stages.slots)))[0]
+        return jax.lax.scan(slot, x, (chunk, jnp.arange(stages.slots)))
 
     def zero_grads(self, tree, drop: int = 0):
         return jax.tree.map(lambda a: jnp.zeros((self.n, *a.shape[drop:]), self.where.grad_dtype),

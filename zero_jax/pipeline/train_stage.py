@@ -65,6 +65,7 @@ class Carry(NamedTuple):
     g_stack: Any  # the chunks' weight gradients, per shard: (shards, v, slots, ...)
     keep: Any  # split backward: what each waiting W needs, per W slot and shard
     loss: jax.Array  # loss sums, per shard
+    router: Any  # a mixture of experts: its router metrics' sums ({} for a dense model)
     stash: jax.Array  # F's inputs, kept for their B
 
 
@@ -147,7 +148,37 @@ class TrainStage(LocalStage):
                      stash=self.buffer(n_stash), keep=keep,
                      g_stack=self.pin(self.zero_grads(self.chunks), self.where.stage_grads),
                      g_outer=self.pin(self.zero_grads(self.outer), self.where.outer_grads),
-                     loss=jnp.zeros((self.n,), jnp.float32))
+                     loss=jnp.zeros((self.n,), jnp.float32), router=self.no_router())
+
+    # -- a mixture of experts' router losses ------------------------------------
+    def no_router(self) -> dict:
+        """Zero router metrics: aux_loss and z_loss, and expert_load per
+        local chunk and slot (v, slots, experts)."""
+        if self.fns.penalty is None:
+            return {}
+        slots = jax.tree.leaves(self.chunks)[0].shape[1]
+        rows = jax.ShapeDtypeStruct(self.x_zero.shape[:1], jnp.float32)
+        _, m = jax.eval_shape(lambda c, x, w: self.fns.penalty(
+            self.run(c, x, self.hooks, slots)[1], w), self.chunk(0), self.x_zero, rows)
+        v = jax.tree.leaves(self.chunks)[0].shape[0]
+        return {k: jnp.zeros((v, *a.shape) if k == "expert_load" else a.shape, a.dtype)
+                for k, a in m.items()}
+
+    def add_router(self, acc: dict, k, stats, mb) -> dict:
+        """acc plus the router metrics of a forward of local chunk k on microbatch mb."""
+        if self.fns.penalty is None:
+            return acc
+        _, m = self.fns.penalty(stats, self.row_weights(mb))
+        return {"aux_loss": acc["aux_loss"] + m["aux_loss"], "z_loss": acc["z_loss"] + m["z_loss"],
+                "expert_load": acc["expert_load"].at[k].add(m["expert_load"])}
+
+    def with_penalty(self, chunk, x, hooks, layers, row_weights):
+        """The chunk on x: (its output, its part of the router losses' term,
+        times the loss scale, float32), what a mixture of experts' backward
+        differentiates, the term seeded with one."""
+        y, stats = self.run(chunk, x, hooks, layers)
+        term, _ = self.fns.penalty(stats, row_weights)
+        return y, (term * self.loss_scale).astype(jnp.float32)
 
     def pin_keep(self, keep):
         """The W buffer, (slots, shards, layers, ...) per tap, its shards split
@@ -173,8 +204,10 @@ class TrainStage(LocalStage):
                              lambda: self.act(c.fwd[row.f_read]))
         else:
             x = jnp.where(row.f_first, x0, self.act(c.fwd[row.f_read]))
-        y = self.act(self.run(self.chunk(row.f_chunk), x, self.hooks, row.f_layers))
-        c = c._replace(stash=self.place(c.stash.at[row.f_stash].set(x)))
+        y, stats = self.run(self.chunk(row.f_chunk), x, self.hooks, row.f_layers)
+        y = self.act(y)
+        c = c._replace(stash=self.place(c.stash.at[row.f_stash].set(x)),
+                       router=self.add_router(c.router, row.f_chunk, stats, row.f_mb))
         if x0 is not None:
             return c, y
 
@@ -278,13 +311,22 @@ class TrainStage(LocalStage):
 
     def chunk_backward(self, f, c: Carry, row: Row):
         """f(run, chunk, x, dy) per shard, for the backward's chunk, its
-        stashed input x and its output's gradient dy."""
+        stashed input x and its output's gradient dy. A mixture of experts'
+        `run` returns its router losses' term too (`with_penalty`), and dy
+        is (dy, 1): the term is part of the loss."""
         h, chunk = self.shard_hooks, self.chunk(row.b_chunk)
         x, dy = c.stash[row.b_stash], c.bwd[row.b_read]
+        if self.fns.penalty is None:
+            def run(w, x):
+                return self.run(w, x, h, row.b_layers)[0]
+            return self.per_shard(functools.partial(f, run), chunk, self.split(x), self.split(dy))
 
-        def run(w, x):
-            return self.run(w, x, h, row.b_layers)
-        return self.per_shard(functools.partial(f, run), chunk, self.split(x), self.split(dy))
+        def with_router(chunk, x, dy, row_weights):
+            def run(w, x):
+                return self.with_penalty(w, x, h, row.b_layers, row_weights)
+            return f(run, chunk, x, (dy, jnp.ones((), jnp.float32)))
+        return self.per_shard(with_router, chunk, self.split(x), self.split(dy),
+                              self.split(self.row_weights(row.b_mb)))
 
     def backward_end(self, c: Carry, dx, row: Row) -> tuple[Carry, jax.Array]:
         """On the first chunk, the embedding's gradients from dx (per

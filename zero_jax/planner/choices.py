@@ -133,16 +133,13 @@ def choices(model_cfg, cluster: Cluster, global_batch: int, *, stages=(0, 1, 2, 
     Offload where the device kind has host figures: the optimizer state at
     ZeRO-1 and up, the parameters too at ZeRO-3 without a pipeline (job.py).
     A mixture of experts also takes every expert axis that divides both its
-    experts and the data-parallel devices; a pipeline of one trains without
-    its router losses (job.check_router_losses), so it is left out while
-    they are on."""
+    experts and the data-parallel devices."""
     if not cluster.device.can_offload:
         offloads = tuple(o for o in offloads if not o)
     out = []
     experts = getattr(model_cfg, "n_experts", 0)
-    router_losses = experts and (model_cfg.router_aux_loss_coef or model_cfg.router_z_loss_coef)
     for tensor, pipe, data in mesh_shapes(model_cfg, cluster):
-        if global_batch % data or (router_losses and pipe > 1):
+        if global_batch % data:
             continue
         rows = global_batch // data
         for micro in micros:
