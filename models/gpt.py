@@ -96,17 +96,20 @@ class GPTConfig:
 
     def activation_bytes(self, rows: int, seq_len: int, dtype_bytes: int, remat: Remat,
                          tensor: int = 1, sequence_parallel: bool = False,
-                         attention: str = "xla") -> float:
+                         attention: str = "xla", context: int = 1,
+                         context_attention: str = "") -> float:
         """Activation bytes one device holds at the peak of the backward pass,
         one microbatch (`activation_parts`): what the layers keep, and the
         larger of one rebuilt layer and the head."""
         kept, rebuilt, head = self.activation_parts(rows, seq_len, dtype_bytes, remat, tensor,
-                                                    sequence_parallel, attention)
+                                                    sequence_parallel, attention, context,
+                                                    context_attention)
         return kept + max(rebuilt, head)
 
     def activation_parts(self, rows: int, seq_len: int, dtype_bytes: int, remat: Remat,
                          tensor: int = 1, sequence_parallel: bool = False,
-                         attention: str = "xla") -> "ActivationParts":
+                         attention: str = "xla", context: int = 1,
+                         context_attention: str = "") -> "ActivationParts":
         """Activation bytes per device for one microbatch, in three parts.
 
         Per layer the block names what its backward pass needs (elements per
@@ -123,16 +126,25 @@ class GPTConfig:
         rebuilt layer are never live together. The head holds three float32
         tensors of the logits' size (the logits, their exponentials, their
         gradient), as the compiled programs do.
+
+        Over `context` every per-token tensor is a c-th (s / c tokens), and
+        the probabilities are `layers.attention_probs`'s; Ulysses also keeps
+        its head-split q, k and v, ring its log-sum-exp.
         """
-        s, b, h, f, a, L = seq_len, rows, self.d_model, self.d_mlp, self.n_head, self.n_layer
+        b, h, f, a, L = rows, self.d_model, self.d_mlp, self.n_head, self.n_layer
+        s = seq_len / context
         t = tensor
         res = s * b * h / (t if sequence_parallel else 1)  # residual-stream tensor
         full = s * b * h  # a row-parallel product before its reduction
         split = s * b * h / t  # a tensor split over heads
         mlp = s * b * f / t
-        probs = layers.attention_probs(a, s, b, t, attention)
+        probs = layers.attention_probs(a, seq_len, b, t, attention, context, context_attention)
         named = {"ln_out": 2 * res, "qkv": 3 * split, "attn_probs": probs, "attn_ctx": split,
                  "resid_mid": res, "mlp_hidden": mlp, "mlp_act": mlp}
+        if context_attention == "ulysses":
+            named["qkv"] += 3 * split
+        elif context_attention == "ring":
+            named["attn_ctx"] += s * b * a / t
         layer = res + sum(named.values())  # = 4 res + 4 split + probs + 2 mlp
         kept = {
             "none": L * layer,
@@ -253,8 +265,8 @@ class Block(nn.Module):
         # Causal attention, scores and softmax in float32 (layers.attention).
         def probs(p):
             return h.act(p, ("batch", "heads", "seq", None), name="attn_probs")
-        att_BxTxHxQ = h.act(layers.attention(q, k, v, h.attention, keep=probs,
-                                             segments_BxT=segments_BxT),
+        att_BxTxHxQ = h.act(h.attend(layers.attention, q, k, v, keep=probs,
+                                     segments_BxT=segments_BxT),
                             ("batch", "seq", "heads", "kv"), name="attn_ctx")
         out_BxTxD = dense("bthq,hqd->btd", att_BxTxHxQ, "w_o", (H, Q, D),
                           ("heads", "kv", "embed"), residual)
@@ -313,7 +325,9 @@ class GPT(nn.Module):
         # Positions are added in float32: their gradient is a sum over the
         # batch, and each device's part of it must reach the reduction across
         # devices in float32, not rounded to the compute dtype first.
-        at = jnp.arange(T) if segments_BxT is None else layers.positions(segments_BxT)
+        at = h.positions(T, segments_BxT)  # laid out over `context` (hooks.positions)
+        if at is None:
+            at = jnp.arange(T) if segments_BxT is None else layers.positions(segments_BxT)
         positions = h.lookup(self.wpe, at, ("pos", "embed"), out_dtype=jnp.float32)
         x_BxTxD = h.act((tokens.astype(jnp.float32) + positions).astype(h.dtype),
                         ("batch", "seq", "embed"))

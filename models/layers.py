@@ -66,11 +66,18 @@ def attention(q_BxTxHxQ, k_BxSxKxQ, v_BxSxKxQ, implementation: str = "xla", wind
     return jnp.einsum("bhts,bshq->bthq", probs, v)
 
 
-def attention_probs(heads: int, seq_len: int, rows: int, tensor: int, implementation: str) -> float:
+def attention_probs(heads: int, seq_len: int, rows: int, tensor: int, implementation: str,
+                    context: int = 1, strategy: str = "") -> float:
     """Elements per device of one layer's attention probabilities, which the
     model names (`attn_probs`) and remat policies keep or rebuild like any
-    named activation; none under cuDNN's kernel, which keeps row statistics."""
-    return 0.0 if implementation == "cudnn" else heads * seq_len * seq_len * rows / tensor
+    named activation; none under cuDNN's kernel, which keeps row statistics.
+    Over `context` (zero_jax/context): each device's queries' rows against
+    every key (all-gather), or every row of a c-th of the heads (ulysses),
+    a c-th either way; none under ring attention, whose blocks live one at
+    a time and whose backward recomputes them."""
+    if strategy == "ring" or (implementation == "cudnn" and strategy != "all-gather"):
+        return 0.0
+    return heads * seq_len * seq_len * rows / tensor / context
 
 
 def rms_norm(x, scale, eps: float):

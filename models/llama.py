@@ -169,32 +169,45 @@ class LlamaConfig:
 
     def activation_bytes(self, rows: int, seq_len: int, dtype_bytes: int, remat: Remat,
                          tensor: int = 1, sequence_parallel: bool = False,
-                         attention: str = "xla") -> float:
+                         attention: str = "xla", context: int = 1,
+                         context_attention: str = "") -> float:
         kept, rebuilt, head = self.activation_parts(rows, seq_len, dtype_bytes, remat, tensor,
-                                                    sequence_parallel, attention)
+                                                    sequence_parallel, attention, context,
+                                                    context_attention)
         return kept + max(rebuilt, head)
 
     def activation_parts(self, rows: int, seq_len: int, dtype_bytes: int, remat: Remat,
                          tensor: int = 1, sequence_parallel: bool = False,
-                         attention: str = "xla") -> ActivationParts:
+                         attention: str = "xla", context: int = 1,
+                         context_attention: str = "") -> ActivationParts:
         """Activation bytes per device for one microbatch (models/gpt.py has
         the method). Per layer the block names: the block input, both norm
         outputs and the residual after attention (4 s b h), q, k, v and the
         attention context ((2 H + 2 K) Q s b / t), the attention
         probabilities (a s^2 b / t; none under cuDNN's fused attention), the
-        SwiGLU gate and up projections and their product (3 s b f / t)."""
+        SwiGLU gate and up projections and their product (3 s b f / t).
+        Over `context` every per-token tensor is a c-th (s / c tokens), and
+        the probabilities are `layers.attention_probs`'s; Ulysses also keeps
+        its head-split q, k and v (k and v repeated to the heads where c
+        does not divide the kv heads), ring its log-sum-exp."""
         # A mixture of experts keeps its k copies' (and shared experts') hidden
         # widths per token, and the copies themselves (k s b h, dropless).
-        s, b, h, f, L, t = seq_len, rows, self.d_model, self.active_mlp, self.n_layer, tensor
+        b, h, f, L, t = rows, self.d_model, self.active_mlp, self.n_layer, tensor
+        s = seq_len / context
         H, K, Q = self.n_head, self.n_kv_head, self.q_dim
         res = s * b * h / (t if sequence_parallel else 1)
         full = s * b * h
         q = s * b * H * Q / t
         kv = s * b * K * Q / (t if K % t == 0 else 1)  # replicated where tensor does not divide K
         mlp = s * b * f / t
-        probs = layers.attention_probs(H, s, b, t, attention)
+        probs = layers.attention_probs(H, seq_len, b, t, attention, context, context_attention)
         named = {"ln_out": 2 * res, "qkv": q + 2 * kv, "attn_probs": probs, "attn_ctx": q,
                  "resid_mid": res, "mlp_hidden": 2 * mlp, "mlp_act": mlp}
+        if context_attention == "ulysses":
+            local_kv = K // t if K % t == 0 else K
+            named["qkv"] += q + 2 * (kv if local_kv % context == 0 else q)
+        elif context_attention == "ring":
+            named["attn_ctx"] += s * b * H / t
         copies = self.n_experts_per_tok * full if self.n_experts else 0
         layer = res + sum(named.values()) + copies
         kept = {
@@ -269,14 +282,16 @@ class Block(nn.Module):
         if c.qk_norm:  # Qwen3: each head's q and k normalised over its Q dimensions
             q, k = (_head_norm(c, h, param, x, name) for x, name in ((q, "q_norm"), (k, "k_norm")))
         inv_freq = layers.rope_frequencies(Q, c.rope_theta, c.rope_scaling)
-        at = None if segments_BxT is None else layers.positions(segments_BxT)
+        at = h.positions(x_BxTxD.shape[1], segments_BxT)  # laid out over `context`
+        if at is None and segments_BxT is not None:
+            at = layers.positions(segments_BxT)
         q = h.act(layers.rope(q, inv_freq, at), ("batch", "seq", "heads", "kv"), name="qkv")
         k = h.act(layers.rope(k, inv_freq, at), ("batch", "seq", "kv_heads", "kv"), name="qkv")
         v = h.act(v, ("batch", "seq", "kv_heads", "kv"), name="qkv")
         def probs(p):
             return h.act(p, ("batch", "heads", "seq", None), name="attn_probs")
-        att_BxTxHxQ = h.act(layers.attention(q, k, v, h.attention, c.sliding_window, keep=probs,
-                                             segments_BxT=segments_BxT),
+        att_BxTxHxQ = h.act(h.attend(layers.attention, q, k, v, window=c.sliding_window,
+                                     keep=probs, segments_BxT=segments_BxT),
                             ("batch", "seq", "heads", "kv"), name="attn_ctx")
         out_BxTxD = dense("bthq,hqd->btd", att_BxTxHxQ, "w_o", (H, Q, D),
                           ("heads", "kv", "embed"), residual)

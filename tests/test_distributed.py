@@ -91,9 +91,9 @@ def test_plan_reads_which_axes_cross_processes_from_the_devices():
 
     from zero_jax.sharding import mesh
     from zero_jax.analysis import summary as plan
-    four_by_two = np.repeat(np.arange(4), 2).reshape(1, 1, 8, 1, 1)  # process of each device
+    four_by_two = np.repeat(np.arange(4), 2).reshape(1, 1, 8, 1, 1, 1)  # process of each device
     assert plan.interconnect(mesh.load("fsdp=8").resolve(8), four_by_two) == \
         "fsdp: across processes (dcn 4 x ici 2)"
-    two_by_four = np.repeat(np.arange(2), 4).reshape(1, 2, 4, 1, 1)
+    two_by_four = np.repeat(np.arange(2), 4).reshape(1, 2, 4, 1, 1, 1)
     assert plan.interconnect(mesh.load("cpu-2x4").resolve(8), two_by_four) == \
         "data: across processes (dcn 2); fsdp: inside each process (ici 4)"

@@ -15,7 +15,8 @@ MESHES = Path(__file__).resolve().parent.parent / "meshes"
 def test_inline_spec_fills_missing_axes_with_one():
     cfg = mesh_lib.parse_inline("data=2,fsdp=4")
     mesh, shape = mesh_lib.build_mesh(cfg)
-    assert dict(mesh.shape) == {"pipe": 1, "data": 2, "fsdp": 4, "expert": 1, "tensor": 1}
+    assert dict(mesh.shape) == {"pipe": 1, "data": 2, "fsdp": 4, "expert": 1, "context": 1,
+                                "tensor": 1}
     assert shape.shard_axes == ("data", "fsdp")
     assert mesh.devices.size == 8
 
@@ -47,12 +48,12 @@ def test_gpu_4x8_is_hybrid_sharding_across_nodes():
 
 def test_dcn_axes_are_outer_blocks_of_devices():
     # data crosses 2 "hosts" of 4 devices; fsdp stays inside each host.
-    cfg = MeshConfig(ici=(1, 1, 4, 1, 1), dcn=(1, 2, 1, 1, 1))
+    cfg = MeshConfig(ici=(1, 1, 4, 1, 1, 1), dcn=(1, 2, 1, 1, 1, 1))
     mesh, _ = mesh_lib.build_mesh(cfg)
     ids = np.vectorize(lambda d: d.id)(mesh.devices).reshape(2, 4)
     assert ids.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
     # An axis with both parts: position i is host i // ici, slot i % ici.
-    cfg = MeshConfig(ici=(1, 2, 1, 1, 1), dcn=(1, 1, 4, 1, 1))  # data: 2 inside, fsdp: 4 hosts
+    cfg = MeshConfig(ici=(1, 2, 1, 1, 1, 1), dcn=(1, 1, 4, 1, 1, 1))  # data: 2 inside, fsdp: 4 hosts
     mesh, _ = mesh_lib.build_mesh(cfg)
     ids = np.vectorize(lambda d: d.id)(mesh.devices).reshape(2, 4)
     assert ids.tolist() == [[0, 2, 4, 6], [1, 3, 5, 7]]
@@ -88,6 +89,6 @@ def test_bad_mesh_files_are_clear_errors(tmp_path):
 
 def test_one_process_may_simulate_several_hosts():
     # One process holding 8 devices may simulate 2 hosts (planning, tests).
-    cfg = MeshConfig(ici=(1, 1, 4, 1, 1), dcn=(1, 2, 1, 1, 1))
+    cfg = MeshConfig(ici=(1, 1, 4, 1, 1, 1), dcn=(1, 2, 1, 1, 1, 1))
     mesh, shape = mesh_lib.build_mesh(cfg, jax.devices())
     assert shape.crosses_hosts("data")

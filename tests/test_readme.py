@@ -20,7 +20,9 @@ section above it (`docs-pipelines-0-run-a-pipeline`).
 
 Not run: blocks holding the line `# needs: a cluster` (srun, gcloud; at most
 MAX_CLUSTER_BLOCKS in all the files), and `make train` and `make test` in the
-README's first block (the 4-minute job, and this suite itself). The device
+README's first block (the 4-minute job, and this suite itself). Run only
+under ZERO_JAX_FULL_GRID=1, for the suite's time: the slowest docs blocks
+(FULL_ONLY), whose commands CI runs in their own tests (named there). The device
 count is the commands' own business: the test removes the suite's forced 8
 devices from XLA_FLAGS, so a command that does not ask for devices
 (`--devices 8`) gets one and fails as a user's would.
@@ -48,6 +50,14 @@ DOCS = sorted((ROOT / "docs").glob("*.md"))  # one page per task, run like the R
 CLUSTER = "# needs: a cluster"
 MAX_CLUSTER_BLOCKS = 3
 NOT_RUN = {"make train", "make test"}  # the 4-minute job; the suite this test is part of
+FULL = bool(os.environ.get("ZERO_JAX_FULL_GRID"))
+FULL_ONLY = {  # block id -> the tests that run its commands in CI
+    "docs-planning-0-plan-a-run": "test_planner.py (BLOOM's layout, plan.py's ranking and config)",
+    "docs-pipelines-0-run-a-pipeline": "test_scripts.py::test_pipelined_training_runs_and_prints_its_stages",
+    "docs-parallelism-0-activation-checkpointing": "test_scripts.py::test_memory_report_remat_table",
+    "docs-models-1-fine-tune-a-hugging-face-checkpoint": "test_llama.py (Hugging Face weights)",
+    "docs-offload-0-the-optimizer-on-the-host": "test_offload.py",
+}
 LINKED = ("scripts", "zero_jax", "models", "meshes")  # .venv: the interpreter's own, below
 SUBCOMMANDS = {name: Path(script).stem for name, script in cli.COMMANDS.items()}  # zero-jax's
 
@@ -198,6 +208,7 @@ def file_blocks(path: Path) -> list[tuple[str, str, str]]:
 
 BLOCKS = [b for path in [README, *DOCS] for b in file_blocks(path)]  # the README's first
 RUN = [b for b in BLOCKS if CLUSTER not in b[2] and runnable(b[2])]
+SAMPLED = RUN if FULL else [b for b in RUN if b[0] not in FULL_ONLY]
 
 
 def test_the_readme_has_runnable_blocks_and_few_cluster_ones():
@@ -213,7 +224,12 @@ def cache(tmp_path_factory):
     return tmp_path_factory.mktemp("readme_jax_cache")
 
 
-@pytest.mark.parametrize("heading,block", [(h, b) for _, h, b in RUN], ids=[i for i, _, _ in RUN])
+def test_the_full_only_blocks_exist():
+    assert set(FULL_ONLY) <= {i for i, _, _ in RUN}
+
+
+@pytest.mark.parametrize("heading,block", [(h, b) for _, h, b in SAMPLED],
+                         ids=[i for i, _, _ in SAMPLED])
 def test_readme_block_runs(heading, block, cache, tmp_path):
     cwd, env = workdir(tmp_path / "repo"), environment(cache)
     for command in runnable(block):

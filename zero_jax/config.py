@@ -31,6 +31,7 @@ LayoutName = Literal["auto", "dp", "fsdp", "fsdp_tp", "fsdp_tp_sp"]  # sharding/
 GradReduce = Literal["auto", "step", "microbatch"]  # job.resolve_grad_reduce
 PipelineTables = Literal["rows", "whole"]  # pipeline/executor.py row_tables
 Attention = Literal["auto", "xla", "cudnn"]  # job.attention_implementation
+ContextAttention = Literal["auto", "all-gather", "ring", "ulysses"]  # zero_jax/context
 DtypeOverride = Literal["", "float32", "bfloat16", "float16"]  # "": the policy's
 
 
@@ -53,6 +54,7 @@ class ModelConfig:
     n_kv_head: int = 0  # Llama family: key/value heads (0: the preset's)
     head_dim: int = 0  # Llama family: head size (0: the preset's, or d_model / n_head)
     rope_theta: float = 0.0  # Llama family: rotary base (0: the preset's)
+    sliding_window: int = 0  # Llama family: each query sees the last this many positions, Mistral's (0: the preset's, or all)
     tie_embeddings: bool | None = None  # Llama family: the head is the embedding (unset: the preset's)
     n_experts: int = 0  # mixture of experts: routed experts per block (0: the preset's)
     n_experts_per_tok: int = 0  # mixture of experts: experts per token, top-k (0: the preset's)
@@ -65,7 +67,8 @@ class ModelConfig:
     scan_layers: bool = True  # false: unroll the layer stack (longer compiles; the compiler then sees, and counts, every layer)
 
     SHAPE_FIELDS = ("n_layer", "n_head", "d_model", "d_mlp", "vocab_size", "max_seq_len",
-                    "n_kv_head", "head_dim", "rope_theta", "tie_embeddings", "n_experts",
+                    "n_kv_head", "head_dim", "rope_theta", "sliding_window", "tie_embeddings",
+                    "n_experts",
                     "n_experts_per_tok", "d_expert", "n_shared_experts", "router_aux_loss_coef",
                     "router_z_loss_coef", "capacity_factor")
     # Fields whose zero is a choice (no router loss, dropless), not "the preset's".
@@ -90,6 +93,7 @@ class ParallelConfig:
     pipeline_gather_once: bool = False  # ZeRO-3: gather a stage's weights once per step, not per microbatch
     pipeline_tables: PipelineTables = "rows"  # rows: each stage uses its row block of the embedding and head (where pipe divides them); whole: gathered, gradients summed whole
     grad_reduce: GradReduce = "auto"  # step | microbatch: when accumulated gradients are reduced; auto: microbatch at stage 3
+    context_attention: ContextAttention = "auto"  # all-gather | ring | ulysses: attention across a context axis; auto: ulysses where the heads split over it, else ring
 
 
 @dataclasses.dataclass(frozen=True)

@@ -39,6 +39,9 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from zero_jax import param_use
+from zero_jax.context import attention as context_attention
+from zero_jax.context import layout as context_layout
+from zero_jax.context.layout import Context
 from zero_jax.param_use import Tapped, Use, put
 from zero_jax.remat import DOT, WEIGHT, Remat
 from zero_jax.sharding.rules import AxisRules
@@ -105,6 +108,7 @@ class Hooks:
     host_params: bool = False  # stored parameters are in host memory, fetched at each use
     attention: str = "xla"  # jax.nn.dot_product_attention's implementation: xla | cudnn
     scan_layers: bool = True  # False: the layer stack is unrolled (one copy of each layer in the program)
+    context: Context | None = None  # the sequence split over `context`: strategy and order
 
     def per_shard(self, axes: Sequence[str]) -> "Hooks":
         """These hooks for one shard of the batch over the data-parallel mesh
@@ -262,6 +266,30 @@ class Hooks:
                                  axis_names=manual)(*wide)
 
         return run
+
+    # -- the sequence over `context` (zero_jax/context) ----------------------
+    def sequence_order(self, T: int):
+        """The natural index of each slot of a laid-out sequence of T
+        tokens (context/layout.py), or None where the order is natural."""
+        if self.context is None or self.context.size == 1:
+            return None
+        return self.context.order(T)
+
+    def positions(self, T: int, segments_BxT=None):
+        """Each laid-out token's position ((1 or B) x T) under a context
+        split; None without one (the model's own positions apply)."""
+        order = self.sequence_order(T)
+        return None if order is None else context_layout.positions(order, T, segments_BxT)
+
+    def attend(self, attention: Callable, q, k, v, *, window: int = 0,
+               keep: Callable = lambda p: p, segments_BxT=None):
+        """Causal attention: `attention(q, k, v, implementation, window,
+        keep, segments_BxT)`, the model's, or across `context` where the
+        sequence is split over it (context/attention.py)."""
+        if self.mesh is None or self.context is None or self.context.size == 1:
+            return attention(q, k, v, self.attention, window, keep=keep, segments_BxT=segments_BxT)
+        return context_attention.attend(self, self.context, attention, q, k, v, window,
+                                        segments_BxT)
 
     def gathered(self, w: jax.Array, names: Sequence[str | None]) -> "Gathered":
         """w gathered once for several uses (a tied embedding's lookup and

@@ -27,6 +27,7 @@ from zero_jax.pipeline import executor as pipeline_executor
 from zero_jax.pipeline import schedule as sched_lib
 from zero_jax.pipeline.cut import Stages, balanced
 from zero_jax.sharding import zero as zero_lib
+from zero_jax.context import split as context_split
 from zero_jax.hooks import Hooks
 from zero_jax.model import ModelFns
 
@@ -137,10 +138,12 @@ class Job:
             return None
         t, sizes = self.run.train, self.layout.mesh_shape.sizes
         rows = t.batch_size // t.microbatches // self.layout.data_parallel_size
+        ctx = self.hooks.context
         return self.model.activation_bytes(rows, self.run.data.seq_len,
                                            jnp.dtype(self.policy.compute).itemsize,
                                            self.hooks.remat, sizes["tensor"],
-                                           self.sequence_parallel, self.hooks.attention)
+                                           self.sequence_parallel, self.hooks.attention,
+                                           ctx.size if ctx else 1, ctx.strategy if ctx else "")
 
     def compile_with_text(self):
         """The compiled train step and its HLO after SPMD partitioning (what
@@ -230,7 +233,9 @@ def prepare_on(run: config_lib.RunConfig, build_model: Callable[[int], ModelFns]
     stored = layout.placement if zero_lib.stage(zero_stage).params else None
     hooks = Hooks(mesh, axis_rules, policy.compute, policy.grads, remat_policy, stored,
                   host_params=run.offload.params, attention=attention,
-                  scan_layers=run.model.scan_layers)
+                  scan_layers=run.model.scan_layers,
+                  context=context_split.of_run(run, model, shape.sizes, attention,
+                                        pipelined=schedule is not None))
     return Job(run, model, layout, tx, lr, policy, hooks, loss_scale_config(run, policy),
                schedule, notes)
 

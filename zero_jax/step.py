@@ -26,6 +26,7 @@ from zero_jax.pipeline import executor as pipeline_lib
 from zero_jax.sharding import zero as zero_lib
 from zero_jax.sharding.specs import map_specs, without_axis
 from zero_jax.accumulate import accumulate, accumulate_partials, reduce_partials
+from zero_jax.context import layout as context_layout
 from zero_jax.hooks import Hooks
 from zero_jax.loss import cross_entropy, expert_load_ratio
 from zero_jax.model import ModelFns
@@ -59,16 +60,17 @@ def lm_loss(model: ModelFns, hooks: Hooks, params: Any,
     experts, plus the router losses times their weights (their values
     among the metrics, ModelFns.router_penalty). Every metric is a sum over
     the batch's parts."""
-    tokens = batch["tokens"]
+    # Laid out over `context` where the sequence is split (context/layout.py).
+    rows = context_layout.shifted(batch, hooks.sequence_order(batch["tokens"].shape[1] - 1))
     # With segment ids, each document in a row attends to itself only.
-    segments = ({"segments_BxT": batch["segment_ids"][:, :-1]} if "segment_ids" in batch else {})
-    out = model.apply(params, tokens[:, :-1], hooks, **segments)
+    segments = {"segments_BxT": rows["segments"]} if "segments" in rows else {}
+    out = model.apply(params, rows["inputs"], hooks, **segments)
     if model.router_penalty is None:
-        loss = cross_entropy(out, tokens[:, 1:], batch["weights"])
+        loss = cross_entropy(out, rows["targets"], rows["weights"])
         return loss, {"loss": loss}
     logits, stats = out
-    loss = cross_entropy(logits, tokens[:, 1:], batch["weights"])
-    added, router = model.router_penalty(stats, jnp.sum(batch["weights"], axis=-1))
+    loss = cross_entropy(logits, rows["targets"], rows["weights"])
+    added, router = model.router_penalty(stats, jnp.sum(rows["weights"], axis=-1))
     return loss + added, {"loss": loss, **router}
 
 
@@ -158,8 +160,16 @@ def accumulated(loss_fn: Callable, microbatches: int, constrain_grads: Callable,
     return loss_and_grads
 
 
+def runs_per_device(model: ModelFns, hooks: Hooks) -> bool:
+    """Whether the model runs per-device code over the axes that split the
+    batch (`Hooks.local`): a mixture of experts' dispatch (models/moe.py),
+    attention across `context` (zero_jax/context). The per-shard `vmap` of
+    partial sums would split it, so such a step reduces each microbatch."""
+    return bool(model.experts) or hooks.context is not None
+
+
 def unreduced_axes(layout: Layout, microbatches: int, reduce_once: bool,
-                   experts: int = 0) -> tuple[str, ...]:
+                   per_device: bool = False) -> tuple[str, ...]:
     """Data-parallel axes over which the step keeps per-device partial sums of
     the gradients, to reduce them once at its end (accumulate.py).
 
@@ -171,11 +181,10 @@ def unreduced_axes(layout: Layout, microbatches: int, reduce_once: bool,
     gradients: the axes ZeRO does not shard over (hybrid sharding), whose
     all-reduce of the shards then runs once per step.
 
-    A mixture of experts (`experts` > 0) reduces each microbatch: its
-    dispatch runs per device over every axis that splits the batch
-    (models/moe.py), which the per-shard `vmap` of partial sums would split.
+    A step that runs code per device (`per_device`, `runs_per_device`)
+    reduces each microbatch.
     """
-    if experts:
+    if per_device:
         return ()
     stage = zero_lib.stage(layout.zero_stage)
     if reduce_once and (microbatches > 1 or not stage.params):
@@ -222,7 +231,7 @@ def pipelined(layout: Layout, model: ModelFns, hooks: Hooks, sched: Schedule,
     """loss_and_grads through the pipeline schedule `sched` (pipeline/executor.py);
     `row_blocks`: the tables used in the row blocks they are stored in."""
     fns = model.pipeline
-    axes = unreduced_axes(layout, sched.m, reduce_once, model.experts)
+    axes = unreduced_axes(layout, sched.m, reduce_once, runs_per_device(model, hooks))
     sizes = layout.mesh_shape.sizes
     # Partial sums over every data-parallel axis are accumulated unreduced
     # (compute layout); otherwise in the gradient layout.
@@ -286,7 +295,7 @@ def make_loss_and_grads(layout: Layout, model: ModelFns, hooks: Hooks, microbatc
     if sched is not None:
         fn = pipelined(layout, model, hooks, sched, constrain_grads, gather_once, reduce_once,
                        row_blocks)
-    elif axes := unreduced_axes(layout, microbatches, reduce_once, model.experts):
+    elif axes := unreduced_axes(layout, microbatches, reduce_once, runs_per_device(model, hooks)):
         fn = partial_sums(layout, model, hooks, microbatches, axes, constrain_grads)
     else:
         micro = NamedSharding(layout.mesh, PartitionSpec(None, *layout.batch_sharding.spec))

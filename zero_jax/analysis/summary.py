@@ -8,6 +8,7 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from zero_jax import step
 from zero_jax.analysis.memory import STATES, MemoryReport
 from zero_jax.job import Job
 from zero_jax.pipeline import executor as pipeline_lib
@@ -47,6 +48,20 @@ def interconnect(shape, processes: np.ndarray | None = None) -> str:
                  ) if d > 1 else f"inside each {unit} (ici {i})"
         parts.append(f"{a}: {where}")
     return "; ".join(parts) or "one device"
+
+
+def _attention_line(job: Job) -> str:
+    """The attention implementation, and how it crosses `context`."""
+    ctx = job.hooks.context
+    inner = f"jax.nn.dot_product_attention, {job.hooks.attention} implementation"
+    if ctx is None:
+        return inner
+    if ctx.strategy == "ulysses":
+        return (f"ulysses over context={ctx.size}: all-to-alls to a split of the heads, "
+                f"then {inner}")
+    what = {"ring": "K/V blocks passed round the ring (ppermute), online softmax",
+            "all-gather": "K and V gathered over context, each device its queries' rows"}
+    return f"{ctx.strategy} over context={ctx.size}: {what[ctx.strategy]}, float32 blocks"
 
 
 def _split_by_process(processes: np.ndarray, axis: int) -> tuple[int, int]:
@@ -103,15 +118,17 @@ def summary_rows(job: Job, data_line: str, model_line: str,
     dp = layout.data_parallel_size
     shard_axes = shape.shard_axes
     n_shard = math.prod(sizes[a] for a in shard_axes)
-    t = run.train
+    t, ctx = run.train, job.hooks.context
     used = {n for spec in spec_leaves(layout.names) for n in spec}
     tp = [n for n in ("heads", "kv_heads", "mlp", "vocab")
           if n in used and "tensor" in layout.rules.mesh_axes(n)]
     master = ("; float32 master weights in the sharded optimizer state, a working copy "
               "stored replicated" if layout.master else "")
-    # A mixture of experts reduces each microbatch whatever --grad-reduce says
-    # (step.unreduced_axes); into shards only where ZeRO shards the gradients.
-    each = t.microbatches > 1 and (bool(job.model.experts) or not job.reduce_once)
+    # A mixture of experts, or attention across `context`, reduces each
+    # microbatch whatever --grad-reduce says (step.runs_per_device); into
+    # shards only where ZeRO shards the gradients.
+    each = t.microbatches > 1 and (step.runs_per_device(job.model, job.hooks)
+                                   or not job.reduce_once)
     reduce = ("every microbatch" + (", into shards" if stage.grads else "") if each
               else "once per step")
     return [
@@ -130,7 +147,7 @@ def summary_rows(job: Job, data_line: str, model_line: str,
                       + (f"from 2^{job.scale_cfg.initial_scale_power}" if job.scale_cfg.enabled
                          else "off")),
         ("remat", job.hooks.remat.describe()),
-        ("attention", f"jax.nn.dot_product_attention, {job.hooks.attention} implementation"),
+        ("attention", _attention_line(job)),
         *(("note", note) for note in job.notes),
         ("zero", f"stage {layout.zero_stage} over "
                  + (f"{'*'.join(shard_axes)} (N_d={n_shard})" if shard_axes else "no axis (N_d=1)")
@@ -139,8 +156,10 @@ def summary_rows(job: Job, data_line: str, model_line: str,
                    f"reduced {reduce}"),
         ("states", report.formula),
         ("batch", f"global {t.batch_size} = {t.batch_size // (t.microbatches * dp)} per device x "
-                  f"{t.microbatches} microbatches x {dp} data-parallel; seq {run.data.seq_len} -> "
-                  f"{t.batch_size * run.data.seq_len:,} tokens/step"),
+                  f"{t.microbatches} microbatches x {dp} data-parallel; seq {run.data.seq_len}"
+                  + (f" ({run.data.seq_len // ctx.size} per device over context={ctx.size}, "
+                     "zig-zag)" if ctx else "")
+                  + f" -> {t.batch_size * run.data.seq_len:,} tokens/step"),
         ("optimizer", f"{run.optim.name}, lr {run.optim.lr:g} (warm-up {run.optim.warmup_steps}, "
                       f"{run.optim.decay} to x{run.optim.min_lr_ratio:g}), weight decay "
                       f"{run.optim.weight_decay:g}, clip {run.optim.clip_norm:g}; {t.steps} steps"),

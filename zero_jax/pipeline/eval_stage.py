@@ -72,12 +72,12 @@ class EvalStage(LocalStage):
         """(output for the next stage, the microbatch's loss on the last chunk)."""
         h = self.hooks
         mb = self.microbatch(row.f_mb)
-        x = jax.lax.cond(row.f_first, lambda: self.embed(mb["tokens"], h),
+        x = jax.lax.cond(row.f_first, lambda: self.embed(mb["inputs"], h),
                          lambda: self.act(inbox[row.f_read]))
         y = self.act(self.run(self.chunk(row.f_chunk), x, h, row.f_layers)[0])
 
         def loss():
-            return cross_entropy(self.fns.head(self.outer, y, h), mb["tokens"][:, 1:],
+            return cross_entropy(self.fns.head(self.outer, y, h), mb["targets"],
                                  mb["weights"])
 
         part = jax.lax.cond(row.f_last, loss, self.no_loss)
@@ -90,7 +90,7 @@ class EvalStage(LocalStage):
         the last to every stage for the loss. Those two conditions are the
         tick's, the same on every device, as collectives over `pipe` need."""
         x0 = jax.lax.cond(enters >= 0,
-                          lambda: self.embed(self.microbatch(enters)["tokens"], self.ends),
+                          lambda: self.embed(self.microbatch(enters)["inputs"], self.ends),
                           lambda: self.x_zero)
         x = jnp.where(row.f_first, x0, inbox[row.f_read])
         chunk = self.chunk(row.f_chunk)
@@ -100,7 +100,7 @@ class EvalStage(LocalStage):
         def head_loss():
             out = self.act(self.rows.sum(jnp.where(row.f_last, y, self.x_zero)))
             mb = self.microbatch(leaves)
-            return cross_entropy(self.fns.head(self.outer, out, self.ends), mb["tokens"][:, 1:],
+            return cross_entropy(self.fns.head(self.outer, out, self.ends), mb["targets"],
                                  mb["weights"], self.rows.axis)
 
         part = jax.lax.cond(leaves >= 0, head_loss, self.no_loss)

@@ -41,6 +41,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
 from zero_jax.accumulate import split_microbatches
+from zero_jax.context import layout as context_layout
 from zero_jax.hooks import RowSplit, psum
 from zero_jax.pipeline.cut import Stages
 from zero_jax.pipeline.eval_stage import EvalStage
@@ -109,10 +110,11 @@ def _prepare(fns: PipelineFns, hooks, schedule: Schedule, mesh: Mesh, params: An
     program = Program.of(schedule)
     outer, stack = fns.split(params)
     stack = constrain(stack, mesh, where.stack)
-    micro = split_microbatches(batch, schedule.m)
+    # Inputs, targets and weights (B x T each), laid out over `context`.
+    order = hooks.sequence_order(batch["tokens"].shape[1] - 1)
+    micro = split_microbatches(context_layout.shifted(batch, order), schedule.m)
     tables = Tables(program, _layer_counts(where, stack, schedule.p, schedule.v))
-    x_shape = jax.eval_shape(lambda o, t: fns.embed(o, t[:, :-1], hooks), outer,
-                             micro["tokens"][0])
+    x_shape = jax.eval_shape(lambda o, t: fns.embed(o, t, hooks), outer, micro["inputs"][0])
     return _Loop(fns, hooks, where, schedule, program, tables, x_shape), outer, stack, micro
 
 

@@ -105,9 +105,9 @@ class LocalStage:
         """The device's local chunk k of the stack."""
         return jax.tree.map(lambda a: a[k], self.chunks)
 
-    def embed(self, tokens, hooks):
-        """The first chunk's input: the embedding of `tokens` (B x T + 1)."""
-        return self.act(self.fns.embed(self.outer, tokens[:, :-1], hooks))
+    def embed(self, inputs, hooks):
+        """The first chunk's input: the embedding of a microbatch's `inputs` (B x T)."""
+        return self.act(self.fns.embed(self.outer, inputs, hooks))
 
     # -- compute ----------------------------------------------------------
     def per_shard(self, f, weights, *rows):

@@ -200,7 +200,7 @@ class TrainStage(LocalStage):
         output on the last chunk too, for `head_split`."""
         mb = self.microbatch(row.f_mb)
         if x0 is None:
-            x = jax.lax.cond(row.f_first, lambda: self.embed(mb["tokens"], self.hooks),
+            x = jax.lax.cond(row.f_first, lambda: self.embed(mb["inputs"], self.hooks),
                              lambda: self.act(c.fwd[row.f_read]))
         else:
             x = jnp.where(row.f_first, x0, self.act(c.fwd[row.f_read]))
@@ -225,7 +225,7 @@ class TrainStage(LocalStage):
             # Each shard's weighted sum (step.weighted): the shards' and
             # microbatches' sum is the batch's mean.
             logits = self.fns.head(outer, y, self.shard_hooks)
-            return cross_entropy(logits, mb["tokens"][:, 1:], mb["weights"]) * self.loss_scale
+            return cross_entropy(logits, mb["targets"], mb["weights"]) * self.loss_scale
 
         loss, (g_o, dy) = self.per_shard(
             jax.value_and_grad(head_loss, argnums=(0, 1)), self.outer, self.split(y),
@@ -238,7 +238,7 @@ class TrainStage(LocalStage):
         chunk, and the loss of microbatch `leaves` (if not -1) is taken by
         every stage (`head_split`)."""
         x0 = jax.lax.cond(enters >= 0,
-                          lambda: self.embed(self.microbatch(enters)["tokens"], self.ends),
+                          lambda: self.embed(self.microbatch(enters)["inputs"], self.ends),
                           lambda: self.x_zero)
         c, y = jax.lax.cond(row.f, self.forward, lambda c, row, x0: (c, self.x_zero), c, row, x0)
         c = jax.lax.cond(leaves >= 0, functools.partial(self.head_split, leaves),
@@ -256,7 +256,7 @@ class TrainStage(LocalStage):
         def head_loss(outer, y, mb):
             out = self.rows.sum(jnp.where(row.f_last, y, jnp.zeros((), y.dtype)))
             logits = self.fns.head(outer, out, self.shard_ends)
-            return cross_entropy(logits, mb["tokens"][:, 1:], mb["weights"],
+            return cross_entropy(logits, mb["targets"], mb["weights"],
                                  self.rows.axis) * self.loss_scale
 
         def loss_and_grads(outer, y, mb):
@@ -357,8 +357,8 @@ class TrainStage(LocalStage):
         """The embedding's gradients, per shard, for microbatch `mb`, from
         dx: the gradient of the first chunk's input, split per shard."""
         def embed_vjp(outer, tokens, dx):
-            return jax.vjp(lambda o: self.fns.embed(o, tokens[:, :-1], hooks), outer)[1](dx)[0]
-        tokens = self.split(self.microbatch(mb)["tokens"])
+            return jax.vjp(lambda o: self.fns.embed(o, tokens, hooks), outer)[1](dx)[0]
+        tokens = self.split(self.microbatch(mb)["inputs"])
         return self.cast(self.per_shard(embed_vjp, self.outer, tokens, dx))
 
     # -- weight gradients (split backward) ------------------------------------

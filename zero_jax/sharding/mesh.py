@@ -35,12 +35,17 @@ from zero_jax.runtime import cpu
 
 # Outermost to innermost: the innermost axis gets the closest devices, so the
 # axis with the most traffic (tensor) is last and the lightest (pipe) first;
-# `expert` (a mixture of experts' all-to-alls) sits just outside `tensor`.
-AXES: tuple[str, ...] = ("pipe", "data", "fsdp", "expert", "tensor")
-# The global batch is split over these axes; ZeRO shards state over them too
-# unless a config narrows `zero_shard_axes` (hybrid sharding). `expert` is
-# data-parallel for every parameter but the experts', which it splits.
+# `expert` (a mixture of experts' all-to-alls) and `context` (the sequence's
+# ring or all-to-alls, every layer) sit just outside `tensor`.
+AXES: tuple[str, ...] = ("pipe", "data", "fsdp", "expert", "context", "tensor")
+# The global batch is split over these axes. `expert` is data-parallel for
+# every parameter but the experts', which it splits.
 DATA_AXES: tuple[str, ...] = ("data", "fsdp", "expert")
+# ZeRO shards state over these unless a config narrows `zero_shard_axes`
+# (hybrid sharding): the data axes, and `context`, whose devices see other
+# tokens of the same rows, so hold the same parameters and sum their
+# gradients as data-parallel devices do.
+ZERO_AXES: tuple[str, ...] = DATA_AXES + ("context",)
 
 
 def _meshes_dir() -> Path:
@@ -83,10 +88,10 @@ class MeshConfig:
                             "only one size may be filled from the device count")
         if self.zero_shard_axes is not None:
             for axis in self.zero_shard_axes:
-                if axis not in DATA_AXES:
+                if axis not in ZERO_AXES:
                     raise MeshError(
                         f"mesh {self.name}: zero_shard_axes names {axis!r}; ZeRO shards "
-                        f"over data-parallel axes only: choose from {DATA_AXES}")
+                        f"over data-parallel axes only: choose from {ZERO_AXES}")
             if len(set(self.zero_shard_axes)) != len(self.zero_shard_axes):
                 raise MeshError(f"mesh {self.name}: zero_shard_axes repeats an axis: "
                                 f"{self.zero_shard_axes}")
@@ -149,7 +154,7 @@ class MeshShape:
     @property
     def shard_axes(self) -> tuple[str, ...]:
         """The axes ZeRO shards state over (size-1 axes dropped)."""
-        axes = DATA_AXES if self.zero_shard_axes is None else self.zero_shard_axes
+        axes = ZERO_AXES if self.zero_shard_axes is None else self.zero_shard_axes
         return tuple(a for a in axes if self.sizes[a] > 1)
 
     def crosses_hosts(self, axis: str) -> bool:

@@ -119,8 +119,9 @@ def _rules(name: str, **table: tuple[str, ...]) -> AxisRules:
 # The scanned layer stack is split into contiguous stages over `pipe` (a
 # no-op on meshes without it).
 # A mixture of experts' stacked experts are split over `expert`.
+# Context parallelism splits the sequence of every activation over `context`.
 _DATA = {**{a: () for a in LOGICAL_AXES}, "batch": DATA_AXES, "layers": ("pipe",),
-         "experts": ("expert",)}
+         "experts": ("expert",), "seq": ("context",), "res_seq": ("context",)}
 # Megatron tensor parallelism on the `tensor` axis: attention heads and the MLP
 # hidden dimension split (column-parallel in, row-parallel out), and the
 # vocabulary split for the embedding and the logits.
@@ -128,7 +129,7 @@ _TENSOR = {"heads": ("tensor",), "kv_heads": ("tensor",), "mlp": ("tensor",),
            "vocab": ("tensor",)}
 # Sequence parallelism: the residual stream between blocks (LayerNorm input,
 # residual adds) split along the sequence over `tensor` as well.
-_SEQUENCE = {"res_seq": ("tensor",)}
+_SEQUENCE = {"res_seq": ("context", "tensor")}
 
 
 @dataclasses.dataclass(frozen=True)
