@@ -13,6 +13,10 @@ PRESETS: dict[str, dict] = {
                         max_seq_len=4096, vocab_size=32000),
     "llama-3-8b": dict(n_layer=32, n_head=32, n_kv_head=8, d_model=4096, d_mlp=14336,
                        max_seq_len=8192, vocab_size=128256, rope_theta=500000.0),
+    # Llama 3.1: llama-3-8b's weights' shape, 128k positions by rope scaling
+    "llama-3.1-8b": dict(n_layer=32, n_head=32, n_kv_head=8, d_model=4096, d_mlp=14336,
+                         max_seq_len=131072, vocab_size=128256, rope_theta=500000.0,
+                         rope_scaling=(8.0, 1.0, 4.0, 8192)),
     # Mistral-7B-v0.3: no sliding window (v0.1's was 4096 positions)
     "mistral-7b": dict(n_layer=32, n_head=32, n_kv_head=8, d_model=4096, d_mlp=14336,
                        max_seq_len=32768, vocab_size=32768, rope_theta=1000000.0,

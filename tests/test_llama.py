@@ -66,7 +66,8 @@ def test_attention_matches_jax_dot_product_attention(window):
 
 def test_presets_have_the_published_parameter_counts(corpus):
     """Counted from the arrays' abstract shapes, as memory_report.py does."""
-    published = {"llama-2-70b": 68_976_648_192, "llama-3-8b": 8_030_261_248}
+    published = {"llama-2-70b": 68_976_648_192, "llama-3-8b": 8_030_261_248,
+                 "llama-3.1-8b": 8_030_261_248}
     for name, count in published.items():
         cfg = models.config(name, 256)
         assert cfg.param_count == count

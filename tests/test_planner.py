@@ -193,3 +193,37 @@ def test_a_mixture_of_experts_is_planned_over_expert_axes():
     assert est.time.model_flops == pytest.approx(
         cfg.flops_per_token(4096) * 16 * 32 * 4096)
     assert cfg.flops_per_token(4096) < 6 * 13e9 + 12 * 32 * 32 * 128 * 4096
+
+
+def test_long_sequences_are_planned_over_context():
+    """Llama-3.1-8B at 131072 tokens on 8 x 8 H100: the search splits the
+    devices beside tensor between `context` (2c dividing the sequence) and
+    data, and not for short sequences; a context layout's job splits the
+    sequence, its activations per device are a c-th per token (ring: no
+    probabilities kept) and its step charges the ring's K/V blocks (per
+    layer and microbatch 2 (c - 1) x 2 forward passes + 2 (c - 1) + 2c, of
+    one device's K, bf16)."""
+    h100 = layouts.Cluster(hardware.load("h100-80gb"), 8, 8)
+    build = models.for_run(config_lib.ModelConfig(name="llama-3.1-8b"), 128256)[0]
+    cfg = build(1).config
+    found = layouts.choices(cfg, h100, 64, stages=(3,), remats=("full",), micros=(1,),
+                            seq_len=131072)
+    assert {c.context for c in found if c.tensor == 8 and c.pipe == 1} == {1, 2, 4, 8}
+    short = layouts.choices(cfg, h100, 64, stages=(3,), remats=("full",), micros=(1,),
+                            seq_len=8192)
+    assert {c.context for c in short} == {1}
+    base = {"model.name": "llama-3.1-8b", "precision.policy": "bf16", "data.seq_len": 131072,
+            "train.batch_size": 64}
+    est = {}
+    for c in (1, 8):
+        choice = layouts.Choice(1, 8, 8 // c, 3, "full", 1, 64 // (8 // c), context=c)
+        job = layouts.abstract_job(choice.flat(base), build, 64)
+        assert job.layout.mesh_shape.sizes["context"] == c
+        est[c] = planner.estimate(job, choice, h100)
+    assert est[8].memory.backward < est[1].memory.backward / 4
+    T, K, Q = 131072 // 8, cfg.n_kv_head // 8, cfg.q_dim
+    kv = T * max(K, 1) * Q * 2
+    per_layer = (2 * 7 * 2 + 2 * 7 + 2 * 8) * kv
+    choice = est[8].choice
+    assert est[8].time.comm_s["context"] == pytest.approx(
+        choice.microbatches * cfg.n_layer * per_layer / choice.link_bw(h100, "context"))

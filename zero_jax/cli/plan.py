@@ -271,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     cfg = problem.build(1).config
-    layouts = choices(cfg, problem.cluster, args.global_batch, **options)
+    layouts = choices(cfg, problem.cluster, args.global_batch, seq_len=args.seq_len, **options)
     if not layouts:
         print(f"error: {no_layout(mesh_shapes(cfg, problem.cluster), args)}", file=sys.stderr)
         return 2

@@ -68,23 +68,26 @@ class Choice:
     offload: str = ""  # in host memory: "" nothing, "opt" the optimizer state, "opt+params" both
     tables: str = "rows"  # with pipe > 1: how the loops use the embedding and head (--pipeline-tables)
     expert: int = 1  # of the data-parallel devices, the expert axis (a mixture of experts' split)
+    context: int = 1  # devices each sequence is split over (context parallelism), beside data
 
     @property
     def label(self) -> str:
         s = f"{self.schedule}{f' v={self.virtual}' if self.virtual > 1 else ''}" if self.pipe > 1 else "-"
         ep = f" EP={self.expert}" if self.expert > 1 else ""
-        return (f"PP={self.pipe} TP={self.tensor} DP={self.data}{ep} ZeRO-{self.zero} {self.remat} "
+        cp = f" CP={self.context}" if self.context > 1 else ""
+        return (f"PP={self.pipe} TP={self.tensor}{cp} DP={self.data}{ep} ZeRO-{self.zero} {self.remat} "
                 f"mb={self.micro}x{self.microbatches} {s}"
                 + (" tables=whole" if self.pipe > 1 and self.tables == "whole" else "")
                 + (f" offload={self.offload}" if self.offload else ""))
 
     def mesh(self, cluster: Cluster) -> dict[str, dict[str, int]]:
-        """[ici] and [dcn] sizes: tensor inside a node first, then expert
-        (where there is one), data, pipe (DP = data x expert)."""
+        """[ici] and [dcn] sizes: tensor inside a node first, then context
+        and expert (where there are), data, pipe (DP = data x expert)."""
         room = cluster.device.fast_domain if cluster.device.ici_domain else cluster.per_node
         ici, dcn = {}, {}
         expert = (("expert", self.expert),) if self.expert > 1 else ()
-        for axis, size in (("tensor", self.tensor), *expert,
+        context = (("context", self.context),) if self.context > 1 else ()
+        for axis, size in (("tensor", self.tensor), *context, *expert,
                            ("data", self.data // self.expert), ("pipe", self.pipe)):
             inside = math.gcd(size, room)
             room //= inside
@@ -102,7 +105,9 @@ class Choice:
     def flat(self, base: dict[str, Any]) -> dict[str, Any]:
         """Run-config fields (section.field) of this layout on top of `base`."""
         expert = f"expert={self.expert}," if self.expert > 1 else ""
-        mesh = f"pipe={self.pipe},data={self.data // self.expert},{expert}tensor={self.tensor}"
+        context = f"context={self.context}," if self.context > 1 else ""
+        mesh = (f"pipe={self.pipe},data={self.data // self.expert},{expert}{context}"
+                f"tensor={self.tensor}")
         out = {**base, "parallel.mesh": mesh,
                "parallel.zero_stage": self.zero, "activations.remat": self.remat,
                "train.microbatches": self.microbatches,
@@ -124,7 +129,7 @@ OFFLOADS = ("", "opt", "opt+params")
 def choices(model_cfg, cluster: Cluster, global_batch: int, *, stages=(0, 1, 2, 3),
             remats=("full", "none"), micros=(1, 2, 4, 8),
             schedules=("gpipe", "1f1b", "interleaved", "zb-h1"),
-            offloads=OFFLOADS, tables=("rows", "whole")) -> list[Choice]:
+            offloads=OFFLOADS, tables=("rows", "whole"), seq_len: int = 0) -> list[Choice]:
     """Every layout that divides the model and the cluster: tensor inside a
     node and dividing the heads, pipe up to the layer count, the global batch
     split evenly, and a pipeline with at least as many microbatches as
@@ -133,12 +138,17 @@ def choices(model_cfg, cluster: Cluster, global_batch: int, *, stages=(0, 1, 2, 
     Offload where the device kind has host figures: the optimizer state at
     ZeRO-1 and up, the parameters too at ZeRO-3 without a pipeline (job.py).
     A mixture of experts also takes every expert axis that divides both its
-    experts and the data-parallel devices."""
+    experts and the data-parallel devices. For sequences of LONG tokens or
+    more, the devices beside tensor and pipe are also split between
+    `context` (each sequence over c of them, 2c dividing it) and data."""
     if not cluster.device.can_offload:
         offloads = tuple(o for o in offloads if not o)
     out = []
     experts = getattr(model_cfg, "n_experts", 0)
-    for tensor, pipe, data in mesh_shapes(model_cfg, cluster):
+    shapes = [(tensor, pipe, rest // context, context)
+              for tensor, pipe, rest in mesh_shapes(model_cfg, cluster)
+              for context in _contexts(rest, seq_len)]
+    for tensor, pipe, data, context in shapes:
         if global_batch % data:
             continue
         rows = global_batch // data
@@ -156,7 +166,8 @@ def choices(model_cfg, cluster: Cluster, global_batch: int, *, stages=(0, 1, 2, 
                     o == "opt" or (zero == 3 and pipe == 1)))]
                 for remat in remats:
                     for schedule, v in plans:
-                        out += [Choice(pipe, tensor, data, zero, remat, micro, m, schedule, v, o, t, e)
+                        out += [Choice(pipe, tensor, data, zero, remat, micro, m, schedule, v, o,
+                                       t, e, context)
                                 for o in kept for t in (tables if pipe > 1 else ("rows",))
                                 for e in _divisors(math.gcd(experts, data) if experts else 1)]
     return out
@@ -171,6 +182,19 @@ def mesh_shapes(model_cfg, cluster: Cluster) -> list[tuple[int, int, int]]:
             for tensor in _divisors(min(cluster.per_node, n))
             if not (model_cfg.n_head % tensor or _mlp(model_cfg) % tensor or n % tensor)
             for pipe in _divisors(n // tensor) if pipe <= model_cfg.n_layer]
+
+
+# Sequences this long or longer are also split over `context` by the search
+# (a shorter one's activations are a small part of a device's memory).
+LONG = 16384
+
+
+def _contexts(devices: int, seq_len: int) -> list[int]:
+    """Context sizes for `devices` beside tensor and pipe: 1, and for long
+    sequences every divisor c whose 2c divides the sequence."""
+    if seq_len < LONG:
+        return [1]
+    return [c for c in _divisors(devices) if seq_len % (2 * c) == 0]
 
 
 def _mlp(model_cfg) -> int:

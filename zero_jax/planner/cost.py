@@ -114,7 +114,7 @@ def _measured_comm(choice: Choice, collectives: dict[str, float],
     {"op@axis,axis": payload bytes}; a collective over no named axis counts
     as over data."""
     sizes = {"pipe": choice.pipe, "data": choice.data // choice.expert, "tensor": choice.tensor,
-             "expert": choice.expert, "fsdp": 1}
+             "expert": choice.expert, "context": choice.context, "fsdp": 1}
     comm: dict[str, float] = {}
     for key, payload in collectives.items():
         op, _, axes = key.partition("@")

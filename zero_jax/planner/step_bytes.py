@@ -130,8 +130,10 @@ def _activations(job: job_lib.Job, choice: Choice):
     if choice.pipe > 1:
         cfg = dataclasses.replace(cfg, n_layer=job.layout.stages.slots)
     c, _ = dtype_bytes(job)
+    ctx = job.hooks.context
     return cfg.activation_parts(choice.micro, job.run.data.seq_len, c, remat_lib.Remat(choice.remat),
-                                choice.tensor, job.sequence_parallel, job.hooks.attention)
+                                choice.tensor, job.sequence_parallel, job.hooks.attention,
+                                choice.context, ctx.strategy if ctx else "")
 
 
 def _layers_here(job: job_lib.Job, choice: Choice) -> int:

@@ -104,7 +104,7 @@ def _work(job: job_lib.Job, choice: Choice) -> _Work:
     weights = sum(op.flops for op in ops if op.dot and op.key not in ATTENTION_OPS)
     passes = 1 + (choice.pipe > 1) + (choice.remat == "full")
     head = (job.model.head_cost(T) if job.model.head_cost else 0.0) * per_token
-    rows = choice.micro * T
+    rows = choice.micro * T / choice.context  # a device's tokens: its block of each row
     return _Work(per_token * rows, weights / per_token, passes, head * rows)
 
 
@@ -117,7 +117,7 @@ def step_time(job: job_lib.Job, choice: Choice, cluster: Cluster) -> StepTime:
     work = _work(job, choice)
     layers = job.model.config.n_layer
     # Megatron's count: every layer's forward once more, the head not.
-    layer_part = work.layer_flops * layers * choice.microbatches * choice.data
+    layer_part = work.layer_flops * layers * choice.microbatches * choice.data * choice.context
     hardware = model_flops + layer_part / 3
     comm = {}
     if choice.pipe > 1:
@@ -128,10 +128,12 @@ def step_time(job: job_lib.Job, choice: Choice, cluster: Cluster) -> StepTime:
         comm["tensor"] = _tensor_time(job, choice, cluster, work) / (1 - bubble)
     if choice.expert > 1:
         comm["expert"] = _expert_time(job, choice, cluster, work) / (1 - bubble)
+    if choice.context > 1:
+        comm["context"] = _context_time(job, choice, cluster, work) / (1 - bubble)
     if job.layout.host_opt or job.layout.host_params:
         comm.update(_host_time(job, choice, cluster))
     hidden = {}
-    if choice.data > 1:
+    if choice.data * choice.context > 1:
         total, comm["data"] = _data_time(job, choice, cluster, work)
         hidden["data"] = total - comm["data"]
     return StepTime(compute, comm, bubble, tokens, model_flops, hardware, hidden)
@@ -180,7 +182,7 @@ def _pipeline_compute(job: job_lib.Job, choice: Choice, cluster: Cluster,
 def _activation_bytes(job: job_lib.Job, choice: Choice) -> float:
     """One microbatch's activation on one device."""
     c, _ = dtype_bytes(job)
-    return (choice.micro * job.run.data.seq_len * job.model.config.d_model * c
+    return (choice.micro * job.run.data.seq_len / choice.context * job.model.config.d_model * c
             / (choice.tensor if job.sequence_parallel else 1))
 
 
@@ -189,7 +191,7 @@ def _tensor_time(job: job_lib.Job, choice: Choice, cluster: Cluster, work: _Work
     forward pass and two in the backward, over this device's layers."""
     c, _ = dtype_bytes(job)
     t = choice.tensor
-    payload = choice.micro * job.run.data.seq_len * job.model.config.d_model * c
+    payload = choice.micro * job.run.data.seq_len / choice.context * job.model.config.d_model * c
     per = (2 * work.passes + 2) * payload * 2 * (t - 1) / t
     layers_here = job.model.config.n_layer / choice.pipe
     return choice.microbatches * layers_here * per / choice.link_bw(cluster, "tensor")
@@ -202,10 +204,39 @@ def _expert_time(job: job_lib.Job, choice: Choice, cluster: Cluster, work: _Work
     sized for all of its k copies (models/moe.py), e times the copies."""
     c, _ = dtype_bytes(job)
     e, cfg = choice.expert, job.model.config
-    payload = e * choice.micro * job.run.data.seq_len * cfg.n_experts_per_tok * cfg.d_model * c
+    payload = (e * choice.micro * job.run.data.seq_len / choice.context * cfg.n_experts_per_tok
+               * cfg.d_model * c)
     per = (2 * work.passes + 2) * payload * (e - 1) / e
     layers_here = cfg.n_layer / choice.pipe
     return choice.microbatches * layers_here * per / choice.link_bw(cluster, "expert")
+
+
+def _context_time(job: job_lib.Job, choice: Choice, cluster: Cluster, work: _Work) -> float:
+    """Per layer and microbatch, what attention moves over `context`
+    (docs/context.md, counted exactly in tests/test_context.py), charged
+    whole: ring, each device's K and V blocks c - 1 times forward (again
+    when full remat rebuilds the block), c - 1 times backward and their
+    gradients c times; Ulysses, q, k, v and the output each way, forward
+    (again under full remat) and backward, (c - 1) / c of each over the
+    link; all-gather, K and V gathered per forward pass and backward, their
+    gradients reduce-scattered. An estimate: the ring's transfers overlap
+    its blocks' compute on a GPU, which this does not credit."""
+    c_bytes, _ = dtype_bytes(job)
+    ctx, cfg, cp, t = job.hooks.context, job.model.config, choice.context, choice.tensor
+    tokens = choice.micro * job.run.data.seq_len / cp  # a device's block of its rows
+    H, Q = cfg.n_head, getattr(cfg, "q_dim", cfg.d_model // cfg.n_head)
+    K = getattr(cfg, "n_kv_head", H)
+    kv = tokens * max(K // t, 1) * Q * c_bytes  # one device's K (or V)
+    forwards = work.passes  # forward passes of each layer (1, or 2 under full remat)
+    if ctx.strategy == "ring":
+        per = (2 * (cp - 1) * forwards + 2 * (cp - 1) + 2 * cp) * kv
+    elif ctx.strategy == "ulysses":
+        heads = tokens * (H // t) * Q * c_bytes
+        per = 4 * (forwards + 1) * heads * (cp - 1) / cp
+    else:  # all-gather
+        per = (2 * (forwards + 1) + 2) * kv * (cp - 1)
+    layers_here = cfg.n_layer / choice.pipe
+    return choice.microbatches * layers_here * per / choice.link_bw(cluster, "context")
 
 
 def _data_time(job: job_lib.Job, choice: Choice, cluster: Cluster,
@@ -213,7 +244,9 @@ def _data_time(job: job_lib.Job, choice: Choice, cluster: Cluster,
     """Seconds of the data-parallel traffic, and of them the exposed part
     (module docstring)."""
     c, g = dtype_bytes(job)
-    n, link = choice.data, choice.link_bw(cluster, "data")
+    # Gradients are reduced, and ZeRO shards, over data and context alike.
+    n = choice.data * choice.context
+    link = min(choice.link_bw(cluster, a) for a in ("data", "context") if getattr(choice, a) > 1)
     stage = zero_lib.stage(choice.zero)
     psi = compute_grad_bytes(job.layout) / g  # parameters this device computes with
     layers_here = max(job.layout.stages.padded // choice.pipe if choice.pipe > 1
