@@ -148,7 +148,8 @@ PIPES = [("pipe=2,context=2,fsdp=2", "all-gather", 1), ("pipe=2,context=2,data=2
 @pytest.mark.skipif(not FULL, reason="ZERO_JAX_FULL_GRID=1: context inside pipeline stages")
 @pytest.mark.parametrize("mesh,strategy,stage", PIPES, ids=[p[1] for p in PIPES])
 def test_pipelined_context_matches_one_device(corpus, mesh, strategy, stage):
-    fields = dict(microbatches=2, pipeline_schedule="1f1b", segment_ids=False)
+    """Inside 1f1b stages (T = 128: a pipeline's ticks run whole stages)."""
+    fields = dict(microbatches=2, pipeline_schedule="1f1b", seq_len=128, max_seq_len=128)
     ref_losses, ref_params = _train(_job(corpus, "llama", mesh="fsdp=1", zero_stage=0,
                                          devices=jax.devices()[:1], **fields), corpus)
     losses, params = _train(_job(corpus, "llama", mesh=mesh, zero_stage=stage,
