@@ -30,7 +30,6 @@ from jax.ad_checkpoint import checkpoint_name
 from zero_jax.context import ring
 from zero_jax.context.layout import Context
 
-NEG = jnp.finfo(jnp.float32).min
 PROBS = "attn_probs"  # the models' name for the probabilities (remat policies)
 
 
@@ -81,12 +80,8 @@ def _gathered(q, k, v, seg, order: np.ndarray, axis: str, window: int):
     H, K = q.shape[2], k.shape[2]
     k_all, v_all = (jnp.repeat(x, H // K, axis=2) if K != H else x for x in (k_all, v_all))
     scores = jnp.einsum("bthq,bshq->bhts", q, k_all).astype(jnp.float32) / math.sqrt(q.shape[-1])
-    i, j = q_idx[:, None], jnp.asarray(order)[None, :]
-    visible = (j <= i) & ((i - j < window) if window else True)
-    visible = visible[None, None]
-    if seg is not None:
-        visible = visible & (seg[:, None, :, None] == seg_all[:, None, None, :])
-    scores = jnp.where(visible, scores, NEG)
+    seen = ring.visible(q_idx[None], jnp.asarray(order, jnp.int32)[None], seg, seg_all, window)
+    scores = jnp.where(seen, scores, ring.NEG)
     probs = _named(jax.nn.softmax(scores, axis=-1).astype(v.dtype))
     return jnp.einsum("bhts,bshq->bthq", probs, v_all)
 

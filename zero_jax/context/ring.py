@@ -35,7 +35,7 @@ from jax.ad_checkpoint import checkpoint_name
 NEG = jnp.finfo(jnp.float32).min
 
 
-def _visible(q_idx, k_idx, q_seg, k_seg, window: int):
+def visible(q_idx, k_idx, q_seg, k_seg, window: int):
     """(B|1, 1, Tq, Tk) mask from natural indices and segment ids."""
     i, j = q_idx[:, None, :, None], k_idx[:, None, None, :]
     seen = j <= i
@@ -48,7 +48,7 @@ def _visible(q_idx, k_idx, q_seg, k_seg, window: int):
 
 def _any_visible(q_idx, k_idx, window: int):
     """Whether any query of a half-block may see any key (a necessary
-    condition of `_visible`, ignoring segments)."""
+    condition of `visible`, ignoring segments)."""
     ok = jnp.min(k_idx) <= jnp.max(q_idx)
     if window:
         ok = ok & (jnp.min(q_idx) - jnp.max(k_idx) < window)
@@ -119,7 +119,7 @@ def _forward(axis, size, window, q, k, v, order, seg):
             for kh, vh, kih, ksh in ks:
                 def update(m, l, acc, kh=kh, vh=vh, kih=kih, ksh=ksh):
                     s = _scores(qh, _repeat(kh, groups), scale)
-                    seen = _visible(qih, kih, qsh, ksh, window)
+                    seen = visible(qih, kih, qsh, ksh, window)
                     s = jnp.where(seen, s, NEG)
                     m_new = jnp.maximum(m, s.max(-1))
                     p = jnp.where(seen, jnp.exp(s - m_new[..., None]), 0.0)
@@ -159,10 +159,6 @@ def _forward(axis, size, window, q, k, v, order, seg):
     return out, (q, k, v, order, seg, out, lse)
 
 
-def _ring_fwd(axis, size, window, q, k, v, order, seg):
-    return _forward(axis, size, window, q, k, v, order, seg)
-
-
 def _ring_bwd(axis, size, window, res, dout):
     q, k, v, order, seg, out, lse = res
     B, T, H, Q = q.shape
@@ -189,7 +185,7 @@ def _ring_bwd(axis, size, window, res, dout):
                           kh=kh, vh=vh, kih=kih, ksh=ksh):
                     kr, vr = _repeat(kh, groups), _repeat(vh, groups)
                     s = _scores(qh, kr, scale)
-                    seen = _visible(qih, kih, qsh, ksh, window)
+                    seen = visible(qih, kih, qsh, ksh, window)
                     p = jnp.where(seen, jnp.exp(s - lseh[..., None]), 0.0)  # (B, H, Tq, Tk)
                     dv_r = jnp.einsum("bhts,bthq->bshq", p.astype(doh.dtype), doh,
                                       preferred_element_type=jnp.float32)
@@ -223,4 +219,4 @@ def _ring_bwd(axis, size, window, res, dout):
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
 
 
-_ring.defvjp(_ring_fwd, _ring_bwd)
+_ring.defvjp(_forward, _ring_bwd)
