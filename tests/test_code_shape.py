@@ -43,3 +43,14 @@ def test_the_walk_sees_every_function(tmp_path):
     source.write_text(f"class A:\n    @staticmethod\n    def f():\n{body}\n")
     assert long_functions(source) == []  # exactly the limit
     assert long_functions(source, MAX_FUNCTION_LINES - 1) == ["m.py:3 f (60 lines)"]
+
+
+def test_every_subpackage_is_installed():
+    """A package pyproject.toml does not list is missing from a wheel (an
+    editable install and the source tree still find it, so nothing else fails)."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(ROOT).parts) for package in PACKAGES
+             for p in (ROOT / package).rglob("__init__.py")}
+    assert found - listed == set()
