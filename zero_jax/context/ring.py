@@ -61,6 +61,21 @@ def _full(shape, fill, like):
     return jnp.full_like(like, fill, shape=shape, dtype=jnp.float32)
 
 
+def _tied(order, x):
+    """`order` and the fills NEG and 0 as values that depend on x.
+
+    The masks and fills of every step depend on constants only (the
+    layout's indices, the device's index), so in a layer stack run as a
+    scan JAX's partial evaluation hoists them out of the loop as
+    loop-invariant: every step's B x H x (T/2)^2 mask and fills computed
+    once, before the first layer, and kept through the whole scan. Tied to
+    the block's data they are computed where they are used, one step's at
+    a time."""
+    order, neg, zero, _ = jax.lax.optimization_barrier(
+        (order, jnp.float32(NEG), jnp.float32(0.0), x))
+    return order, neg, zero
+
+
 def _repeat(x, groups: int):
     return x if groups == 1 else jnp.repeat(x, groups, axis=2)
 
@@ -104,6 +119,7 @@ def _forward(axis, size, window, q, k, v, order, seg):
     B, T, H, Q = q.shape
     groups, scale = H // k.shape[2], 1.0 / math.sqrt(Q)
     d = jax.lax.axis_index(axis)
+    order, neg, zero = _tied(order, q)
     qs = list(zip(_halves(q), _halves(_indices(order, d, T)),
                   _halves(seg) if seg is not None else (None,) * 2))
 
@@ -120,9 +136,9 @@ def _forward(axis, size, window, q, k, v, order, seg):
                 def update(m, l, acc, kh=kh, vh=vh, kih=kih, ksh=ksh):
                     s = _scores(qh, _repeat(kh, groups), scale)
                     seen = visible(qih, kih, qsh, ksh, window)
-                    s = jnp.where(seen, s, NEG)
+                    s = jnp.where(seen, s, neg)
                     m_new = jnp.maximum(m, s.max(-1))
-                    p = jnp.where(seen, jnp.exp(s - m_new[..., None]), 0.0)
+                    p = jnp.where(seen, jnp.exp(s - m_new[..., None]), zero)
                     corr = jnp.exp(m - m_new)
                     l_new = l * corr + p.sum(-1)
                     pv = jnp.einsum("bhts,bshq->bthq", p.astype(vh.dtype), _repeat(vh, groups),
@@ -139,13 +155,12 @@ def _forward(axis, size, window, q, k, v, order, seg):
              for _ in range(2)]
     block = (k, v, seg)
 
-    # The steps are unrolled: as a scan, differentiating a layer stack that
-    # contains it hoists the masks of every step (they depend only on the
-    # step's index) out of the loop and keeps all c - 1 of them, B x H x
-    # (T/2)^2 each, through the step; unrolled, each lives for its step.
-    for s in range(size - 1):
+    def step(carry, s):
+        state, block = carry
         arriving = _shift(block, axis, size)  # sent before, and while, this block is folded
-        state, block = fold(state, block, s), arriving
+        return (fold(state, block, s), arriving), None
+
+    (state, block), _ = jax.lax.scan(step, (state, block), jnp.arange(size - 1))
     state = fold(state, block, size - 1)
     outs, lses = [], []
     for m, l, acc in state:
@@ -165,6 +180,7 @@ def _ring_bwd(axis, size, window, res, dout):
     K = k.shape[2]
     groups, scale = H // K, 1.0 / math.sqrt(Q)
     d = jax.lax.axis_index(axis)
+    order, _, zero = _tied(order, dout)
     delta = jnp.einsum("bthq,bthq->bht", dout.astype(jnp.float32), out.astype(jnp.float32))
     qs = list(zip(_halves(q), _halves(_indices(order, d, T)),
                   _halves(seg) if seg is not None else (None,) * 2,
@@ -186,7 +202,7 @@ def _ring_bwd(axis, size, window, res, dout):
                     kr, vr = _repeat(kh, groups), _repeat(vh, groups)
                     s = _scores(qh, kr, scale)
                     seen = visible(qih, kih, qsh, ksh, window)
-                    p = jnp.where(seen, jnp.exp(s - lseh[..., None]), 0.0)  # (B, H, Tq, Tk)
+                    p = jnp.where(seen, jnp.exp(s - lseh[..., None]), zero)  # (B, H, Tq, Tk)
                     dv_r = jnp.einsum("bhts,bthq->bshq", p.astype(doh.dtype), doh,
                                       preferred_element_type=jnp.float32)
                     dp = jnp.einsum("bthq,bshq->bhts", doh, vr, preferred_element_type=jnp.float32)
