@@ -22,7 +22,7 @@ from models import layers
 from tests.helpers import assert_close, compile_step, host, initial_state, make_job
 from zero_jax import config as config_lib
 from zero_jax.analysis import hlo, traffic
-from zero_jax.context import layout, ring
+from zero_jax.context import layout, ring, split
 from zero_jax.data import corpus as data_lib
 
 FULL = bool(os.environ.get("ZERO_JAX_FULL_GRID"))
@@ -186,6 +186,19 @@ def test_context_8_moves_blocks_not_sequences(corpus):
     heads = B * (T // c) * H * Q * 4  # one device's q (or repeated k, v, or output)
     assert by_op["all-to-all@context"] == pytest.approx(L * 8 * heads, rel=0.05)
     assert "collective-permute@context" not in by_op
+
+
+def test_auto_takes_ulysses_only_where_attention_keeps_no_scores(corpus):
+    """Under XLA's attention Ulysses holds a whole sequence's scores for its
+    heads (the memory table in docs/context.md): auto takes ring there, and
+    all-gather inside a pipeline; Ulysses under cuDNN where the heads split."""
+    assert split.choose("auto", 8, 1, 8, False, "cudnn") == "ulysses"
+    assert split.choose("auto", 8, 1, 8, False, "xla") == "ring"
+    assert split.choose("auto", 8, 2, 8, False, "cudnn") == "ring"  # 4 heads per device
+    assert split.choose("auto", 8, 1, 8, True, "xla") == "all-gather"
+    assert split.choose("ulysses", 8, 1, 8, False, "xla") == "ulysses"  # asked for
+    job = make_job(corpus, model="llama-tiny", mesh="context=8", seq_len=128)
+    assert job.hooks.context.strategy == "ring"  # on this CPU: XLA's attention
 
 
 @pytest.mark.parametrize("fields,message", [

@@ -57,6 +57,8 @@ FULL_ONLY = {  # block id -> the tests that run its commands in CI
     "docs-parallelism-0-activation-checkpointing": "test_scripts.py::test_memory_report_remat_table",
     "docs-models-1-fine-tune-a-hugging-face-checkpoint": "test_llama.py (Hugging Face weights)",
     "docs-offload-0-the-optimizer-on-the-host": "test_offload.py",
+    "docs-hosts-0-several-processes-on-one-machine":
+        "test_multiprocess.py::test_processes_give_the_losses_of_one_process[2x4-cpu-2x4]",
 }
 LINKED = ("scripts", "zero_jax", "models", "meshes")  # .venv: the interpreter's own, below
 SUBCOMMANDS = {name: Path(script).stem for name, script in cli.COMMANDS.items()}  # zero-jax's

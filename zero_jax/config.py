@@ -93,7 +93,7 @@ class ParallelConfig:
     pipeline_gather_once: bool = False  # ZeRO-3: gather a stage's weights once per step, not per microbatch
     pipeline_tables: PipelineTables = "rows"  # rows: each stage uses its row block of the embedding and head (where pipe divides them); whole: gathered, gradients summed whole
     grad_reduce: GradReduce = "auto"  # step | microbatch: when accumulated gradients are reduced; auto: microbatch at stage 3
-    context_attention: ContextAttention = "auto"  # all-gather | ring | ulysses: attention across a context axis; auto: ulysses where the heads split over it, else ring
+    context_attention: ContextAttention = "auto"  # all-gather | ring | ulysses: attention across a context axis; auto: ulysses where the heads split over it under cuDNN attention, else ring
 
 
 @dataclasses.dataclass(frozen=True)

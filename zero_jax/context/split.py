@@ -9,14 +9,18 @@ from zero_jax.context.layout import Context
 from zero_jax.model import ModelFns
 
 
-def choose(strategy: str, heads: int, tensor: int, context: int, pipelined: bool) -> str:
+def choose(strategy: str, heads: int, tensor: int, context: int, pipelined: bool,
+           attention: str) -> str:
     """`auto`: Ulysses where the heads each device holds split over
     `context` (its all-to-alls move a block of q, k, v and the output once
-    each, whatever c), else ring; inside pipeline stages, all-gather
-    instead of ring (`RING_IN_PIPELINE`)."""
+    each, whatever c) and the model's attention keeps no T x T scores
+    (cuDNN's kernel); else ring, whose blocks live one at a time: Ulysses
+    under XLA's attention holds a whole sequence's scores for its heads, as
+    much as a device without a context axis. Inside pipeline stages,
+    all-gather instead of ring (`RING_IN_PIPELINE`)."""
     if strategy != "auto":
         return strategy
-    if (heads // tensor) % context == 0:
+    if (heads // tensor) % context == 0 and attention == "cudnn":
         return "ulysses"
     return "all-gather" if pipelined else "ring"
 
@@ -48,7 +52,7 @@ def of_run(run: config_lib.RunConfig, model: ModelFns, sizes: dict[str, int], at
             f"--grad-reduce step with context={c}: attention across context runs per device "
             "over every axis that splits the batch, which per-device partial sums would split; "
             "use --grad-reduce microbatch (or auto)")
-    strategy = choose(run.parallel.context_attention, heads, t, c, pipelined)
+    strategy = choose(run.parallel.context_attention, heads, t, c, pipelined, attention)
     if strategy == "ring" and pipelined:
         raise config_lib.ConfigError(
             f"--context-attention ring with pipe={sizes['pipe']}: "
