@@ -204,7 +204,8 @@ def prepare_on(run: config_lib.RunConfig, build_model: Callable[[int], ModelFns]
     if model.max_seq_len is not None and run.data.seq_len > model.max_seq_len:
         raise config_lib.ConfigError(
             f"--seq-len {run.data.seq_len} exceeds the model's {model.max_seq_len} positions "
-            f"({run.model.name}); use --seq-len {model.max_seq_len} or less")
+            f"({run.model.name}); use --seq-len {model.max_seq_len} or less, or give a model "
+            f"trained from scratch that many with --max-seq-len {run.data.seq_len}")
     check_experts(model, shape.sizes, run.parallel.grad_reduce)
     schedule, cut = pipeline_schedule(run, model, shape)
     chosen = rules.preset(run.parallel.layout, shape.sizes)
