@@ -3,6 +3,7 @@
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from tests.helpers import initial_state, make_job
@@ -75,3 +76,38 @@ def test_metrics_are_strict_json_and_a_resume_writes_each_step_once(tmp_path):
     resumed.close()
     steps = [json.loads(line)["step"] for line in open(path)]
     assert steps == [1, 2, 3, 4, 5, 6, 7]
+
+
+def test_the_watchdog_times_whole_steps_not_only_the_wait_on_them(corpus):
+    """On a backend whose dispatch blocks, a step's time is spent before the
+    wait on its results; a watchdog that timed only the wait saw medians near
+    zero and stopped a healthy run at the first step whose time fell in the
+    wait instead. It watches the interval the records time."""
+    import io
+    import time
+
+    from zero_jax.runtime.watchdog import StepWatchdog
+
+    job, step_fn, batch = _setup(corpus, 10)
+
+    @jax.jit
+    def late(loss):  # long enough that the host waits on it
+        a = jax.lax.fori_loop(0, 200, lambda i, a: jnp.tanh(a @ a), jnp.full((512, 512), 1e-3))
+        return loss + 0 * a[0, 0]
+
+    def step(state, b):
+        state, metrics = step_fn(state, b)
+        if int(jax.device_get(state.step)) == 10:  # the last step's time falls in the wait
+            return state, {**metrics, "loss": late(metrics["loss"])}
+        jax.block_until_ready(metrics)
+        time.sleep(0.3)  # the others' in a dispatch that blocks
+        return state, metrics
+
+    out, exits = io.StringIO(), []
+    watchdog = StepWatchdog(warn=5, stop=10, min_s=0.3, out=out, exit_fn=exits.append,
+                            poll_s=0.01)
+    _, history = loop.train(initial_state(job), step, batch, steps=10, progress=False,
+                            watchdog=watchdog)
+    watchdog.close()
+    assert exits == [] and "error" not in out.getvalue(), out.getvalue()
+    assert len(history) == 10

@@ -59,18 +59,26 @@ class StepLog:
         self.max_consecutive_skips, self.eval_fn = max_consecutive_skips, eval_fn
         self.watchdog, self.throughput = watchdog, throughput
         self.history: list[dict[str, Any]] = []
-        self.restart_clock()
+        self.restart_clock(start)
 
-    def restart_clock(self) -> None:
-        """Time from now on counts toward the next step (not a trace's writing)."""
+    def restart_clock(self, step: int) -> None:
+        """Time from now on counts toward step `step` (not a trace's writing)."""
         self.last_done = time.perf_counter()
+        self.watch(step)
+
+    def watch(self, step: int) -> None:
+        """The watchdog counts step `step` from now. It watches the interval the
+        records time, from the end of one step to the end of the next, not only
+        the wait on a step's results: on a backend whose dispatch blocks, the
+        wait is near zero for most steps, and a median of waits would stop a
+        healthy run at the first step whose time falls in the wait instead."""
+        if self.watchdog is not None:
+            self.watchdog.started(step)
 
     def finish(self, step: int, metrics: dict[str, jax.Array], eval_params: Any = None) -> None:
         """Record step `step` (0-based); with `eval_params`, evaluate them too."""
         # Wait for this step on every device, not only the one the replicated
         # metrics are read from: the bound must hold per device.
-        if self.watchdog is not None:
-            self.watchdog.started(step)
         values = local(jax.block_until_ready(metrics))
         if self.watchdog is not None:
             self.watchdog.finished(step)
@@ -89,6 +97,7 @@ class StepLog:
                              **mfu, step_s=f"{record['step_time_s']:.3f}", refresh=False)
         self.bar.update(1)
         self.last_done = now
+        self.watch(step + 1)  # evaluation is not the next step's time either
 
     def _record(self, step: int, values: dict[str, Any], seconds: float) -> dict[str, Any]:
         record = {"step": step + 1, "loss": float(values["loss"]),
@@ -123,6 +132,8 @@ class StepLog:
             writer.write(record)
 
     def close(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.idle()  # what follows the loop (a last save) is no step
         self.bar.close()
         for writer in self.writers:
             writer.close()
@@ -143,8 +154,9 @@ def train(state: TrainState, train_step: Callable, batch_at: Callable[[int], jax
     `after_step(n, state)` is called with the state after n steps, before the
     next step is dispatched (and may donate it), so it can save that state;
     it returns True to stop there. Raises TrainingHalted after
-    `max_consecutive_skips` skipped steps in a row. `watchdog` is told when
-    the loop starts and stops waiting on each step. `throughput` adds
+    `max_consecutive_skips` skipped steps in a row. `watchdog` watches each
+    step over the interval its record times (dispatch and wait), less what
+    `after_step` spends. `throughput` adds
     FLOP/s per device and MFU to each record; `tensorboard_dir` writes the
     records' scalars there too; `tracer` profiles its window of steps.
     """
@@ -160,15 +172,19 @@ def train(state: TrainState, train_step: Callable, batch_at: Callable[[int], jax
                 _drain(log, pending)
                 pending = None
                 tracer.toggle()
-                log.restart_clock()  # writing the trace is not step time
+                log.restart_clock(step)  # writing the trace is not step time
             state, metrics = train_step(state, batch_at(step))
             _drain(log, pending)
             pending = (step, metrics)
             if eval_fn is not None and _evaluates(step + 1, steps, eval_every):
                 log.finish(step, metrics, state.params)  # the state this step produced
                 pending = None
-            if after_step is not None and after_step(step + 1, state):
-                break
+            if after_step is not None:
+                if after_step(step + 1, state):
+                    break
+                # A checkpoint save is bounded by its own timeouts; the step in
+                # flight is watched from here, so a long save is not a stuck step.
+                log.watch(step if pending is not None else step + 1)
         _drain(log, pending)
     finally:
         if tracer is not None:

@@ -21,9 +21,10 @@ EXIT_STUCK = 5
 
 
 class StepWatchdog:
-    """`started(step)` before waiting on a step, `finished(step)` after.
+    """`started(step)` when the host starts on a step, `finished(step)` once
+    it is done on every device.
 
-    A step waited on for more than `warn` times the median of the last
+    A step under way for more than `warn` times the median of the last
     `window` steps (and at least `min_s` seconds) is reported once; past
     `stop` times (0: never) the process exits with EXIT_STUCK.
     """
@@ -49,6 +50,11 @@ class StepWatchdog:
         with self._lock:
             if self._current is not None and self._current[0] == step:
                 self._times.append(time.monotonic() - self._current[1])
+            self._current = None
+
+    def idle(self) -> None:
+        """No step is under way (the loop has ended): nothing to watch."""
+        with self._lock:
             self._current = None
 
     def close(self) -> None:
