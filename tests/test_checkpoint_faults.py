@@ -12,10 +12,12 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from zero_jax.checkpoint import manager as ckpt_lib
 
 ROOT = Path(__file__).resolve().parent.parent
+FULL = bool(os.environ.get("ZERO_JAX_FULL_GRID"))
 SMALL = ["--seq-len", "32", "--batch-size", "16", "--eval-batches", "1", "--no-progress"]
 
 
@@ -53,7 +55,9 @@ def complete(directory):
 
 def test_resume_is_bitwise_and_works_on_four_devices(tmp_path):
     """8 steps straight; 4 steps, a fresh process, --resume, 4 more: bitwise the same.
-    The same checkpoint resumed by a process with 4 devices: within 1e-5."""
+    The same checkpoint resumed by a process with 4 devices: within 1e-5 (under
+    ZERO_JAX_FULL_GRID=1; in CI test_multiprocess.py resumes a checkpoint on
+    another process and device count, test_checkpoint.py onto other layouts)."""
     straight = train("--steps", "8", "--eval-every", "0", "--metrics-out", str(tmp_path / "a.jsonl"))
     assert straight.returncode == 0, straight.stderr
     first = train("--steps", "8", "--stop-at", "4", "--eval-every", "0", "--checkpoint-dir",
@@ -66,6 +70,8 @@ def test_resume_is_bitwise_and_works_on_four_devices(tmp_path):
     a, b = losses(tmp_path / "a.jsonl"), losses(tmp_path / "b.jsonl")
     assert sorted(b) == list(range(1, 9))
     assert [a[s] for s in range(1, 9)] == [b[s] for s in range(1, 9)]  # bitwise
+    if not FULL:
+        return
 
     four = train("--steps", "8", "--resume", "--mesh", "fsdp=4", "--eval-every", "0",
                  "--checkpoint-dir", str(tmp_path / "ckpt4"),
@@ -123,6 +129,8 @@ def test_full_disk_during_a_save_is_a_clear_error_and_keeps_the_previous_one(tmp
     assert resumed.returncode == 0, resumed.stderr
 
 
+@pytest.mark.skipif(not FULL, reason="ZERO_JAX_FULL_GRID=1: in CI test_multiprocess.py's "
+                    "SIGTERM to one of two processes, which saves, exits 0 and resumes")
 def test_sigterm_saves_waits_and_exits_zero(tmp_path):
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
     proc = start("--steps", "400", "--eval-every", "0", "--checkpoint-dir", str(ckpt),

@@ -103,7 +103,7 @@ def test_bf16_step_matches_one_device(corpus, reference, stage, mesh):
     assert_close(host(grads), ref_grads, rtol)
 
 
-@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("stage", [1, 3] if FULL else [3])  # CI: the stage that shards most
 def test_four_microbatches_equal_one_whole_batch(corpus, stage):
     """Loss and gradient accumulated over 4 microbatches equal those of the whole batch."""
     job = make_job(corpus, mesh="data=2,fsdp=4", zero_stage=stage, batch_size=32)
