@@ -1,6 +1,8 @@
 """The host loop: at most two steps in flight, records, evaluation, early stop."""
 
 import functools
+import io
+import time
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +11,7 @@ import numpy as np
 from tests.helpers import initial_state, make_job
 from zero_jax import loop
 from zero_jax.data import corpus as data_lib
+from zero_jax.runtime.watchdog import StepWatchdog
 
 
 def _setup(corpus, steps):
@@ -83,11 +86,6 @@ def test_the_watchdog_times_whole_steps_not_only_the_wait_on_them(corpus):
     wait on its results; a watchdog that timed only the wait saw medians near
     zero and stopped a healthy run at the first step whose time fell in the
     wait instead. It watches the interval the records time."""
-    import io
-    import time
-
-    from zero_jax.runtime.watchdog import StepWatchdog
-
     job, step_fn, batch = _setup(corpus, 10)
 
     @jax.jit
@@ -104,7 +102,9 @@ def test_the_watchdog_times_whole_steps_not_only_the_wait_on_them(corpus):
         return state, metrics
 
     out, exits = io.StringIO(), []
-    watchdog = StepWatchdog(warn=5, stop=10, min_s=0.3, out=out, exit_fn=exits.append,
+    # Stopped by a median of waits (about 0 s) at min_s; by whole steps, at
+    # 20 x 0.3 s, past the last step's compile of `late` and its run.
+    watchdog = StepWatchdog(warn=10, stop=20, min_s=0.3, out=out, exit_fn=exits.append,
                             poll_s=0.01)
     _, history = loop.train(initial_state(job), step, batch, steps=10, progress=False,
                             watchdog=watchdog)
