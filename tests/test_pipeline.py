@@ -26,7 +26,7 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 GRID = list(itertools.product(SCHEDULES, MESHES, (4, 8), (1, 3)))
 # CI's time budget covers a ninth of the grid for one step: every schedule
 # once, every mesh, both microbatch counts and both ZeRO stages (zb-h1's
-# traffic checked on another mesh below); and two ten-step runs (1f1b on
+# traffic checked below); and two ten-step runs (1f1b on
 # pipe4-data2 at ZeRO-3, interleaved under SP). ZERO_JAX_FULL_GRID=1 runs all
 # 36 of both.
 FULL = bool(os.environ.get("ZERO_JAX_FULL_GRID"))

@@ -3,7 +3,6 @@ the row blocks over `pipe` it is stored in (pipeline/train_stage.py), or
 gathered and summed whole where `pipe` does not divide its rows; both as
 one device computes them."""
 
-import os
 import re
 
 import jax
@@ -25,10 +24,6 @@ CASES = {
     "both-whole": (dict(vocab_size=258), ((258, D_MODEL), (256, D_MODEL))),
     "whole-as-asked": (dict(pipeline_tables="whole"), ((256, D_MODEL),)),  # --pipeline-tables
 }
-# CI leaves out positions-whole: both-whole has a table pipe does not divide
-# beside one it does; ZERO_JAX_FULL_GRID=1 runs all four.
-SAMPLED = list(CASES) if os.environ.get("ZERO_JAX_FULL_GRID") else [
-    c for c in CASES if c != "positions-whole"]
 
 
 def _loss_and_grads(job, corpus):
@@ -57,7 +52,7 @@ def _tables_summed_over_pipe(job, text) -> set[tuple[int, int]]:
     return found
 
 
-@pytest.mark.parametrize("case", SAMPLED)
+@pytest.mark.parametrize("case", CASES)
 def test_tables_train_in_their_row_blocks_where_pipe_divides_them(corpus, case):
     """Tables in row blocks: every stage looks its rows up, computes its block
     of the logits and adds its block's gradient, so no table is gathered or
