@@ -82,10 +82,12 @@ def cast_tree(tree: Any, dtype) -> Any:
 
 
 def with_state_dtype(tx: optax.GradientTransformation, dtype) -> optax.GradientTransformation:
-    """`tx` whose floating state is stored in `dtype` and updated in float32."""
-    if jnp.dtype(dtype) == jnp.float32:
-        return tx
+    """`tx` whose floating state is stored in `dtype` and updated in float32.
 
+    Wrapped for float32 too: optax makes its moments in the parameters'
+    dtype, so bfloat16 parameters would get bfloat16 moments at init and
+    float32 ones after the first update (its arithmetic promotes), and the
+    state the step was compiled for would not be the state it is given."""
     def init(params):
         return cast_tree(tx.init(params), dtype)
 
