@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import tempfile
 import tomllib
 import types
 import typing
@@ -381,3 +382,24 @@ def check_paths(run: RunConfig) -> None:
     if t.metrics_out and not parent.is_dir():
         raise ConfigError(f"--metrics-out {t.metrics_out}: the directory {parent} does not "
                           "exist; create it, or write the metrics elsewhere")
+    outputs = {"--checkpoint-dir": c.dir, "--tensorboard-dir": t.tensorboard_dir,
+               "--metrics-out": t.metrics_out and str(parent),
+               "--profile-dir": t.profile_steps and t.profile_dir}
+    for flag, directory in outputs.items():
+        if directory and "://" not in directory:  # a remote store (gs://) checks itself
+            _check_writable(flag, Path(directory))
+
+
+def _check_writable(flag: str, directory: Path) -> None:
+    """`directory` exists (made now, as the run would make it) and takes a
+    file: a run that could not write there would find out only after
+    compiling, at its first checkpoint or record."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as e:
+        reason = e.strerror or type(e).__name__
+        raise ConfigError(f"{flag} {directory}: cannot write there ({reason}"
+                          f"{f': {e.filename}' if e.filename else ''}); give a directory "
+                          "this user can create and write") from None
