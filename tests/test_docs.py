@@ -81,3 +81,13 @@ def test_the_readme_links_every_docs_page_and_stays_short():
     lines = len(text.splitlines())
     assert lines <= README_MAX_LINES, (f"README.md has {lines} lines; move the detail to the "
                                        f"docs page it belongs on (at most {README_MAX_LINES})")
+
+
+def test_the_stated_vocabulary_of_the_default_data_is_the_one_it_has(corpus):
+    """The README and the data page give the default data's vocabulary; the
+    plan prints the corpus's own, and the two must agree."""
+    def near_stdlib(text: str) -> list[str]:
+        at = text.index("standard library")
+        return re.findall(r"vocabulary (\d+)", text[at - 200:at + 200])
+    stated = {page.name: near_stdlib(page.read_text()) for page in (README, DOCS / "data.md")}
+    assert stated == {"README.md": [str(corpus.vocab_size)], "data.md": [str(corpus.vocab_size)]}
