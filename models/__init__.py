@@ -100,9 +100,21 @@ def for_run(model_cfg, data_vocab: int):
     shape = model_cfg.shape()
     cfg = config(model_cfg.name, data_vocab, **shape)
     if cfg.vocab_size < data_vocab:
-        raise ValueError(f"the model's vocabulary ({cfg.vocab_size}, --vocab-size or the preset) "
-                         f"is smaller than the data's ({data_vocab}): token ids would fall outside "
-                         f"the embedding; use --vocab-size {data_vocab} or more")
+        name = model_cfg.name
+        if "vocab_size" in shape:
+            source, fix = "--vocab-size", f"use --vocab-size {data_vocab} or more"
+        elif name.startswith("hf:"):
+            # The weights' embedding is their tokenizer's: data with larger ids
+            # was made with another tokenizer, and no --vocab-size mends that.
+            source, fix = (f"{name[3:]}/config.json", "the data was prepared with another "
+                           f"tokenizer; prepare it with the model's own (scripts/prepare_data.py "
+                           f"--tokenizer {name[3:]})")
+        else:
+            source, fix = (f"the preset {name}", "prepare the data with the preset's tokenizer, "
+                           f"or give --vocab-size {data_vocab} or more to train from scratch")
+        raise ValueError(f"the model's vocabulary ({cfg.vocab_size}, {source}) is smaller than "
+                         f"the data's ({data_vocab}): token ids would fall outside the "
+                         f"embedding; {fix}")
     return (builder(model_cfg.name, data_vocab, **shape),
             describe(model_cfg.name, data_vocab, model_cfg.vocab_multiple, **shape))
 
@@ -121,6 +133,13 @@ def weight_dirs(name: str, init_from: str) -> list[str]:
     tokenizer.json the data must have been prepared with."""
     dirs = [name[3:]] if name.startswith("hf:") else []
     return dirs + ([init_from] if init_from and Path(init_from).is_dir() else [])
+
+
+def check_init_from(init_from: str, job) -> None:
+    """A Hugging Face --init-from directory's config.json gives the job's
+    model shape: checked before compiling, as the weights load only after."""
+    if init_from and hf.is_hf_dir(Path(init_from)):
+        hf.check_matches(Path(init_from), job.model.config, job.run.model.name)
 
 
 def hf_loader(source: str, job) -> dict | None:

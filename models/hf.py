@@ -74,13 +74,11 @@ class Tensors:
         return self.files[name].get(name)
 
 
-def load(path: Path, job) -> Any:
-    """The job's master parameters (its layout's saved form, layer order)
-    from a Hugging Face directory, placed one tensor at a time: each is read,
-    converted to our layout (transposes, head splits) and put into its
-    sharded place before the next is read (zero_jax/checkpoint/stream.py)."""
+def check_matches(path: Path, cfg, model_name: str) -> str:
+    """The family of the weights in `path`, whose config.json must give the
+    model shape `cfg` (read before anything compiles: the weights are loaded
+    only after)."""
     family, fields = shape(path)
-    cfg = job.model.config
     mine = dataclasses.asdict(cfg)
     # Rotary embeddings have no table: a Llama-family model may be run at
     # another length than its config's max_position_embeddings.
@@ -92,8 +90,24 @@ def load(path: Path, job) -> Any:
     if (family == "llama") != isinstance(cfg, llama.LlamaConfig) or differ:
         what = ", ".join(f"{k} {a} there, {b} in the model" for k, (a, b) in differ.items()) \
             or f"a {family} model there, not a {type(cfg).__name__}"
-        raise ValueError(f"{path}/config.json does not match the model ({job.run.model.name}): "
-                         f"{what}; use --model hf:{path} to take the shape from it")
+        named = model_name.startswith("hf:") and Path(model_name[3:]).resolve() == path.resolve()
+        fix = ("leave out the shape flags that change it" if named
+               else f"use --model hf:{path} to take the shape from it")
+        if "vocab_size" in differ:
+            fix = (f"the weights' vocabulary is their tokenizer's: prepare the data with it "
+                   f"(scripts/prepare_data.py --tokenizer {path}) and leave --vocab-size unset")
+        raise ValueError(f"{path}/config.json does not match the model ({model_name}): "
+                         f"{what}; {fix}")
+    return family
+
+
+def load(path: Path, job) -> Any:
+    """The job's master parameters (its layout's saved form, layer order)
+    from a Hugging Face directory, placed one tensor at a time: each is read,
+    converted to our layout (transposes, head splits) and put into its
+    sharded place before the next is read (zero_jax/checkpoint/stream.py)."""
+    cfg = job.model.config
+    family = check_matches(path, cfg, job.run.model.name)
     tensors = Tensors(path)
     sources = llama_hf.sources(cfg) if family == "llama" else gpt_hf.sources(cfg)
     try:

@@ -83,6 +83,19 @@ def text_input_and_bad_tokenizer(d: Path) -> None:
     (d / "tokenizer.json").write_text('{"not": "a tokenizer"}')
 
 
+def hf_model_and_larger_data(d: Path) -> None:
+    """A Hugging Face Llama of vocabulary 512 (its config.json; the weights
+    file is not read before compiling) and data whose vocabulary is 8192."""
+    tokens(d)
+    (d / "tokens.bin.json").write_text('{"vocab_size": 8192}')
+    (d / "hf").mkdir()
+    (d / "hf" / "config.json").write_text(json.dumps({
+        "model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "hidden_size": 64, "intermediate_size": 128,
+        "vocab_size": 512, "max_position_embeddings": 128}))
+    (d / "hf" / "model.safetensors").write_bytes(b"")
+
+
 TRAIN = ["--data", "{d}/tokens.bin"]  # a run's data, read in milliseconds
 
 # (id, script, setup or None, argv, a substring of the message naming the
@@ -135,6 +148,13 @@ CASES = [
      [*TRAIN, "--checkpoint-dir", "/proc/zero_jax/ckpt"], "--checkpoint-dir /proc/zero_jax/ckpt"),
     ("train-tensorboard-dir-under-proc", "train", tokens,
      [*TRAIN, "--tensorboard-dir", "/proc/zero_jax/tb"], "--tensorboard-dir /proc/zero_jax/tb"),
+    ("train-hf-vocab-below-the-data", "train", hf_model_and_larger_data,
+     [*TRAIN, "--model", "hf:{d}/hf", "--init-from", "{d}/hf"],
+     "prepare it with the model's own (scripts/prepare_data.py --tokenizer {d}/hf)"),
+    ("train-hf-vocab-size-given", "train", hf_model_and_larger_data,
+     [*TRAIN, "--model", "hf:{d}/hf", "--init-from", "{d}/hf", "--vocab-size", "8192"],
+     "vocab_size 512 there, 8192 in the model; the weights' vocabulary is their tokenizer's: "
+     "prepare the data with it (scripts/prepare_data.py --tokenizer {d}/hf)"),
     # the mesh
     ("train-mesh-unknown-name", "train", tokens, [*TRAIN, "--mesh", "gpu-9x9"], "gpu-9x9"),
     ("train-mesh-file-missing", "train", tokens, [*TRAIN, "--mesh", "{d}/mesh.toml"], "mesh.toml"),

@@ -71,7 +71,8 @@ def prepare(argv: list[str] | None):
     corpus = data_lib.load(cfg.data.source)
     build, model_line = models.for_run(cfg.model, corpus.vocab_size)
     job = job_lib.prepare(cfg, build)
-    # Bad data stops here, before anything compiles.
+    # Bad data and weights of another shape stop here, before anything compiles.
+    models.check_init_from(cfg.checkpoint.init_from, job)
     data_lib.check(corpus, job.model.config.vocab_size, cfg.data.seq_len,
                    models.weight_dirs(cfg.model.name, cfg.checkpoint.init_from))
     return cfg, args, corpus, job, model_line
