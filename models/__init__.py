@@ -140,6 +140,7 @@ def check_init_from(init_from: str, job) -> None:
     model shape: checked before compiling, as the weights load only after."""
     if init_from and hf.is_hf_dir(Path(init_from)):
         hf.check_matches(Path(init_from), job.model.config, job.run.model.name)
+        hf.Tensors(Path(init_from))  # reads each file's header: a damaged one is named now
 
 
 def hf_loader(source: str, job) -> dict | None:

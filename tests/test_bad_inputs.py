@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -96,6 +97,19 @@ def hf_model_and_larger_data(d: Path) -> None:
     (d / "hf" / "model.safetensors").write_bytes(b"")
 
 
+def bad_header(d: Path, name: str = "m.safetensors") -> None:
+    """A safetensors file whose 16-byte header is not JSON."""
+    tokens(d)
+    (d / name).parent.mkdir(parents=True, exist_ok=True)
+    (d / name).write_bytes(struct.pack("<Q", 16) + b'{"a": not json!}' + bytes(64))
+
+
+def hf_model_with_bad_header(d: Path) -> None:
+    hf_model_and_larger_data(d)
+    (d / "tokens.bin.json").write_text('{"vocab_size": 256}')
+    bad_header(d, "hf/model.safetensors")
+
+
 TRAIN = ["--data", "{d}/tokens.bin"]  # a run's data, read in milliseconds
 
 # (id, script, setup or None, argv, a substring of the message naming the
@@ -155,6 +169,12 @@ CASES = [
      [*TRAIN, "--model", "hf:{d}/hf", "--init-from", "{d}/hf", "--vocab-size", "8192"],
      "vocab_size 512 there, 8192 in the model; the weights' vocabulary is their tokenizer's: "
      "prepare the data with it (scripts/prepare_data.py --tokenizer {d}/hf)"),
+    ("train-init-from-safetensors-header-not-json", "train", bad_header,
+     [*TRAIN, "--init-from", "{d}/m.safetensors"],
+     "{d}/m.safetensors: the safetensors header is not valid JSON (Expecting value at byte 14)"),
+    ("train-init-from-hf-header-not-json", "train", hf_model_with_bad_header,
+     [*TRAIN, "--model", "hf:{d}/hf", "--init-from", "{d}/hf"],
+     "{d}/hf/model.safetensors: the safetensors header is not valid JSON"),
     # the mesh
     ("train-mesh-unknown-name", "train", tokens, [*TRAIN, "--mesh", "gpu-9x9"], "gpu-9x9"),
     ("train-mesh-file-missing", "train", tokens, [*TRAIN, "--mesh", "{d}/mesh.toml"], "mesh.toml"),

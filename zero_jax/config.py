@@ -18,6 +18,7 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
+from zero_jax.checkpoint import export
 from zero_jax.checkpoint.manager import CheckpointConfig, complete_steps
 from zero_jax.optim import OptimConfig
 from zero_jax.pipeline.schedule import ScheduleName
@@ -367,6 +368,8 @@ def _check_init_from(path: Path) -> None:
         raise ConfigError(f"--init-from {path}: no such file or directory; {what}")
     if path.is_file() and path.suffix != ".safetensors":
         raise ConfigError(f"--init-from {path}: a file, but not .safetensors; {what}")
+    if path.is_file():
+        export.read_header(path)  # a damaged file is named now, not after compiling
     if path.is_dir() and not (complete_steps(path) or (path / "config.json").exists()):
         raise ConfigError(f"--init-from {path}: holds no complete checkpoint and no Hugging "
                           f"Face config.json; {what}")

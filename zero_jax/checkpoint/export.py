@@ -175,6 +175,37 @@ def write_safetensors(path: str | Path, pieces: Iterable[Piece],
     return 8 + len(text) + offset
 
 
+class SafetensorsError(ValueError):
+    """A file that is not a readable safetensors file; the message names it."""
+
+
+def read_header(path: Path) -> tuple[int, dict]:
+    """(header length, header) of a safetensors file: an 8-byte little-endian
+    length, then that many bytes of a JSON object."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise SafetensorsError(f"{path}: {size} bytes, too short for a safetensors file "
+                                   "(8 bytes of header length come first); the file is cut "
+                                   "short or not safetensors")
+        (length,) = struct.unpack("<Q", head)
+        if 8 + length > size:
+            raise SafetensorsError(f"{path}: the header claims {length:,} bytes but the file "
+                                   f"has {size:,}; the file is cut short or not safetensors")
+        text = f.read(length)
+    try:
+        header = json.loads(text)
+    except ValueError as e:
+        where = f" ({e.msg} at byte {8 + e.pos:,})" if isinstance(e, json.JSONDecodeError) else ""
+        raise SafetensorsError(f"{path}: the safetensors header is not valid JSON{where}; "
+                               "the file is damaged or not safetensors") from None
+    if not isinstance(header, dict):
+        raise SafetensorsError(f"{path}: the safetensors header is JSON but not an object of "
+                               "tensors; the file is damaged or not safetensors")
+    return length, header
+
+
 class SafetensorsFile:
     """The tensors of one safetensors file, each read straight from the file
     into its own array on demand: no memory map, so reading a tensor adds
@@ -182,9 +213,7 @@ class SafetensorsFile:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        with open(self.path, "rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(length))
+        length, header = read_header(self.path)
         header.pop("__metadata__", None)
         self.start = 8 + length
         self.header = header  # name -> {dtype, shape, data_offsets}
