@@ -28,8 +28,8 @@ from zero_jax.sharding.rules import ShardingError
     ({"grad_reduce": "microbatch", "zero_stage": 1}, config_lib.ConfigError,
      "gradients are replicated at stages 0 and 1"),
     ({"model": "", "n_layer": 2}, ValueError, "no model preset, so the shape needs n_head, d_model"),
-    ({"vocab_size": 100}, ValueError, r"vocabulary \(100, --vocab-size or the preset\) is smaller "
-                                      r"than the data's \(256\)"),
+    ({"vocab_size": 100}, ValueError, r"vocabulary \(100, --vocab-size\) is smaller than the "
+                                      r"data's \(256\).*use --vocab-size 256 or more"),
     ({"n_layer": -2}, config_lib.ConfigError, "shape fields must be positive"),
 ])
 def test_bad_input_is_one_clear_error(corpus, overrides, error, message):

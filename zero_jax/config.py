@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import tempfile
 import tomllib
 import types
 import typing
-from pathlib import Path
 from typing import Any, Literal
 
-from zero_jax.checkpoint import export
-from zero_jax.checkpoint.manager import CheckpointConfig, complete_steps
+from zero_jax import paths
+from zero_jax.checkpoint.manager import CheckpointConfig
 from zero_jax.optim import OptimConfig
 from zero_jax.pipeline.schedule import ScheduleName
 from zero_jax.precision import PresetName
@@ -356,53 +354,4 @@ def validate(run: RunConfig, mesh: MeshShape) -> None:
                           f"{t.steps}; choose a window within it")
     if t.stop_at < 0 or t.stop_at > t.steps:
         raise ConfigError(f"--stop-at {t.stop_at}: must be between 1 and --steps {t.steps} (0: off)")
-    check_paths(run)
-
-
-def _check_init_from(path: Path) -> None:
-    """--init-from names one of the three sources its loaders read (their
-    own errors then say what inside it is wrong)."""
-    what = ("give a checkpoint directory (train.py --checkpoint-dir), a .safetensors file or a "
-            "Hugging Face model directory")
-    if not path.exists():
-        raise ConfigError(f"--init-from {path}: no such file or directory; {what}")
-    if path.is_file() and path.suffix != ".safetensors":
-        raise ConfigError(f"--init-from {path}: a file, but not .safetensors; {what}")
-    if path.is_file():
-        export.read_header(path)  # a damaged file is named now, not after compiling
-    if path.is_dir() and not (complete_steps(path) or (path / "config.json").exists()):
-        raise ConfigError(f"--init-from {path}: holds no complete checkpoint and no Hugging "
-                          f"Face config.json; {what}")
-
-
-def check_paths(run: RunConfig) -> None:
-    """Paths the run reads or writes only after compiling: checked now, so
-    that a typo costs no compile."""
-    c, t = run.checkpoint, run.train
-    if c.init_from:
-        _check_init_from(Path(c.init_from))
-    parent = Path(t.metrics_out).parent
-    if t.metrics_out and not parent.is_dir():
-        raise ConfigError(f"--metrics-out {t.metrics_out}: the directory {parent} does not "
-                          "exist; create it, or write the metrics elsewhere")
-    outputs = {"--checkpoint-dir": c.dir, "--tensorboard-dir": t.tensorboard_dir,
-               "--metrics-out": t.metrics_out and str(parent),
-               "--profile-dir": t.profile_steps and t.profile_dir}
-    for flag, directory in outputs.items():
-        if directory and "://" not in directory:  # a remote store (gs://) checks itself
-            _check_writable(flag, Path(directory))
-
-
-def _check_writable(flag: str, directory: Path) -> None:
-    """`directory` exists (made now, as the run would make it) and takes a
-    file: a run that could not write there would find out only after
-    compiling, at its first checkpoint or record."""
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=directory):
-            pass
-    except OSError as e:
-        reason = e.strerror or type(e).__name__
-        raise ConfigError(f"{flag} {directory}: cannot write there ({reason}"
-                          f"{f': {e.filename}' if e.filename else ''}); give a directory "
-                          "this user can create and write") from None
+    paths.check(run)

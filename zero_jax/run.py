@@ -283,6 +283,8 @@ def train(job: Job, corpus: data_lib.TokenData, train_step, eval_step, *,
         raise
     finally:
         watchdog.close()
+    if throughput is not None:
+        throughput.check_peak(history)
     stopped = after_step.stopped
     if stopped and checkpointer is not None:
         log(f"{stopped}: saved step {int(distributed.local(state.step))} in {checkpointer.directory}")

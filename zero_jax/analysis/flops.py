@@ -10,23 +10,20 @@ the nearest kept tensor). MFU = tokens/s x model FLOPs per token / (devices x
 peak); HFU the same with hardware FLOPs.
 
 The peak is the device's, from meshes/devices/ (datasheet figures with their
-sources), in the dtype the matmuls run in; on CPU it is measured once by a
-matmul probe and cached.
+sources), in the dtype the matmuls run in; on CPU it is the host's, probed by
+a matmul and cached (cpu_peak.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import platform
-import time
-from pathlib import Path
 from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 
+from zero_jax.analysis import cpu_peak as cpu_peak_lib
 from zero_jax.runtime import cpu
 from zero_jax.runtime import distributed
 from zero_jax.planner.devices import for_device_kind
@@ -96,6 +93,7 @@ class Peak:
 
     flops: float
     source: str
+    probed_dtype: str = ""  # a CPU host's probe (cpu_peak.py), in this dtype; "": a datasheet's
 
 
 def device_peak(device: jax.Device, compute_dtype: str, sharing: int | None = None) -> Peak | None:
@@ -115,12 +113,6 @@ def device_peak(device: jax.Device, compute_dtype: str, sharing: int | None = No
                                       "default (meshes/devices)")
 
 
-# The probe: a square matmul large enough to keep every core busy, timed
-# best of several runs (the peak the machine reaches, not its average).
-PROBE_N = 2048
-PROBE_RUNS = 8
-
-
 def processes_on_this_host() -> int:
     """Processes sharing this host's cores: all of a scripts/launch.py run
     (it starts them on one machine and says so in each), else this one."""
@@ -130,64 +122,13 @@ def processes_on_this_host() -> int:
 
 
 def cpu_peak(dtype: str, local_devices: int) -> Peak:
-    """Per-device peak on CPU: this host's matmul FLOP/s, measured once (and
-    cached), shared by its `local_devices` simulated devices (those of every
-    process on the host), which run on the same cores."""
-    host = _host_key(dtype)
-    cache = _cache_path()
-    table = _read_json(cache)
-    if host not in table:
-        table[host] = _probe(dtype)
-        _write_json(cache, table)
-    return Peak(table[host] / local_devices,
-                f"{table[host] / 1e9:.0f} GFLOP/s measured by a {PROBE_N}^3 {dtype} matmul on "
-                f"this host (cached in {cache}), shared by {local_devices} device(s)")
-
-
-def _probe(dtype: str) -> float:
-    a = jnp.ones((PROBE_N, PROBE_N), dtype)
-    matmul = jax.jit(lambda x, y: x @ y)
-    matmul(a, a).block_until_ready()
-    best = float("inf")
-    for _ in range(PROBE_RUNS):
-        start = time.perf_counter()
-        matmul(a, a).block_until_ready()
-        best = min(best, time.perf_counter() - start)
-    return 2 * PROBE_N ** 3 / best
-
-
-def _host_key(dtype: str) -> str:
-    model = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next((line.split(":", 1)[1].strip() for line in f
-                          if line.startswith("model name")), "")
-    except OSError:
-        pass
-    return f"{model or platform.processor()} | {os.cpu_count()} cores | jax {jax.__version__} | {dtype}"
-
-
-def _cache_path() -> Path:
-    root = os.environ.get("ZERO_JAX_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "zero_jax")
-    return Path(root) / "cpu_peak.json"
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def _write_json(path: Path, table: dict) -> None:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(table, indent=1))
-        os.replace(tmp, path)
-    except OSError:
-        pass  # a read-only home: the probe runs again next time
+    """Per-device peak on CPU: this host's probed matmul FLOP/s (cpu_peak.py),
+    shared by its `local_devices` simulated devices (those of every process
+    on the host), which run on the same cores."""
+    probe, cache = cpu_peak_lib.peak(dtype)
+    return Peak(probe.flops / local_devices,
+                f"{probe.describe(dtype)} (cached in {cache}), shared by {local_devices} "
+                "device(s)", probed_dtype=dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,8 +145,20 @@ class Throughput:
         out = {"model_tflops_per_device": model / 1e12,
                "hardware_tflops_per_device": hardware_ / 1e12}
         if self.peak is not None and self.peak.flops > 0:
-            out.update(mfu=model / self.peak.flops, hfu=hardware_ / self.peak.flops)
+            # A step that did more than the peak shows the peak too low (a
+            # probe slowed by other work): what the step did bounds it.
+            peak = max(self.peak.flops, hardware_)
+            out.update(mfu=model / peak, hfu=hardware_ / peak)
         return out
+
+    def check_peak(self, history: Sequence[dict]) -> None:
+        """After a run: a probed peak that a step exceeded is probed again by
+        the next run."""
+        if self.peak is None or not self.peak.probed_dtype:
+            return
+        done = max((r.get("hardware_tflops_per_device", 0.0) * 1e12 for r in history), default=0.0)
+        if done > self.peak.flops:
+            cpu_peak_lib.reprobe_next_run(self.peak.probed_dtype)
 
 
 def throughput(job) -> Throughput:
