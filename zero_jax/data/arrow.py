@@ -57,7 +57,6 @@ def dataset_files(directory: Path) -> tuple[Path, ...] | None:
 
 def _pyarrow(path: Path):
     try:
-        import pyarrow  # noqa: F401 - the submodules below need the package
         import pyarrow.ipc
         import pyarrow.parquet
     except ImportError:
