@@ -2,6 +2,8 @@
 
     zero-jax prepare-data --input 'corpus/*.txt' --tokenizer bytes --out data/
     zero-jax prepare-data --input web.jsonl --tokenizer llama-dir/ --out data/
+    zero-jax prepare-data --input 'fineweb/*.parquet' --tokenizer llama-dir/ --out data/
+    zero-jax prepare-data --input saved-dataset/ --tokenizer llama-dir/ --out data/
     zero-jax prepare-data --format chat --input sft.jsonl --tokenizer llama-dir/ --out sft/
     zero-jax prepare-data --format flat --input 'corpus/*.txt' --out tokens.bin
     zero-jax train --data data/ ...
@@ -10,8 +12,12 @@
 (--input, repeatable, globs allowed) are read as a stream: with --format
 text each text file is one document (read a megabyte at a time, cut at line
 ends), and each line of a .jsonl file is one document (its --text-field);
---format jsonl reads every input as JSON lines. --format chat reads JSON
-lines of {"prompt", "response"} or {"messages": [{"role", "content"}, ...]},
+--format jsonl reads every other input as JSON lines. Parquet (.parquet) and Arrow
+(.arrow) files, and directories written by `datasets` save_to_disk, are
+read a record batch at a time, each row one record: its --text-field
+column, or with --format chat its chat columns (pyarrow, the data extra).
+--format chat reads records of {"prompt", "response"} or
+{"messages": [{"role", "content"}, ...]},
 renders them with the tokenizer directory's chat template (or the plain one,
 see zero_jax/data/tokenizers.py) and writes a loss mask: training counts the
 assistant's tokens only. --format flat writes one flat uint16 file and its
@@ -49,17 +55,19 @@ def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--input", action="append", required=True,
-                   help="a file or glob (quote it); repeat for more")
+                   help="a file or glob (quote it), or a datasets save_to_disk directory; "
+                        "repeat for more")
     p.add_argument("--tokenizer", default=tok_lib.BYTES,
                    help="'bytes', or a directory (or file) with a Hugging Face tokenizer.json")
     p.add_argument("--out", required=True,
                    help="directory to create (a file for --format flat); must not exist or be "
                         "empty")
     p.add_argument("--format", choices=prepare.FORMATS, default="text",
-                   help="text: a file per document, JSON lines for .jsonl files; jsonl: every "
-                        "input is JSON lines; chat: conversations with a loss mask; flat: one "
-                        "uint16 file")
-    p.add_argument("--text-field", default="text", help="the JSON field holding a document")
+                   help="text: a file per document, JSON lines for .jsonl files, a row per "
+                        "document for Parquet and Arrow; jsonl: every other input is JSON lines; "
+                        "chat: conversations with a loss mask; flat: one uint16 file")
+    p.add_argument("--text-field", default="text",
+                   help="the JSON field, or Parquet or Arrow column, holding a document")
     p.add_argument("--val-fraction", type=float, default=0.05,
                    help="share of documents held out for validation")
     p.add_argument("--shard-tokens", type=int, default=1 << 28,
@@ -79,6 +87,7 @@ def checked_request(args: argparse.Namespace) -> tuple[prepare.Request, tok_lib.
                       workers=args.workers)
     prepare.check(request)  # the numbers and --out first, then the inputs
     request = dataclasses.replace(request, files=prepare.expand(args.input))
+    prepare.check_inputs(request)
     spec = tok_lib.resolve(args.tokenizer, args.eos_token)
     prepare.dtype_for(request, spec)
     return request, spec

@@ -3,17 +3,21 @@
 Inputs are read as a stream: with format "text" each text file is one
 document (read a megabyte at a time, cut at line ends), and each line of a
 .jsonl file is one document (its text field); "jsonl" reads every input as
-JSON lines; "chat" reads JSON lines of {"prompt", "response"} or
+JSON lines (but tables, below); "chat" reads JSON lines of {"prompt", "response"} or
 {"messages": [...]}, rendered with the tokenizer's chat template
 (tokenizers.py) with a loss mask on the assistant's tokens; "flat" writes
 one flat uint16 file and its `.json` sidecar, the format read before
-prepared directories.
+prepared directories. Whatever the format, a Parquet or Arrow file (and a
+`datasets` save_to_disk directory, its Arrow files) is read by record
+batches (arrow.py), each row a record as a JSON line's would be: the text
+field's column, or the chat fields' columns.
 
 Worker processes tokenize in parallel, at most two tasks of about a
 megabyte each per worker in flight, so memory stays bounded; every document
 ends with the end-of-document token. A document goes to validation when the
 CRC32 of "<input file name>\\0<index>" falls in the first `val_fraction` of
-its range, and so does the corpus's first document (a small corpus then
+its range (the index of a line or a table's row counts from 1), and so does
+the corpus's first document (a small corpus then
 still has one): the split is by document, and stable when the corpus is
 moved or read through another path (the file's name, not its directory, is
 hashed). The output directory holds
@@ -36,7 +40,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from zero_jax.data import token_files
+from zero_jax.data import arrow, token_files
 from zero_jax.data import tokenizers as tok_lib
 
 FORMATS = ("text", "jsonl", "chat", "flat")
@@ -66,13 +70,24 @@ class Request:
 
 
 def expand(patterns: list[str]) -> tuple[Path, ...]:
-    """The files the --input patterns name (globs expanded, directories skipped)."""
-    files = []
+    """The files the --input patterns name: globs expanded, a save_to_disk or
+    Arrow directory replaced by its Arrow files, other directories a glob
+    matches skipped (one named outright is refused)."""
+    files: dict[Path, None] = {}  # in order, each once (a recursive glob may repeat one)
     for pattern in patterns:
         found = sorted(glob.glob(pattern, recursive=True))
         if not found:
-            raise ValueError(f"--input {pattern}: no such file (a glob needs quotes)")
-        files += [Path(f) for f in found if Path(f).is_file()]
+            raise ValueError(f"--input {pattern}: " + ("the glob matches no file"
+                             if glob.has_magic(pattern) else "no such file (a glob needs quotes)"))
+        for path in map(Path, found):
+            if path.is_file():
+                files[path] = None
+            elif (tables := arrow.dataset_files(path)) is not None:
+                files.update(dict.fromkeys(tables))
+            elif not glob.has_magic(pattern):
+                raise ValueError(f"--input {pattern}: a directory, but not a datasets "
+                                 "save_to_disk directory (state.json) or one of *.arrow files; "
+                                 "give files or a glob")
     if not files:
         raise ValueError(f"--input {' '.join(patterns)}: matched only directories")
     return tuple(files)
@@ -84,6 +99,11 @@ def _json_line(raw: bytes, where: str, fmt: str, text_field: str) -> tuple[str, 
         record = json.loads(raw)
     except json.JSONDecodeError as e:
         raise ValueError(f"{where}: not a JSON line ({e.msg})") from None
+    return _record(record, where, fmt, text_field)
+
+
+def _record(record, where: str, fmt: str, text_field: str) -> tuple[str, object]:
+    """(kind, payload) of one record, a JSON line's or a table row's."""
     if fmt == "chat":
         try:
             return "chat", tok_lib.messages_of(record)
@@ -95,18 +115,50 @@ def _json_line(raw: bytes, where: str, fmt: str, text_field: str) -> tuple[str, 
     return "text", text
 
 
+def table_columns(path: Path, fmt: str, text_field: str) -> list[str]:
+    """The columns of a Parquet or Arrow input that its records need: the
+    chat fields it has, or the text field, which must be a string column."""
+    have = arrow.columns(path)
+    listing = ", ".join(f"{name} ({kind})" for name, kind in have.items())
+    if fmt == "chat":
+        names = [c for c in tok_lib.CHAT_FIELDS if c in have]
+        if "messages" not in names and not {"prompt", "response"} <= set(names):
+            raise ValueError(f"--input {path}: chat data needs a column 'messages', or 'prompt' "
+                             f"and 'response'; its columns: {listing}")
+        return names
+    if text_field not in have:
+        raise ValueError(f"--text-field {text_field}: {path} has no such column; its columns: "
+                         f"{listing}")
+    if have[text_field] not in arrow.STRING_TYPES:
+        raise ValueError(f"--text-field {text_field}: the column of {path} holds "
+                         f"{have[text_field]}, not strings; its columns: {listing}")
+    return [text_field]
+
+
 def documents(files, fmt: str, text_field: str) -> Iterator[tuple[Item, int]]:
     """(item, bytes of input it consumed), in input order, read as a stream."""
     for path in files:
         source = str(path)
-        if not (fmt in ("jsonl", "chat") or path.suffix in (".jsonl", ".json")):
+        if arrow.is_table(path):
+            yield from _table_rows(path, fmt, text_field)
+        elif not (fmt in ("jsonl", "chat") or path.suffix in (".jsonl", ".json")):
             yield from _text_file(path, source)
-            continue
-        with open(path, "rb") as f:
-            for n, raw in enumerate(f, 1):
-                if raw.strip():
-                    kind, payload = _json_line(raw, f"--input {path}:{n}", fmt, text_field)
-                    yield (source, n, kind, payload, True, True), len(raw)
+        else:
+            with open(path, "rb") as f:
+                for n, raw in enumerate(f, 1):
+                    if raw.strip():
+                        kind, payload = _json_line(raw, f"--input {path}:{n}", fmt, text_field)
+                        yield (source, n, kind, payload, True, True), len(raw)
+
+
+def _table_rows(path: Path, fmt: str, text_field: str) -> Iterator[tuple[Item, int]]:
+    """A table's rows as documents, numbered from 1 like JSON lines. A null
+    is read as an absent field: Arrow has one column for every row."""
+    names = table_columns(path, fmt, text_field)
+    for n, (row, size) in enumerate(arrow.records(path, names, CHUNK_BYTES), 1):
+        record = {k: v for k, v in row.items() if v is not None}
+        kind, payload = _record(record, f"--input {path}: row {n}", fmt, text_field)
+        yield (str(path), n, kind, payload, True, True), size
 
 
 def _text_file(path: Path, source: str) -> Iterator[tuple[Item, int]]:
@@ -192,6 +244,14 @@ def check(request: Request) -> None:
         if value < 1:
             raise ValueError(f"{flag} {value}: must be at least 1")
     check_out(request.out, request.flat)
+
+
+def check_inputs(request: Request) -> None:
+    """The columns of every Parquet and Arrow input, from their schemas alone,
+    before anything is written."""
+    for path in request.files:
+        if arrow.is_table(path):
+            table_columns(path, request.fmt, request.text_field)
 
 
 def check_out(out: Path, flat: bool) -> None:

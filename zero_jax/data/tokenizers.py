@@ -32,6 +32,8 @@ BYTES = "bytes"
 # when the directory's configs do not say.
 EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|im_end|>")
 ROLES = ("system", "user", "assistant")
+# The fields of a chat record messages_of reads: a table's columns of these names.
+CHAT_FIELDS = ("messages", "prompt", "response", "system")
 
 
 class TokenizerError(ValueError):
