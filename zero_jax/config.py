@@ -389,18 +389,9 @@ def check_paths(run: RunConfig) -> None:
 
 
 def check_extras(run: RunConfig) -> None:
-    """Optional libraries the run's flags need, installed: checked now, not
-    once the step has compiled."""
+    """Optional libraries the run's flags need: found now (without importing
+    them), not once the step has compiled."""
     t = run.train
-    if t.wandb_project and not _importable("wandb"):
+    if t.wandb_project and importlib.util.find_spec("wandb") is None:  # None also when blocked
         raise ConfigError(f"--wandb-project {t.wandb_project}: the wandb library is not "
                           "installed; pip install 'zero-jax[wandb]'")
-
-
-def _importable(name: str) -> bool:
-    """Whether `import name` would find the module (without importing it:
-    wandb takes a second to import, and the run imports it once it starts)."""
-    try:
-        return importlib.util.find_spec(name) is not None  # None also where imports are blocked
-    except ValueError:  # imported already, without a spec: it is there
-        return True
