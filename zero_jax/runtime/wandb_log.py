@@ -51,8 +51,7 @@ class WandbWriter:
             return
         import wandb  # only runs that ask need it (the `wandb` extra)
 
-        self._wandb = wandb
-        fields = getattr(wandb.Settings, "model_fields", {})
+        fields = getattr(wandb.Settings, "model_fields", {})  # older wandb: no such setting
         settings = wandb.Settings(**({"x_transaction_log_flush_interval": FLUSH_INTERVAL_S}
                                      if "x_transaction_log_flush_interval" in fields else {}))
         group = group or new_group()
@@ -94,6 +93,8 @@ class WandbWriter:
         dict(self._run.summary)
         asked = time.time()
         path = self._run.settings.sync_file
+        if not _mtime(path):  # no .wandb file (x_skip_transaction_log, online only): no wait
+            return
         deadline = asked + 3 * FLUSH_INTERVAL_S
         while _mtime(path) < asked and time.time() < deadline:
             time.sleep(0.02)
