@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from pathlib import Path
 from typing import Any, Callable
 
@@ -252,9 +253,10 @@ def _silent(line: str) -> None:
 
 def wandb_group(checkpointer: ckpt_lib.Checkpointer | None, resumed: int | None) -> str:
     """This job's W&B group: the one its checkpoint was saved under, when it
-    resumes from one; else a new one (wandb_log: a run per invocation)."""
+    resumes from one; else $WANDB_RUN_GROUP (wandb's own variable), else a
+    new one (wandb_log: a run per invocation)."""
     saved = checkpointer.meta(resumed).get("wandb", {}) if resumed is not None else {}
-    return saved.get("group") or wandb_log.new_group()
+    return saved.get("group") or os.environ.get("WANDB_RUN_GROUP") or wandb_log.new_group()
 
 
 def writers(job: Job, start: int, group: str, lead: bool,
