@@ -10,6 +10,7 @@ job: gpt-tiny on the standard library's source, ZeRO-3 on 8 CPU devices.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import tomllib
 import types
@@ -33,6 +34,7 @@ PipelineTables = Literal["rows", "whole"]  # pipeline/executor.py row_tables
 Attention = Literal["auto", "xla", "cudnn"]  # job.attention_implementation
 ContextAttention = Literal["auto", "all-gather", "ring", "ulysses"]  # zero_jax/context
 DtypeOverride = Literal["", "float32", "bfloat16", "float16"]  # "": the policy's
+WandbMode = Literal["online", "offline"]  # wandb.init(mode=...); offline: `wandb sync` uploads later
 
 
 class ConfigError(ValueError):
@@ -134,6 +136,8 @@ class TrainConfig:
     eval_batches: int = 8  # validation batches per pass
     metrics_out: str = ""  # JSON-lines file of per-step metrics ("" for none)
     tensorboard_dir: str = ""  # also write the metrics as TensorBoard scalars here ("" for none)
+    wandb_project: str = ""  # also log the metrics, config and plan to this W&B project ("" for none; the wandb extra)
+    wandb_mode: WandbMode = "online"  # online | offline (written under $WANDB_DIR, uploaded by `wandb sync`)
     profile_steps: str = ""  # A:B: a jax.profiler trace of steps A to B - 1 ("" for none)
     profile_dir: str = ""  # where the trace goes ("": --tensorboard-dir, else ./profile)
 
@@ -355,3 +359,13 @@ def validate(run: RunConfig, mesh: MeshShape) -> None:
     if t.stop_at < 0 or t.stop_at > t.steps:
         raise ConfigError(f"--stop-at {t.stop_at}: must be between 1 and --steps {t.steps} (0: off)")
     paths.check(run)
+    check_extras(run)
+
+
+def check_extras(run: RunConfig) -> None:
+    """Optional libraries the run's flags need: found now (without importing
+    them), not once the step has compiled."""
+    t = run.train
+    if t.wandb_project and importlib.util.find_spec("wandb") is None:  # None also when blocked
+        raise ConfigError(f"--wandb-project {t.wandb_project}: the wandb library is not "
+                          "installed; pip install 'zero-jax[wandb]'")

@@ -21,7 +21,7 @@ from tqdm import tqdm
 from zero_jax.runtime import metrics as metrics_lib
 from zero_jax.runtime.distributed import local
 from zero_jax.analysis.flops import Throughput
-from zero_jax.runtime.metrics import MetricsWriter, TensorBoardWriter
+from zero_jax.runtime.metrics import MetricsWriter, TensorBoardWriter, Writers
 from zero_jax.runtime.trace import Tracer
 from zero_jax.state import TrainState
 from zero_jax.runtime.watchdog import StepWatchdog
@@ -48,12 +48,11 @@ class StepLog:
     loss when asked), halt after too many skipped steps, write the record
     and move the progress bar."""
 
-    def __init__(self, start: int, steps: int, *, metrics_path: str, tensorboard_dir: str,
+    def __init__(self, start: int, steps: int, *, writers: Writers,
                  out: TextIO, progress: bool, max_consecutive_skips: int,
                  eval_fn: Callable[[Any], float] | None, watchdog: StepWatchdog | None,
                  throughput: Throughput | None):
-        self.writers = (MetricsWriter(metrics_path, start),
-                        TensorBoardWriter(tensorboard_dir, start))
+        self.writers = writers
         self.bar = tqdm(total=steps, initial=start, file=out, disable=not progress,
                         dynamic_ncols=True, mininterval=1.0, unit="step")
         self.max_consecutive_skips, self.eval_fn = max_consecutive_skips, eval_fn
@@ -128,15 +127,13 @@ class StepLog:
 
     def _write(self, record: dict[str, Any]) -> None:
         self.history.append(record)
-        for writer in self.writers:
-            writer.write(record)
+        self.writers.write(record)
 
     def close(self) -> None:
         if self.watchdog is not None:
             self.watchdog.idle()  # what follows the loop (a last save) is no step
         self.bar.close()
-        for writer in self.writers:
-            writer.close()
+        self.writers.close()
 
 
 def train(state: TrainState, train_step: Callable, batch_at: Callable[[int], jax.Array], *,
@@ -146,7 +143,7 @@ def train(state: TrainState, train_step: Callable, batch_at: Callable[[int], jax
           after_step: Callable[[int, TrainState], bool] | None = None,
           watchdog: StepWatchdog | None = None, throughput: Throughput | None = None,
           tensorboard_dir: str = "", tracer: Tracer | None = None,
-          ) -> tuple[TrainState, list[dict[str, Any]]]:
+          writers: Writers | None = None) -> tuple[TrainState, list[dict[str, Any]]]:
     """Run `train_step` from `state.step` to `steps`; returns the state and per-step records.
 
     `batch_at(step)` builds the global batch of a step; `eval_fn(params)`
@@ -159,11 +156,15 @@ def train(state: TrainState, train_step: Callable, batch_at: Callable[[int], jax
     `after_step` spends. `throughput` adds
     FLOP/s per device and MFU to each record; `tensorboard_dir` writes the
     records' scalars there too; `tracer` profiles its window of steps.
+    `writers`, in place of `metrics_path` and `tensorboard_dir`: where each
+    record goes (metrics.Writers, opened at this state's step).
     """
     start = int(local(state.step))
-    log = StepLog(start, steps, metrics_path=metrics_path, tensorboard_dir=tensorboard_dir,
-                  out=out, progress=progress, max_consecutive_skips=max_consecutive_skips,
-                  eval_fn=eval_fn, watchdog=watchdog, throughput=throughput)
+    if writers is None:
+        writers = Writers(MetricsWriter(metrics_path, start), TensorBoardWriter(tensorboard_dir, start))
+    log = StepLog(start, steps, writers=writers, out=out, progress=progress,
+                  max_consecutive_skips=max_consecutive_skips, eval_fn=eval_fn,
+                  watchdog=watchdog, throughput=throughput)
     pending: tuple[int, dict[str, jax.Array]] | None = None
     try:
         for step in range(start, steps):

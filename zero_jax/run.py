@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from pathlib import Path
 from typing import Any, Callable
 
@@ -27,6 +28,8 @@ from zero_jax.checkpoint import export
 from zero_jax.analysis import flops
 from zero_jax.checkpoint import integrity
 from zero_jax.runtime import trace
+from zero_jax.runtime import wandb_log
+from zero_jax.runtime.metrics import MetricsWriter, TensorBoardWriter, Writers
 from zero_jax.data import sampler
 from zero_jax.job import Job
 from zero_jax.runtime.preempt import Preemption
@@ -191,8 +194,9 @@ class StopAndSave:
     --checkpoint-every steps, and says whether to stop."""
 
     def __init__(self, job: Job, corpus: data_lib.TokenData,
-                 checkpointer: ckpt_lib.Checkpointer | None):
+                 checkpointer: ckpt_lib.Checkpointer | None, meta: dict[str, Any] | None = None):
         self.job, self.corpus, self.checkpointer = job, corpus, checkpointer
+        self.meta = meta or {}  # more for each checkpoint's meta (the W&B group)
         self.preemption = Preemption()
         self.stopped = ""  # "preempted", "stop_at", or "" while running
 
@@ -205,7 +209,7 @@ class StopAndSave:
         if self.checkpointer is not None:
             if self.stopped or n == (t.stop_at or t.steps) or self.checkpointer.due(n):
                 self.checkpointer.save(n, self.job.layout.saved_form(state),
-                                       checkpoint_meta(self.job, n, self.corpus))
+                                       {**checkpoint_meta(self.job, n, self.corpus), **self.meta})
             self.checkpointer.check()
         return bool(self.stopped)
 
@@ -247,12 +251,35 @@ def _silent(line: str) -> None:
     pass
 
 
+def wandb_group(checkpointer: ckpt_lib.Checkpointer | None, resumed: int | None) -> str:
+    """This job's W&B group: the one its checkpoint was saved under, when it
+    resumes from one; else $WANDB_RUN_GROUP (wandb's own variable), else a
+    new one (wandb_log: a run per invocation)."""
+    saved = checkpointer.meta(resumed).get("wandb", {}) if resumed is not None else {}
+    return saved.get("group") or os.environ.get("WANDB_RUN_GROUP") or wandb_log.new_group()
+
+
+def writers(job: Job, start: int, group: str, lead: bool,
+            plan: dict[str, Any] | None = None) -> Writers:
+    """Where the records of a run starting at step `start` go: the metrics
+    file, TensorBoard and W&B, from the first process only (one of each per
+    run); `plan` (summary.tables) goes to W&B."""
+    t = job.run.train
+    if not lead:
+        return Writers()
+    return Writers(MetricsWriter(t.metrics_out, start), TensorBoardWriter(t.tensorboard_dir, start),
+                   wandb_log.WandbWriter(t.wandb_project, t.wandb_mode, config=job.run.to_dict(),
+                                         group=group, start=start, tables=plan))
+
+
 def train(job: Job, corpus: data_lib.TokenData, train_step, eval_step, *,
           loaders: list[ParamLoader] = (), progress: bool = True,
           log: Callable[[str], None] = print,
-          throughput: flops.Throughput | None = None) -> Outcome:
+          throughput: flops.Throughput | None = None,
+          plan: dict[str, Any] | None = None) -> Outcome:
     """The run of `job` on `corpus` with its compiled steps, from its initial
-    state (`initial_state`) to its last step, stop or preemption."""
+    state (`initial_state`) to its last step, stop or preemption. `plan`
+    (summary.tables) is logged to W&B with the run."""
     run, t, c, d = job.run, job.run.train, job.run.checkpoint, job.run.distributed
     # Save lines go above the progress bar, not through it.
     checkpointer = (ckpt_lib.Checkpointer(c, job.layout.names, writer=True,
@@ -262,18 +289,21 @@ def train(job: Job, corpus: data_lib.TokenData, train_step, eval_step, *,
     # Every process has its state before any starts stepping; bounded, so a
     # process that died while restoring ends the run instead of holding it.
     distributed.barrier("state ready", d.barrier_timeout_s)
-    after_step = StopAndSave(job, corpus, checkpointer)
+    lead = jax.process_index() == 0  # one metrics file, W&B run and progress bar per run
+    group = wandb_group(checkpointer, resumed) if t.wandb_project and lead else ""
+    out = writers(job, resumed or 0, group, lead, plan)
+    if checkpointer is not None:
+        checkpointer.on_commit = out.committed  # the writers exist once the start step is known
+    after_step = StopAndSave(job, corpus, checkpointer, {"wandb": {"group": group}} if group else {})
     watchdog = StepWatchdog(d.watchdog_warn, d.watchdog_stop, d.watchdog_min_s,
                             who=f"process {jax.process_index()}: " if jax.process_count() > 1 else "")
-    lead = jax.process_index() == 0  # one metrics file and progress bar per run
     try:
         state, history = loop.train(
             state, train_step, batches(job, corpus, "train"), steps=t.steps,
             eval_fn=validation(job, corpus, eval_step), eval_every=t.eval_every,
-            metrics_path=t.metrics_out if lead else "", progress=progress and lead,
+            progress=progress and lead,
             max_consecutive_skips=run.precision.max_consecutive_skips, after_step=after_step,
-            watchdog=watchdog, throughput=throughput,
-            tensorboard_dir=t.tensorboard_dir if lead else "", tracer=tracer(t, lead))
+            watchdog=watchdog, throughput=throughput, tracer=tracer(t, lead), writers=out)
         if checkpointer is not None:
             checkpointer.wait()
     except ckpt_lib.SaveFailed:

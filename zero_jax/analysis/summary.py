@@ -1,7 +1,11 @@
-"""The resolved plan, printed before training: what runs where, and its bytes."""
+"""The resolved plan, printed before training: what runs where, and its bytes.
+
+`describe` prints it; `tables` gives the same rows as data (W&B logs them).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -85,15 +89,31 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:.2f}"
 
 
-def _state_rows(job: Job) -> list[str]:
+@dataclasses.dataclass(frozen=True)
+class Table:
+    """Rows under named columns: a part of the plan as data."""
+
+    columns: tuple[str, ...]
+    rows: list[tuple]
+
+
+def state_layout(job: Job) -> Table:
+    """One row per parameter: its stored, gradient and optimizer-state shards."""
     layout = job.layout
     params = named_leaves(layout.abstract.params)
     opt = layout.specs.sharded if zero_lib.stage(layout.zero_stage).opt_state else layout.specs.compute
     columns = [spec_leaves(t) for t in (layout.specs.params, layout.specs.grads, opt)]
-    width = max(len(p) for p in params)
+    return Table(("parameter", "stored", "gradient", "optimizer state"),
+                 [(path, *(shaped(leaf.shape, s) for s in specs))
+                  for (path, leaf), *specs in zip(params.items(), *columns)])
+
+
+def _state_rows(job: Job) -> list[str]:
+    table = state_layout(job)
+    width = max(len(row[0]) for row in table.rows)
     rows = [f"  {'parameter':<{width}}  {'stored':<26}  {'gradient':<26}  optimizer state"]
-    for (path, leaf), *specs in zip(params.items(), *columns):
-        rows.append(f"  {path:<{width}}  " + "  ".join(f"{shaped(leaf.shape, s):<26}" for s in specs).rstrip())
+    for path, *shards in table.rows:
+        rows.append(f"  {path:<{width}}  " + "  ".join(f"{s:<26}" for s in shards).rstrip())
     return rows
 
 
@@ -170,13 +190,18 @@ def _state_row(label: str, figures: dict[str, float]) -> tuple[str, ...]:
     return (label, *(_mib(figures[k]) for k in STATES), _mib(sum(figures.values())))
 
 
+def _state_figures(report: MemoryReport) -> list[tuple[str, dict[str, float]]]:
+    """(label, bytes per state) rows of the model states: three ways."""
+    rows = [("ZeRO formula", report.theory_bytes), ("actual shardings", report.sharded_bytes)]
+    if sum(report.host_bytes.values()):
+        rows += [("  in device memory", report.device_bytes),
+                 ("  in host memory", report.host_bytes)]
+    return rows
+
+
 def memory_rows(report: MemoryReport) -> list[str]:
     """Bytes per device of the model states, three ways, and the activations."""
-    rows = [_state_row("ZeRO formula", report.theory_bytes),
-            _state_row("actual shardings", report.sharded_bytes)]
-    if sum(report.host_bytes.values()):
-        rows += [_state_row("  in device memory", report.device_bytes),
-                 _state_row("  in host memory", report.host_bytes)]
+    rows = [_state_row(label, figures) for label, figures in _state_figures(report)]
     lines = ["memory per device (MiB)"] + _table(("", *STATES, "total"), rows)
     if report.compiled is not None:
         c = report.compiled
@@ -212,9 +237,25 @@ def collective_rows(report: MemoryReport) -> list[str]:
     return lines
 
 
+def tables(job: Job, data_line: str, model_line: str, report: MemoryReport) -> dict[str, Table]:
+    """The plan as data, from the rows `describe` prints: what runs where,
+    the model states' bytes per device, and the layout of every parameter."""
+    return {
+        "plan/summary": Table(("item", "value"), summary_rows(job, data_line, model_line, report)),
+        "plan/memory_mib": Table(("figure", *STATES, "total"),
+                                 [(label.strip(), *(figures[k] / 2**20 for k in STATES),
+                                   sum(figures.values()) / 2**20)
+                                  for label, figures in _state_figures(report)]),
+        "plan/state_layout": state_layout(job),
+    }
+
+
 def describe(job: Job, data_line: str, model_line: str, compiled_step=None,
-             partitioned_text: str | None = None) -> str:
-    report = job.memory_report(compiled_step, partitioned_text)
+             partitioned_text: str | None = None, report: MemoryReport | None = None) -> str:
+    """The plan as printed; `report`, if given, is the job's memory report
+    for `compiled_step` and `partitioned_text` (computed here otherwise)."""
+    if report is None:
+        report = job.memory_report(compiled_step, partitioned_text)
     summary = summary_rows(job, data_line, model_line, report)
     width = max(len(label) for label, _ in summary)
     lines = ["== zero_jax plan =="] + [f"{label:<{width}}  {text}" for label, text in summary]

@@ -171,6 +171,10 @@ class Checkpointer:
                  barrier_timeout_s: int = 600, log: Callable[[str], None] = print):
         self.cfg = cfg
         self.log = log
+        # Called with each step whose save has committed, on every process, as
+        # the commit is noticed: a run's metric writers make their records
+        # up to it durable there (metrics.Writers.committed).
+        self.on_commit: Callable[[int], None] = lambda step: None
         self._saving: list[tuple[int, float]] = []  # (step, its start time) not yet logged
         self._param_save_args = None if param_names is None else layer_chunks(param_names)
         self.directory = Path(cfg.dir).absolute()
@@ -232,7 +236,8 @@ class Checkpointer:
 
     def _log_committed(self) -> None:
         """One line per save whose commit marker has appeared since the last
-        call (saves commit in the background), from the first process only."""
+        call (saves commit in the background), from the first process only;
+        `on_commit` hears of each on every process."""
         for step, started in list(self._saving):
             marker = self.directory / str(step) / COMMIT_MARKER
             if not marker.exists():
@@ -241,6 +246,7 @@ class Checkpointer:
             if jax.process_index() == 0:
                 self.log(describe_save(self.directory / str(step),
                                        marker.stat().st_mtime - started))
+            self.on_commit(step)
 
     _in_flight: int | None = None
 

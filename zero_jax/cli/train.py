@@ -138,12 +138,15 @@ def main(argv: list[str] | None = None) -> int:
         return error(e, 6)
     eval_step = job.compile_eval_step()
     throughput = flops.throughput(job)  # on CPU, the first run measures the peak (seconds)
+    plan = None
     if jax.process_index() == 0:
-        print(summary.describe(job, data_line(corpus), model_line, train_step, partitioned), flush=True)
+        report = job.memory_report(train_step, partitioned)
+        print(summary.describe(job, data_line(corpus), model_line, report=report), flush=True)
         print(flops.describe(throughput), flush=True)
+        plan = summary.tables(job, data_line(corpus), model_line, report)  # for W&B
     try:
         outcome = run.train(job, corpus, train_step, eval_step, loaders=[models.hf_loader],
-                            progress=not args.no_progress, throughput=throughput)
+                            progress=not args.no_progress, throughput=throughput, plan=plan)
     except tuple(RUN_ERRORS) as e:
         return error(e, status_of(e))
     if not outcome.history:

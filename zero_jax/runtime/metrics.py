@@ -3,7 +3,11 @@
 
 Both writers take the step a run resumes at and drop what was written after
 it (records of steps the resumed run trains again), so each step appears
-once in either.
+once in either. Every writer (these two, and W&B's in wandb_log.py) has
+`write(record)`, `committed(step)` and `close()`: `committed` is called
+when a checkpoint of `step` commits, and returns once every record up to
+that step is where a crash cannot take it, so a run resumed from that
+checkpoint has lost nothing it does not train again.
 """
 
 from __future__ import annotations
@@ -43,9 +47,16 @@ class MetricsWriter:
             self._file.write(json.dumps(out, allow_nan=False) + "\n")
             self._file.flush()
 
+    def committed(self, step: int) -> None:
+        """Every line is flushed as it is written: nothing waits (the flush
+        is repeated so that the promise does not rest on `write` alone)."""
+        if self._file:
+            self._file.flush()
+
     def close(self) -> None:
         if self._file:
             self._file.close()
+            self._file = None  # a commit noticed after the loop has nothing to flush
 
 
 def _lines(path: str) -> list[str]:
@@ -79,6 +90,14 @@ TAGS = {"loss": "train/loss", "val_loss": "val/loss", "grad_norm": "train/grad_n
         "expert_load_max": "moe/expert_load_max"}
 # A mixture of experts' per-layer load (record "expert_load", a list): one tag per layer.
 LOAD_TAG = "moe/expert_load_layer_{:02d}"
+
+
+def scalars(record: dict[str, Any]) -> dict[str, float]:
+    """A record's numbers under their tags (TAGS, LOAD_TAG); what is not a
+    number (a missing key, a None written for a non-finite value) is left out."""
+    pairs = [(tag, record.get(key)) for key, tag in TAGS.items()]
+    pairs += [(LOAD_TAG.format(i), v) for i, v in enumerate(record.get("expert_load", ()))]
+    return {tag: float(v) for tag, v in pairs if isinstance(v, (int, float))}
 
 
 class TensorBoardWriter:
@@ -116,17 +135,41 @@ class TensorBoardWriter:
         if self._events is None:
             return
         now = time.time()
-        scalars = [(tag, record.get(key)) for key, tag in TAGS.items()]
-        scalars += [(LOAD_TAG.format(i), v) for i, v in enumerate(record.get("expert_load", ()))]
-        for tag, value in scalars:
-            if isinstance(value, (int, float)) and not isinstance(value, str):
-                self._events.write_event(self._event(step=record["step"], wall_time=now,
-                                                     summary=self._scalar(tag, float(value))))
+        for tag, value in scalars(record).items():
+            self._events.write_event(self._event(step=record["step"], wall_time=now,
+                                                 summary=self._scalar(tag, value)))
         self._events.flush()
+
+    def committed(self, step: int) -> None:
+        """Events are flushed with each record: nothing waits (flushed again,
+        as MetricsWriter's file is)."""
+        if self._events is not None:
+            self._events.flush()
 
     def close(self) -> None:
         if self._events is not None:
             self._events.close()
+            self._events = None
+
+
+class Writers:
+    """A run's writers as one: each record goes to every one of them, and so
+    does a checkpoint's commit."""
+
+    def __init__(self, *writers):
+        self.writers = writers
+
+    def write(self, record: dict[str, Any]) -> None:
+        for writer in self.writers:
+            writer.write(record)
+
+    def committed(self, step: int) -> None:
+        for writer in self.writers:
+            writer.committed(step)
+
+    def close(self) -> None:
+        for writer in self.writers:
+            writer.close()
 
 
 def memory() -> dict[str, int]:

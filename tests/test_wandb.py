@@ -1,0 +1,187 @@
+"""Weights & Biases (--wandb-project, --wandb-mode offline): what a run logs,
+read back from its offline run directory with wandb's own reader of the
+.wandb file (`wandb leet inspect --json`), against the metrics file of the
+same run. One job trains twice: killed (SIGKILL) after a checkpoint has
+committed, then resumed; each invocation is a W&B run of the job's group."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from zero_jax.cli import train as train_cli
+
+ROOT = Path(__file__).resolve().parent.parent
+STEPS = 12
+FLAGS = ["--devices", "2", "--mesh", "fsdp=2", "--seq-len", "32", "--batch-size", "8",
+         "--steps", str(STEPS), "--eval-every", "0", "--eval-batches", "1", "--no-progress",
+         "--checkpoint-dir", "ckpt", "--checkpoint-every", "4", "--metrics-out", "m.jsonl",
+         "--wandb-project", "zero-jax-test", "--wandb-mode", "offline"]
+
+
+def _start(tmp: Path, *flags: str) -> subprocess.Popen:
+    env = {**os.environ, "ZERO_JAX_CACHE": str(tmp / "cache"), "WANDB_DIR": str(tmp),
+           "WANDB_SILENT": "true"}
+    return subprocess.Popen([sys.executable, str(ROOT / "scripts" / "train.py"), *FLAGS, *flags],
+                            cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+
+
+def _steps(path: Path) -> list[int]:
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    return [json.loads(line)["step"] for line in lines if line.endswith("}")]
+
+
+def _kill_after_a_commit(tmp: Path) -> int:
+    """Train with synchronous saves until the first checkpoint has
+    committed (its "saved" line) and the metrics file holds the record
+    after it: W&B's writer flushed at the commit, once it had logged the
+    checkpoint's step, before that record was written. Then SIGKILL it, a
+    step later, well inside the second wandb takes to write its file by
+    itself. Returns the checkpoint's step."""
+    proc, lines = _start(tmp, "--no-async-save"), []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 240
+    while True:
+        assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)
+        saved = [int(line.split()[2]) for line in list(lines) if line.startswith("checkpoint step ")]
+        if saved and max(_steps(tmp / "m.jsonl"), default=0) > saved[0]:
+            break
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    reader.join(timeout=10)
+    assert max(_steps(tmp / "m.jsonl")) < STEPS, "the run ended before it was killed"
+    return saved[0]
+
+
+def _read_run(run_dir: Path) -> dict:
+    """The records of an offline run's .wandb file, read by wandb itself."""
+    out = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(run_dir)],
+                         capture_output=True, text=True, timeout=120)
+    records = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert records, out.stderr
+    run = next(r["run"] for r in records if r["type"] == "run")
+    history = {r["history"]["step"]["num"]: r["history"]["item"]
+               for r in records if r["type"] == "history"}
+    return {"run": run, "history": history, "dir": run_dir}
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory) -> dict:
+    pytest.importorskip("wandb")  # the test extra has it; the last two tests need it not
+    tmp = tmp_path_factory.mktemp("wandb")
+    committed = _kill_after_a_commit(tmp)
+    first_records = {r["step"]: r for r in map(json.loads, (tmp / "m.jsonl").read_text()
+                                               .splitlines()) if "loss" in r}
+    second = _start(tmp, "--resume")
+    out, _ = second.communicate(timeout=240)
+    assert second.returncode == 0, out
+    start = int(out.split("resumed from ")[1].split("(step ")[1].split(";")[0])
+    runs = sorted((tmp / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2, runs  # one W&B run per invocation
+    return {"committed": committed, "start": start, "first_records": first_records,
+            "records": [json.loads(line) for line in (tmp / "m.jsonl").read_text().splitlines()],
+            "killed": _read_run(runs[0]), "resumed": _read_run(runs[1])}
+
+
+def test_the_resumed_run_logs_every_step_it_trains_once(job):
+    """Acceptance: the run's history holds train/loss and perf/mfu for
+    every step it trained, equal to the metrics file's records."""
+    history, start = job["resumed"]["history"], job["start"]
+    assert sorted(history) == list(range(start + 1, STEPS + 1))
+    records = {r["step"]: r for r in job["records"]}
+    assert sorted(records) == list(range(1, STEPS + 1))
+    for step, item in history.items():
+        assert item["train/loss"] == records[step]["loss"]
+        assert item["perf/mfu"] == records[step]["mfu"] > 0
+        assert item["train/lr"] == records[step]["lr"]
+    assert history[STEPS]["val/loss"] == records[STEPS]["val_loss"]
+
+
+def test_a_killed_run_keeps_every_step_up_to_the_checkpoint_it_saw_commit(job):
+    """The writers flush when a checkpoint commits: after SIGKILL, the
+    killed run's file holds every step up to that checkpoint, with the
+    values the metrics file had (wandb by itself writes its file every
+    FLUSH_INTERVAL_S, in 15 s by default: the last steps would be lost)."""
+    history, committed = job["killed"]["history"], job["committed"]
+    assert committed >= 4 and set(range(1, committed + 1)) <= set(history)
+    for step in range(1, committed + 1):
+        assert history[step]["train/loss"] == job["first_records"][step]["loss"]
+        assert history[step]["perf/mfu"] == job["first_records"][step]["mfu"]
+    assert job["start"] == committed  # killed before the next save
+
+
+def test_both_runs_are_one_group_named_after_where_they_start(job):
+    killed, resumed = job["killed"]["run"], job["resumed"]["run"]
+    assert killed["run_group"] == resumed["run_group"] != ""
+    assert killed["display_name"] == killed["run_group"]
+    assert resumed["display_name"] == f"{killed['run_group']} from step {job['start']}"
+    assert killed["run_id"] != resumed["run_id"]
+
+
+@pytest.mark.parametrize("which,flags", [("killed", ["--no-async-save"]), ("resumed", ["--resume"])])
+def test_the_config_is_the_run_config(job, which, flags):
+    cfg, _ = train_cli.parse([*FLAGS, *flags])
+    logged = {k: v for k, v in job[which]["run"]["config"]["update"].items() if k != "_wandb"}
+    assert logged == json.loads(json.dumps(cfg.to_dict()))
+    assert logged["train"]["wandb_mode"] == "offline"
+
+
+def test_the_plan_is_logged_as_tables_with_the_first_step(job):
+    """The printed plan's rows as data: one row per summary line, per
+    parameter, per memory figure, under real columns."""
+    run = job["resumed"]
+    first = run["history"][job["start"] + 1]
+    tables = {}
+    for name in ("plan/summary", "plan/state_layout", "plan/memory_mib"):
+        assert first[f"{name}._type"] == "table-file"
+        tables[name] = json.loads((run["dir"] / "files" / first[f"{name}.path"]).read_text())
+    summary = dict(tables["plan/summary"]["data"])
+    assert tables["plan/summary"]["columns"] == ["item", "value"]
+    assert "2 devices" in summary["mesh"] and "fsdp=2" in summary["mesh"]
+    assert summary["zero"].startswith("stage 3 over fsdp")
+    layout = tables["plan/state_layout"]
+    assert layout["columns"] == ["parameter", "stored", "gradient", "optimizer state"]
+    assert len(layout["data"]) > 4 and all(len(row) == 4 for row in layout["data"])
+    assert any("/fsdp" in row[1] for row in layout["data"])  # ZeRO-3 stores shards
+    memory = tables["plan/memory_mib"]
+    assert memory["columns"] == ["figure", "params", "grads", "opt_state", "total"]
+    assert [row[0] for row in memory["data"]][:2] == ["ZeRO formula", "actual shardings"]
+    assert all(row[4] == pytest.approx(sum(row[1:4])) for row in memory["data"])
+    assert not any(k.startswith("plan/") for k in run["history"][job["start"] + 2])
+
+
+def test_without_wandb_the_flag_is_one_line_and_exit_2_before_compiling(tmp_path):
+    """wandb's import blocked the standard way (None in sys.modules), not
+    imitated: the run stops on the config check, before any compile."""
+    code = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); sys.modules['wandb'] = None\n"
+            "from zero_jax.cli import train\n"
+            f"sys.exit(train.main({FLAGS!r}))\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=120,
+                         env={**os.environ, "ZERO_JAX_CACHE": str(tmp_path / "cache")})
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "pip install 'zero-jax[wandb]'" in lines[0], out.stderr
+    assert "plan" not in out.stdout and not (tmp_path / "wandb").exists()
+
+
+def test_wandb_mode_takes_online_or_offline_only():
+    from zero_jax import config as config_lib
+
+    with pytest.raises(config_lib.ConfigError, match="--wandb-mode 'sometimes': choose from "
+                                                     "online, offline"):
+        config_lib.build(None, {"train.wandb_mode": "sometimes"})
