@@ -190,8 +190,8 @@ def sources(cfg: LlamaConfig) -> dict[str, Callable[[Get, int | None], np.ndarra
     """Our parameter path -> how to build it, or one layer of it, from
     Hugging Face tensors: one tensor read per call."""
     V, D = cfg.vocab_size, cfg.d_model
-    def get(tensors, name):
-        return np.asarray(tensors(name), np.float32)
+    def get(tensors, name):  # in the file's dtype: placing casts (checkpoint/stream.py)
+        return np.asarray(tensors(name))
 
     def table(name):
         def build(tensors, _):
