@@ -168,16 +168,19 @@ def test_a_config_that_does_not_match_the_model_names_both(corpus, tmp_path):
         models.hf_loader(str(tmp_path), other)
 
 
-def test_import_holds_about_one_tensor_in_host_memory(tmp_path):
-    """A model whose largest tensor (the tied embedding) is 64 MiB: the
-    import's peak resident memory beyond the parameters it placed (on CPU
-    the devices' memory is the host's) stays within 3 x 64 MiB."""
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_import_holds_about_one_tensor_in_host_memory(tmp_path, dtype):
+    """A model whose largest tensor (the tied embedding) is 64 MiB placed
+    (float32): the import's peak resident memory beyond the parameters it
+    placed (on CPU the devices' memory is the host's) stays within 3 x 64
+    MiB, and the numpy arrays it holds at once within 1.5 x that tensor in
+    the file's dtype: a bf16 file is not widened on the host."""
     cfg = llama.LlamaConfig(vocab_size=16384, n_layer=2, n_head=8, n_kv_head=4, d_model=1024,
                             d_mlp=1024, max_seq_len=256, tie_embeddings=True)
     rng = np.random.default_rng(0)
     shapes = jax.eval_shape(models.model_fns(cfg).init, jax.random.key(0))
     hf.save(tmp_path, cfg, lambda path, layer: rng.standard_normal(
-        _leaf_shape(shapes, path)[0 if layer is None else 1:], np.float32))
+        _leaf_shape(shapes, path)[0 if layer is None else 1:], np.float32), dtype=dtype)
     out = subprocess.run([sys.executable, "scripts/import_memory.py", str(tmp_path)], cwd=ROOT,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
@@ -186,6 +189,8 @@ def test_import_holds_about_one_tensor_in_host_memory(tmp_path):
     assert report["largest_tensor_bytes"] == largest
     print(report)
     assert report["peak_beyond_params_bytes"] <= 3 * largest
+    in_file = largest * np.dtype(dtype).itemsize // 4
+    assert report["host_arrays_peak_bytes"] <= 1.5 * in_file
 
 
 def _leaf_shape(tree, path):
