@@ -24,7 +24,7 @@ def config_json(cfg: GPTConfig) -> dict:
         "n_embd": cfg.d_model, "n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_inner": cfg.d_mlp,
         "activation_function": "gelu_new", "layer_norm_epsilon": cfg.ln_eps,
         "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
-        "scale_attn_weights": True, "tie_word_embeddings": True, "torch_dtype": "float32",
+        "scale_attn_weights": True, "tie_word_embeddings": True,
     }
 
 

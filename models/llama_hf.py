@@ -108,7 +108,7 @@ def config_json(cfg: LlamaConfig) -> dict:
         "head_dim": cfg.q_dim, "max_position_embeddings": cfg.max_seq_len,
         "rope_theta": cfg.rope_theta, "rms_norm_eps": cfg.rms_eps,
         "tie_word_embeddings": cfg.tie_embeddings, "hidden_act": "silu",
-        "attention_dropout": 0.0, "torch_dtype": "float32",
+        "attention_dropout": 0.0,
     }
     if cfg.family == "llama":
         out.update(attention_bias=cfg.qkv_bias, mlp_bias=False)
