@@ -224,26 +224,27 @@ def read_consolidated(path: str | Path, names: Any) -> Any:
 
     `names` is the model's tree of logical names; a parameter whose first
     logical axis is `layers` is read from its per-layer tensors. Tensors keep
-    the file's dtype (safetensors' own numpy reader refuses BF16, numpy
-    having no bfloat16 of its own): placing them casts (run.place).
+    the file's dtype (BF16 as ml_dtypes' bfloat16, which jax loads): placing
+    them casts (run.place).
     """
     import jax
+    from safetensors import safe_open
 
-    f = SafetensorsFile(path)
-    keys = set(f.keys())
+    with safe_open(str(path), framework="numpy") as f:
+        keys = set(f.keys())
 
-    def leaf(p, spec):
-        name = path_name(p)
-        if len(spec) and spec[0] == "layers":
-            head, _, tail = name.rpartition(".")
-            per_layer = sorted((int(k[len(head) + 1:].split(".")[0]), k) for k in keys
-                               if k.startswith(f"{head}.") and k.endswith(f".{tail}")
-                               and k[len(head) + 1:].split(".")[0].isdigit())
-            if not per_layer:
-                raise KeyError(f"{path}: no per-layer tensors {head}.<i>.{tail}")
-            return np.stack([f.get(k) for _, k in per_layer])
-        if name not in keys:
-            raise KeyError(f"{path}: no tensor {name!r}")
-        return f.get(name)
+        def leaf(p, spec):
+            name = path_name(p)
+            if len(spec) and spec[0] == "layers":
+                head, _, tail = name.rpartition(".")
+                per_layer = sorted((int(k[len(head) + 1:].split(".")[0]), k) for k in keys
+                                   if k.startswith(f"{head}.") and k.endswith(f".{tail}")
+                                   and k[len(head) + 1:].split(".")[0].isdigit())
+                if not per_layer:
+                    raise KeyError(f"{path}: no per-layer tensors {head}.<i>.{tail}")
+                return np.stack([f.get_tensor(k) for _, k in per_layer])
+            if name not in keys:
+                raise KeyError(f"{path}: no tensor {name!r}")
+            return f.get_tensor(name)
 
-    return jax.tree_util.tree_map_with_path(leaf, names, is_leaf=is_spec)
+        return jax.tree_util.tree_map_with_path(leaf, names, is_leaf=is_spec)
