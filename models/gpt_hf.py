@@ -24,7 +24,7 @@ def config_json(cfg: GPTConfig) -> dict:
         "n_embd": cfg.d_model, "n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_inner": cfg.d_mlp,
         "activation_function": "gelu_new", "layer_norm_epsilon": cfg.ln_eps,
         "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
-        "scale_attn_weights": True, "tie_word_embeddings": True, "torch_dtype": "float32",
+        "scale_attn_weights": True, "tie_word_embeddings": True,
     }
 
 
@@ -82,10 +82,11 @@ def sources(cfg: GPTConfig) -> dict[str, Callable[[Get, int | None], np.ndarray]
     D, H, Q = cfg.d_model, cfg.n_head, cfg.head_dim
 
     def get(tensors: Get, name: str) -> np.ndarray:
+        # In the file's dtype: placing casts (checkpoint/stream.py).
         try:  # GPT2LMHeadModel prefixes "transformer."; GPT2Model does not
-            return np.asarray(tensors("transformer." + name), np.float32)
+            return np.asarray(tensors("transformer." + name))
         except KeyError:
-            return np.asarray(tensors(name), np.float32)
+            return np.asarray(tensors(name))
 
     def layer(name, fn=lambda x: x):
         return lambda tensors, i: fn(get(tensors, f"h.{i}.{name}"))

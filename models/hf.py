@@ -134,10 +134,11 @@ def pieces(cfg, read) -> Iterator[tuple[str, tuple[int, ...], Callable[[], np.nd
     return gpt_hf.pieces(cfg, read)
 
 
-def config_json(cfg) -> dict:
-    if isinstance(cfg, llama.LlamaConfig):
-        return llama_hf.config_json(cfg)
-    return gpt_hf.config_json(cfg)
+def config_json(cfg, dtype: str = "float32") -> dict:
+    """config.json for `cfg`, saying the weights' dtype (`torch_dtype`:
+    what `from_pretrained(torch_dtype="auto")` loads them as)."""
+    out = llama_hf.config_json(cfg) if isinstance(cfg, llama.LlamaConfig) else gpt_hf.config_json(cfg)
+    return {**out, "torch_dtype": dtype}
 
 
 def save(out: Path, cfg, read, max_shard_bytes: int = MAX_SHARD_BYTES,
@@ -145,7 +146,8 @@ def save(out: Path, cfg, read, max_shard_bytes: int = MAX_SHARD_BYTES,
     """Write a Hugging Face directory: config.json and the weights, in files
     of at most `max_shard_bytes` (a tensor larger than that gets a file of
     its own) with an index when there is more than one, each tensor produced
-    and written before the next is read. Returns the files written."""
+    and written before the next is read, in `dtype` (float32 or bfloat16,
+    cast as it is written). Returns the files written."""
     out.mkdir(parents=True, exist_ok=True)
     items = list(pieces(cfg, read))
     def size(shape):
@@ -166,6 +168,6 @@ def save(out: Path, cfg, read, max_shard_bytes: int = MAX_SHARD_BYTES,
         index = {"metadata": {"total_size": sum(size(s) for _, s, _ in items)},
                  "weight_map": {t: name for name, group in zip(names, groups) for t, _, _ in group}}
         (out / INDEX).write_text(json.dumps(index, indent=1))
-    (out / "config.json").write_text(json.dumps(config_json(cfg), indent=1))
+    (out / "config.json").write_text(json.dumps(config_json(cfg, dtype), indent=1))
     return written
 

@@ -108,7 +108,7 @@ def config_json(cfg: LlamaConfig) -> dict:
         "head_dim": cfg.q_dim, "max_position_embeddings": cfg.max_seq_len,
         "rope_theta": cfg.rope_theta, "rms_norm_eps": cfg.rms_eps,
         "tie_word_embeddings": cfg.tie_embeddings, "hidden_act": "silu",
-        "attention_dropout": 0.0, "torch_dtype": "float32",
+        "attention_dropout": 0.0,
     }
     if cfg.family == "llama":
         out.update(attention_bias=cfg.qkv_bias, mlp_bias=False)
@@ -190,8 +190,8 @@ def sources(cfg: LlamaConfig) -> dict[str, Callable[[Get, int | None], np.ndarra
     """Our parameter path -> how to build it, or one layer of it, from
     Hugging Face tensors: one tensor read per call."""
     V, D = cfg.vocab_size, cfg.d_model
-    def get(tensors, name):
-        return np.asarray(tensors(name), np.float32)
+    def get(tensors, name):  # in the file's dtype: placing casts (checkpoint/stream.py)
+        return np.asarray(tensors(name))
 
     def table(name):
         def build(tensors, _):

@@ -1,14 +1,19 @@
 """Peak host memory of importing a Hugging Face directory, beside the largest
 tensor in it.
 
-    python scripts/import_memory.py DIR [--mesh fsdp=-1] [--zero-stage 3]
+    python scripts/import_memory.py DIR [--mesh fsdp=-1] [--zero-stage 3] [--param-dtype bfloat16]
 
 Builds the job for the directory's own shape (`--model hf:DIR`), then
 imports its weights (models/hf.py: one tensor at a time into the sharded
 layout) and prints, as JSON, the peak resident memory the import added, the
 bytes of the parameters it placed, the difference, and the largest tensor.
 On a CPU the devices' memory is the process's, so the placed parameters are
-part of the peak; what the import itself holds is the difference.
+part of the peak; what the import itself holds is the difference. The
+host's own share is measured apart as well: the peak bytes of numpy arrays
+alive at once (tracemalloc sees numpy's allocations, not the devices'
+buffers), which is what a GPU host holds. A tensor stays in the file's dtype
+on the host and is cast on the devices, to float32 by default or to
+`--param-dtype`.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tracemalloc
 from pathlib import Path
 
 import jax
@@ -27,10 +33,10 @@ from zero_jax import config as config_lib, job as job_lib
 from zero_jax.runtime import cpu, procmem
 
 
-def largest_tensor_bytes(path: Path) -> int:
-    """In float32, the dtype the import places parameters in."""
+def largest_tensor_bytes(path: Path, itemsize: int = 4) -> int:
+    """In the dtype the import places parameters in (float32 by default)."""
     tensors = hf.Tensors(path)
-    return max(int(np.prod(tensors.shape(name))) * 4 for name in tensors.files)
+    return max(int(np.prod(tensors.shape(name))) * itemsize for name in tensors.files)
 
 
 def main(argv=None) -> int:
@@ -38,19 +44,27 @@ def main(argv=None) -> int:
     parser.add_argument("dir")
     parser.add_argument("--mesh", default="fsdp=-1", help="default: every device on fsdp")
     parser.add_argument("--zero-stage", type=int, default=3)
+    parser.add_argument("--param-dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="the dtype the parameters are placed in")
     cpu.add_devices_flag(parser)
     args = cpu.parse_args(parser, argv)
     run = config_lib.build(None, {"model.name": f"hf:{args.dir}", "parallel.mesh": args.mesh,
                                   "parallel.zero_stage": args.zero_stage, "data.seq_len": 8,
-                                  "train.batch_size": jax.device_count()})
+                                  "train.batch_size": jax.device_count(),
+                                  "precision.param_dtype": args.param_dtype})
     job = job_lib.prepare(run, models.for_run(run.model, 0)[0])
+    tracemalloc.start()
     baseline = procmem.reset_peak()
     params = jax.block_until_ready(models.hf_loader(args.dir, job))
     peak = procmem.resident("VmHWM") - baseline
+    host_arrays = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
     placed = sum(x.nbytes for x in jax.tree.leaves(params))
     print(json.dumps({"peak_added_bytes": peak, "param_bytes": placed,
                       "peak_beyond_params_bytes": peak - placed,
-                      "largest_tensor_bytes": largest_tensor_bytes(Path(args.dir))}))
+                      "host_arrays_peak_bytes": host_arrays,
+                      "largest_tensor_bytes": largest_tensor_bytes(
+                          Path(args.dir), np.dtype(args.param_dtype).itemsize)}))
     return 0
 
 

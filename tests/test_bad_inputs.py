@@ -215,6 +215,9 @@ CASES = [
      "--max-shard-size 0"),
     ("export-nothing-to-write", "export", checkpoint_steps(4), ["--checkpoint-dir", "{d}/ckpt"],
      "--out"),
+    ("export-unknown-dtype", "export", checkpoint_steps(4),
+     ["--checkpoint-dir", "{d}/ckpt", "--out", "{d}/m.safetensors", "--dtype", "float16"],
+     "argument --dtype: invalid choice: 'float16'"),
     # scripts/launch.py
     ("launch-no-processes", "launch", None, ["-n", "0", "--", "scripts/train.py"], "-n 0"),
     ("launch-no-devices", "launch", None,
@@ -272,7 +275,7 @@ CASES = [
     ("prepare-workers-zero", "prepare_data", text_input,
      ["--input", "{d}/in.txt", "--workers", "0", "--out", "{d}/out"], "--workers 0"),
 ]
-USAGE = {"prepare-unknown-format"}  # argparse's choices: its usage line, then the error
+USAGE = {"prepare-unknown-format", "export-unknown-dtype"}  # argparse's choices: usage, then the error
 
 
 class Compiled(AssertionError):

@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from safetensors import safe_open
@@ -18,6 +20,7 @@ from zero_jax.checkpoint import manager as ckpt_lib
 from zero_jax import run
 from zero_jax.data import corpus as data_lib
 from zero_jax.checkpoint import export
+from zero_jax.cli import export as export_cli
 from zero_jax.checkpoint import integrity
 from zero_jax.data import sampler
 from zero_jax import master as master_lib, state as state_lib
@@ -254,7 +257,7 @@ def test_export_streams_the_gathered_parameters_and_imports_back(corpus, saved, 
     p = subprocess.run([sys.executable, "scripts/export.py", "--checkpoint-dir", str(directory),
                         "--out", str(out)], cwd=Path(__file__).parent.parent, capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
-    assert p.stdout.startswith(f"wrote {out}: 56 tensors, ") and \
+    assert p.stdout.startswith(f"wrote {out}: 56 tensors (float32), ") and \
         p.stdout.rstrip().endswith(f"bytes, from checkpoint step 5 of {directory}"), p.stdout
     params = state5.params
     with safe_open(str(out), framework="numpy") as f:
@@ -265,6 +268,75 @@ def test_export_streams_the_gathered_parameters_and_imports_back(corpus, saved, 
     job = make_job(corpus, mesh="fsdp=4,tensor=2", layout="fsdp_tp")
     imported = run.load_params(str(out), job)
     jax.tree.map(np.testing.assert_array_equal, host(imported), params)
+
+
+def _bits(x) -> np.ndarray:
+    """bf16 values as their 16 bits, so that equality is bit for bit (NaNs too)."""
+    return np.asarray(x, ml_dtypes.bfloat16).view(np.uint16)
+
+
+def _header_dtypes(path) -> set[str]:
+    return {entry["dtype"] for entry in export.SafetensorsFile(path).header.values()}
+
+
+def test_export_in_bfloat16_imports_back_bit_for_bit(corpus, saved, tmp_path, capsys):
+    """--dtype bfloat16 on a float32 run: BF16 in the file's header, each
+    value the float32 one rounded to nearest even, and said in one line.
+    Imported, the file's values are what is placed, cast per the policy:
+    bit for bit into bfloat16 parameters, exactly widened into float32."""
+    directory, state5, _ = saved
+    out = tmp_path / "model.safetensors"
+    assert export_cli.main(["--checkpoint-dir", str(directory), "--out", str(out),
+                            "--dtype", "bfloat16"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith(f"wrote {out}: 56 tensors (bfloat16), "), lines
+    assert lines[1] == ("--out: parameters stored in float32 written in bfloat16 (as --dtype "
+                        "asked); --dtype float32 keeps every bit"), lines
+    assert _header_dtypes(out) == {"BF16"}
+    in_file = export.read_consolidated(out, make_job(corpus).layout.names)  # numpy, bfloat16
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(
+        _bits(a), _bits(jnp.asarray(b).astype("bfloat16"))), in_file, state5.params)
+    for dtype in ("bfloat16", "float32"):
+        job = make_job(corpus, mesh="fsdp=4,tensor=2", layout="fsdp_tp", param_dtype=dtype)
+        imported = run.load_params(str(out), job)
+        assert {x.dtype for x in jax.tree.leaves(imported)} == {jnp.dtype(dtype)}
+        jax.tree.map(lambda a, b: np.testing.assert_array_equal(
+            np.asarray(a), np.asarray(b, dtype)), host(imported), in_file)
+        assert imported["blocks"]["w_fc"].sharding == job.layout.shardings.params["blocks"]["w_fc"]
+
+
+@pytest.fixture(scope="module")
+def saved_bf16(corpus, tmp_path_factory):
+    """A checkpoint of a run that stores bfloat16 parameters (no master copy)."""
+    directory = tmp_path_factory.mktemp("bf16")
+    job = make_job(corpus, precision="bf16", param_dtype="bfloat16", opt_state_dtype="float32")
+    _save(job, initial_state(job), directory, 0)
+    return directory
+
+
+@pytest.mark.parametrize("run_kind,out,hf_dir", [
+    ("fp32", "F32", "float32"),
+    ("bf16-params", "BF16", "bfloat16"),
+    ("bf16-float32-masters", "F32", "bfloat16"),
+])
+def test_export_dtype_defaults_to_what_the_run_trained(saved, saved_bf16, saved_master,
+                                                       tmp_path, capsys, run_kind, out, hf_dir):
+    """No --dtype: an fp32 run exports float32; a run storing bfloat16
+    parameters exports bfloat16; a bf16 run over float32 master weights
+    exports its masters whole (--out) and bfloat16 for Hugging Face, whose
+    config.json says so (torch_dtype) and which the output says."""
+    directory = {"fp32": saved[0], "bf16-params": saved_bf16,
+                 "bf16-float32-masters": saved_master[0]}[run_kind]
+    assert export_cli.main(["--checkpoint-dir", str(directory), "--out", str(tmp_path / "m.safetensors"),
+                            "--hf-dir", str(tmp_path / "hf")]) == 0
+    said = capsys.readouterr().out
+    assert _header_dtypes(tmp_path / "m.safetensors") == {out}
+    assert _header_dtypes(tmp_path / "hf" / "model.safetensors") == {"BF16" if hf_dir == "bfloat16" else "F32"}
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["torch_dtype"] == hf_dir
+    narrowed = [line for line in said.splitlines() if "written in bfloat16" in line]
+    assert narrowed == (["--hf-dir: parameters stored in float32 written in bfloat16 (the dtype "
+                         "the run computed in); --dtype float32 keeps every bit"]
+                        if run_kind == "bf16-float32-masters" else []), said
 
 
 def test_export_refuses_corrupt_data(corpus, two_checkpoints, tmp_path):

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import models
-from models import hf, layers, llama
+from models import hf, layers, llama, llama_hf
 from tests.helpers import assert_close, host, initial_state, make_job, train
 from zero_jax import run
 
@@ -105,14 +105,14 @@ def test_kv_heads_the_tensor_axis_does_not_divide_are_replicated(corpus, referen
     np.testing.assert_allclose(losses, reference[0][:2], rtol=RTOL)
 
 
-def _save_hf(tmp, cfg, params, max_shard_bytes=hf.MAX_SHARD_BYTES):
+def _save_hf(tmp, cfg, params, max_shard_bytes=hf.MAX_SHARD_BYTES, dtype="float32"):
     """Our parameters (layer order) written as a Hugging Face directory."""
     def read(path, layer):
         x = params
         for key in path.split("."):
             x = x[key]
         return np.asarray(x if layer is None else x[layer])
-    return hf.save(tmp, cfg, read, max_shard_bytes)
+    return hf.save(tmp, cfg, read, max_shard_bytes, dtype)
 
 
 @pytest.mark.parametrize("name,mesh", [("llama-tiny", "fsdp=4,tensor=2")]
@@ -135,6 +135,31 @@ def test_hugging_face_weights_round_trip_exactly(corpus, tmp_path, name, mesh):
             jax.tree.map(lambda _: True, targets)
 
 
+def test_a_bf16_directory_is_placed_as_its_values_cast_per_policy(corpus, tmp_path):
+    """A bf16 Hugging Face directory stays bf16 on the host (what the
+    sources hand to placing) and is placed as the file's values, cast per
+    the policy: bit for bit into bfloat16 parameters, exactly widened into
+    float32 ones, in the layout's shardings."""
+    job = make_job(corpus, model="llama-tiny", mesh="fsdp=4,tensor=2", zero_stage=3)
+    params = host(job.layout.saved_form(initial_state(job)).params)
+    _save_hf(tmp_path, job.model.config, params, dtype="bfloat16")
+    sources = llama_hf.sources(job.model.config)
+    tensors = hf.Tensors(tmp_path)
+    assert sources["wte"](tensors.get, None).dtype == jnp.bfloat16
+    assert sources["blocks.w_q"](tensors.get, 1).dtype == jnp.bfloat16
+    in_file = jax.tree.map(lambda x: np.asarray(jnp.asarray(x).astype(jnp.bfloat16)), params)
+    for dtype in ("bfloat16", "float32"):
+        imported_job = make_job(corpus, model=f"hf:{tmp_path}", mesh="fsdp=4,tensor=2",
+                                zero_stage=3, param_dtype=dtype)
+        imported = run.load_params(str(tmp_path), imported_job, loaders=[models.hf_loader])
+        assert {x.dtype for x in jax.tree.leaves(imported)} == {jnp.dtype(dtype)}
+        jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, np.asarray(b, dtype)),
+                     host(imported), in_file)
+        targets = imported_job.layout.targets.params
+        assert jax.tree.map(lambda x, t: x.sharding == t.sharding, imported, targets) == \
+            jax.tree.map(lambda _: True, targets)
+
+
 def test_a_config_that_does_not_match_the_model_names_both(corpus, tmp_path):
     job = make_job(corpus, model="llama-tiny", mesh="fsdp=8")
     _save_hf(tmp_path, job.model.config, host(job.layout.saved_form(initial_state(job)).params))
@@ -143,16 +168,19 @@ def test_a_config_that_does_not_match_the_model_names_both(corpus, tmp_path):
         models.hf_loader(str(tmp_path), other)
 
 
-def test_import_holds_about_one_tensor_in_host_memory(tmp_path):
-    """A model whose largest tensor (the tied embedding) is 64 MiB: the
-    import's peak resident memory beyond the parameters it placed (on CPU
-    the devices' memory is the host's) stays within 3 x 64 MiB."""
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_import_holds_about_one_tensor_in_host_memory(tmp_path, dtype):
+    """A model whose largest tensor (the tied embedding) is 64 MiB placed
+    (float32): the import's peak resident memory beyond the parameters it
+    placed (on CPU the devices' memory is the host's) stays within 3 x 64
+    MiB, and the numpy arrays it holds at once within 1.5 x that tensor in
+    the file's dtype: a bf16 file is not widened on the host."""
     cfg = llama.LlamaConfig(vocab_size=16384, n_layer=2, n_head=8, n_kv_head=4, d_model=1024,
                             d_mlp=1024, max_seq_len=256, tie_embeddings=True)
     rng = np.random.default_rng(0)
     shapes = jax.eval_shape(models.model_fns(cfg).init, jax.random.key(0))
     hf.save(tmp_path, cfg, lambda path, layer: rng.standard_normal(
-        _leaf_shape(shapes, path)[0 if layer is None else 1:], np.float32))
+        _leaf_shape(shapes, path)[0 if layer is None else 1:], np.float32), dtype=dtype)
     out = subprocess.run([sys.executable, "scripts/import_memory.py", str(tmp_path)], cwd=ROOT,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
@@ -161,6 +189,8 @@ def test_import_holds_about_one_tensor_in_host_memory(tmp_path):
     assert report["largest_tensor_bytes"] == largest
     print(report)
     assert report["peak_beyond_params_bytes"] <= 3 * largest
+    in_file = largest * np.dtype(dtype).itemsize // 4
+    assert report["host_arrays_peak_bytes"] <= 1.5 * in_file
 
 
 def _leaf_shape(tree, path):

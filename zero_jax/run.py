@@ -25,6 +25,7 @@ from zero_jax.data import corpus as data_lib
 from zero_jax import loop
 from zero_jax.runtime import distributed
 from zero_jax.checkpoint import export
+from zero_jax.checkpoint import stream
 from zero_jax.analysis import flops
 from zero_jax.checkpoint import integrity
 from zero_jax.runtime import trace
@@ -119,10 +120,10 @@ def place(tree: Any, job: Job, log: Callable[[str], None] = print) -> Any:
                    if np.asarray(have[p]).dtype != want[p].dtype})
     if cast:
         log(f"imported weights converted to the model's dtypes: {', '.join(cast)}")
-    return jax.tree.map(
-        lambda x, a, s: jax.make_array_from_callback(
-            a.shape, s, lambda idx: np.asarray(x[idx], dtype=a.dtype)),
-        tree, job.layout.master_params, job.layout.named(job.layout.master_specs))
+    # Each leaf cast to its dtype as it is placed, so a bf16 file is never
+    # held whole in float32 on the host.
+    return jax.tree.map(lambda x, a, s: stream.put(np.asarray(x), a.dtype, s),
+                        tree, job.layout.master_params, job.layout.named(job.layout.master_specs))
 
 
 def initial_state(job: Job, checkpointer: ckpt_lib.Checkpointer | None,

@@ -31,6 +31,7 @@ _DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F
            "bool": "BOOL"}
 
 _NAMES = {code: name for name, code in _DTYPES.items()}  # safetensors dtype -> numpy name
+FLOATING = ("float16", "bfloat16", "float32", "float64")  # (ml_dtypes' bfloat16 is no np.floating)
 
 # A piece of the output: name, shape, dtype name, and how to produce its data.
 Piece = tuple[str, tuple[int, ...], str, Callable[[], np.ndarray]]
@@ -91,17 +92,22 @@ class ParamReader:
         names = self.logical.get(path)
         return self.arrays[path]["shape"][0] if names and names[0] == "layers" else None
 
-    def consolidated(self) -> Iterator[Piece]:
-        """Every parameter, stacked ones split per layer (`blocks.w_fc` -> `blocks.3.w_fc`)."""
+    def consolidated(self, dtype: str | None = None) -> Iterator[Piece]:
+        """Every parameter, stacked ones split per layer (`blocks.w_fc` -> `blocks.3.w_fc`),
+        in its stored dtype or, floating ones, in `dtype` (cast as each piece is written)."""
         for path, info in self.arrays.items():
-            n, dtype = self.layers(path), info["dtype"]
+            n, written = self.layers(path), _written_dtype(info["dtype"], dtype)
             if n is None:
-                yield path, tuple(info["shape"]), dtype, (lambda p=path: self.read(p))
+                yield path, tuple(info["shape"]), written, (lambda p=path: self.read(p))
                 continue
             head, _, leaf = path.rpartition(".")
             for i in range(n):
                 name = f"{head}.{i}.{leaf}" if head else f"{i}.{leaf}"
-                yield name, tuple(info["shape"][1:]), dtype, (lambda p=path, i=i: self.read(p, i))
+                yield name, tuple(info["shape"][1:]), written, (lambda p=path, i=i: self.read(p, i))
+
+    def stored_dtypes(self) -> set[str]:
+        """The dtypes the parameters are stored in (the run's parameter dtype)."""
+        return {info["dtype"] for info in self.arrays.values()}
 
     def largest_piece_bytes(self) -> int:
         return max(int(np.prod(shape)) * np.dtype(_np_dtype(dtype)).itemsize
@@ -137,6 +143,11 @@ def _release_freed_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass  # not glibc: nothing to do
+
+
+def _written_dtype(stored: str, asked: str | None) -> str:
+    """`asked` for a floating parameter, else the stored dtype (integers keep theirs)."""
+    return asked if asked and stored in FLOATING else stored
 
 
 def _np_dtype(name: str):
@@ -224,9 +235,13 @@ class SafetensorsFile:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.header[name]["shape"])
 
+    def dtype(self, name: str) -> str:
+        """The tensor's dtype as numpy names it (`bfloat16` for BF16)."""
+        return _NAMES[self.header[name]["dtype"]]
+
     def get(self, name: str) -> np.ndarray:
         entry = self.header[name]
-        dtype = _np_dtype(_NAMES[entry["dtype"]])
+        dtype = _np_dtype(self.dtype(name))
         begin, end = entry["data_offsets"]
         count = (end - begin) // np.dtype(dtype).itemsize
         data = np.fromfile(self.path, dtype=dtype, count=count, offset=self.start + begin)
@@ -237,7 +252,9 @@ def read_consolidated(path: str | Path, names: Any) -> Any:
     """A consolidated .safetensors file -> parameter tree (numpy), restacking layers.
 
     `names` is the model's tree of logical names; a parameter whose first
-    logical axis is `layers` is read from its per-layer tensors.
+    logical axis is `layers` is read from its per-layer tensors. Tensors keep
+    the file's dtype (BF16 as ml_dtypes' bfloat16, which jax loads): placing
+    them casts (run.place).
     """
     import jax
     from safetensors import safe_open

@@ -6,6 +6,9 @@ leaf, at a time, puts it into the target's sharding and lets it go before
 asking for the next. A stacked leaf is created on the devices first and
 each layer written into it in place (a donated update), so host memory stays
 near the largest single tensor, whatever the model's size.
+
+A tensor stays in its file's dtype on the host (a bf16 file: 2 bytes a
+parameter) and is cast to the target's dtype on the devices, once placed.
 """
 
 from __future__ import annotations
@@ -33,26 +36,41 @@ def place(targets: Any, names: Any, produce: Produce) -> Any:
         if len(logical) and logical[0] == "layers":
             placed[path] = _stacked(path, target, produce)
         else:
-            placed[path] = _whole(target, _checked(path, produce(path, None), target.shape, target.dtype))
+            placed[path] = _whole(target, _checked(path, produce(path, None), target.shape))
     return jax.tree.unflatten(jax.tree.structure(targets), list(placed.values()))
 
 
-def _checked(path: str, x: np.ndarray, shape, dtype) -> np.ndarray:
+def _checked(path: str, x: np.ndarray, shape) -> np.ndarray:
     if tuple(x.shape) != tuple(shape):
         raise ValueError(f"{path}: the weights give shape {tuple(x.shape)}, the model has "
                          f"{tuple(shape)}")
-    return np.asarray(x, dtype=dtype)
+    return np.asarray(x)
 
 
 def _whole(target, x: np.ndarray) -> jax.Array:
-    return jax.make_array_from_callback(target.shape, target.sharding, lambda idx: x[idx])
+    return put(x, target.dtype, target.sharding)
+
+
+def put(x: np.ndarray, dtype, sharding) -> jax.Array:
+    """`x` in `sharding` and `dtype`: placed in its own dtype, then cast on
+    the devices, so the host never holds a cast copy (a bf16 file stays 2
+    bytes a parameter on the host; the float32 copy exists only in device
+    memory)."""
+    on_devices = sharding.with_memory_kind("device")
+    placed = jax.make_array_from_callback(x.shape, on_devices, lambda idx: x[idx])
+    if placed.dtype != dtype:
+        placed = placed.astype(dtype)  # an elementwise op keeps the sharding
+    # In the sharding's memory kind: offloaded masters live in host memory.
+    placed = placed if on_devices == sharding else jax.device_put(placed, sharding)
+    return placed.block_until_ready()  # `x` and the narrow copy are let go now, not later
 
 
 def _stacked(path: str, target, produce: Produce) -> jax.Array:
     stack = _zeros(target.shape, target.dtype, target.sharding)
     for i in range(target.shape[0]):
-        layer = _checked(f"{path} (layer {i})", produce(path, i), target.shape[1:], target.dtype)
-        stack = _write(stack, layer, i)
+        layer = _checked(f"{path} (layer {i})", produce(path, i), target.shape[1:])
+        # Waited for, so that the host holds one layer, not as many as are in flight.
+        stack = _write(stack, layer, i).block_until_ready()
         del layer
     return stack
 
@@ -63,5 +81,6 @@ def _zeros(shape, dtype, sharding) -> jax.Array:
 
 @functools.partial(jax.jit, donate_argnums=0)
 def _write(stack: jax.Array, layer: jax.Array, i: int) -> jax.Array:
-    """`stack` with `layer` at index `i` of its first dimension, in place."""
+    """`stack` with `layer` at index `i` of its first dimension, in place;
+    the layer arrives in its file's dtype and is cast on the devices."""
     return jax.lax.dynamic_update_index_in_dim(stack, layer.astype(stack.dtype), i, 0)

@@ -16,6 +16,10 @@ against the checksum saved with it. Import the files back with
 config.json and the weights in files of at most `--max-shard-size` bytes
 (5 GB, as save_pretrained), with model.safetensors.index.json when there
 are several.
+
+`--dtype bfloat16|float32` is the dtype written; by default, the one the
+model was trained to hold (`default_dtype`): a float32-trained model is
+never narrowed unless asked, and a narrowing is said in one line.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ from zero_jax.checkpoint import export
 from zero_jax.checkpoint import manager as ckpt_lib
 from zero_jax.runtime import procmem
 
+DTYPES = ("bfloat16", "float32")  # what --dtype writes: Hugging Face's two for LMs
+
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -41,23 +47,62 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--hf-dir", help="directory for a Hugging Face export")
     parser.add_argument("--max-shard-size", type=float, default=hf.MAX_SHARD_BYTES,
                         help="bytes per safetensors file of the Hugging Face export")
+    parser.add_argument("--dtype", choices=DTYPES,
+                        help="dtype of the weights written; default: the one the model was "
+                             "trained to hold (bfloat16 for a Hugging Face export of a bf16 run)")
     parser.add_argument("--report-memory", action="store_true",
                         help="print the peak resident memory the export added, as JSON")
     return parser.parse_args(argv)
 
 
+def default_dtype(stored: set[str], precision: dict | None, hf_layout: bool) -> str:
+    """The dtype the model was trained to hold, from its stored parameters'
+    dtypes and the run's precision policy (checkpoint meta):
+
+        stored bfloat16 (--param-dtype bfloat16)             bfloat16
+        float32 masters, computed in bfloat16 (--precision    bfloat16 for a Hugging Face
+          bf16): the model the run trained is the bf16 one    export, float32 (the masters,
+                                                              lossless) for --out
+        anything else (an fp32 run)                           float32
+    """
+    if stored == {"bfloat16"}:
+        return "bfloat16"
+    if hf_layout and (precision or {}).get("compute") == "bfloat16":
+        return "bfloat16"
+    return "float32"
+
+
+def narrowings(stored: set[str], dtypes: dict[str, str], asked: bool) -> list[str]:
+    """One line per output written in fewer bits than the parameters are
+    stored in: a float32-trained model is never narrowed silently."""
+    flags = {"out": "--out", "hf": "--hf-dir"}
+    why = "as --dtype asked" if asked else "the dtype the run computed in"
+    return [f"{flags[what]}: parameters stored in {', '.join(sorted(stored))} written in "
+            f"{dtype} ({why}); --dtype float32 keeps every bit"
+            for what, dtype in dtypes.items()
+            if dtype == "bfloat16" and stored & {"float32", "float16"}]
+
+
+def output_dtypes(args: argparse.Namespace, reader: export.ParamReader) -> dict[str, str]:
+    """What each output asked for is written in: --dtype, else its default."""
+    stored, precision = reader.stored_dtypes(), reader.meta.get("precision")
+    return {what: args.dtype or default_dtype(stored, precision, what == "hf")
+            for what, given in (("out", args.out), ("hf", args.hf_dir)) if given}
+
+
 def write(args: argparse.Namespace, reader: export.ParamReader, step: int,
-          directory: Path) -> list[Path]:
-    """Every file asked for, written; on a failure, those written are removed."""
+          directory: Path, dtype: dict[str, str]) -> list[Path]:
+    """Every file asked for, written in its dtype; on a failure, those written are removed."""
     written = []
     try:
         if args.out:
-            export.write_safetensors(args.out, reader.consolidated(),
+            export.write_safetensors(args.out, reader.consolidated(dtype["out"]),
                                      {"step": str(step), "source": str(directory)})
             written.append(Path(args.out))
         if args.hf_dir:
             cfg = models.config_from(reader.meta["model"])
-            written += hf.save(Path(args.hf_dir), cfg, reader.read, int(args.max_shard_size))
+            written += hf.save(Path(args.hf_dir), cfg, reader.read, int(args.max_shard_size),
+                               dtype["hf"])
     except (ckpt_lib.CorruptCheckpoint, OSError):  # OSError: no space, no permission
         for path in written + [Path(p) for p in (args.out,) if p]:
             path.unlink(missing_ok=True)
@@ -86,12 +131,15 @@ def main(argv: list[str] | None = None) -> int:
     except ckpt_lib.CorruptCheckpoint as e:
         print(f"error: {e}; nothing written", file=sys.stderr)
         return 4
+    dtype = output_dtypes(args, reader)
     baseline = procmem.reset_peak()  # measure from here
     try:
-        written = write(args, reader, step, directory)
+        written = write(args, reader, step, directory, dtype)
     except (ckpt_lib.CorruptCheckpoint, OSError) as e:
         return failed(e)
     print(describe(written, step, directory))
+    for line in narrowings(reader.stored_dtypes(), dtype, asked=bool(args.dtype)):
+        print(line)
     if args.report_memory:
         print(json.dumps({"peak_added_bytes": procmem.resident("VmHWM") - baseline,
                           "largest_piece_bytes": reader.largest_piece_bytes(),
@@ -135,9 +183,10 @@ def choose_step(directory: Path, step: int | None) -> int:
 
 
 def describe(written: list[Path], step: int, directory: Path) -> str:
-    """One line: the files written, their tensors and bytes, and the source."""
-    files = [p for p in written if p.suffix == ".safetensors"]
-    tensors = sum(len(export.SafetensorsFile(p).keys()) for p in files)
-    size = sum(p.stat().st_size for p in files)
-    return (f"wrote {', '.join(map(str, written))}: {tensors} tensors, {size:,} bytes, from "
-            f"checkpoint step {step} of {directory}")
+    """One line: the files written, their tensors, dtypes and bytes, and the source."""
+    files = [export.SafetensorsFile(p) for p in written if p.suffix == ".safetensors"]
+    tensors = sum(len(f.keys()) for f in files)
+    kinds = sorted({f.dtype(name) for f in files for name in f.keys()})
+    size = sum(f.path.stat().st_size for f in files)
+    return (f"wrote {', '.join(map(str, written))}: {tensors} tensors ({', '.join(kinds)}), "
+            f"{size:,} bytes, from checkpoint step {step} of {directory}")
