@@ -11,6 +11,7 @@ import numpy as np
 from tests.helpers import initial_state, make_job
 from zero_jax import loop
 from zero_jax.data import corpus as data_lib
+from zero_jax.runtime import trace
 from zero_jax.runtime.watchdog import StepWatchdog
 
 
@@ -111,3 +112,26 @@ def test_the_watchdog_times_whole_steps_not_only_the_wait_on_them(corpus):
     watchdog.close()
     assert exits == [] and "error" not in out.getvalue(), out.getvalue()
     assert len(history) == 10
+
+
+def test_a_long_save_or_trace_is_not_a_stuck_step(corpus, tmp_path):
+    """What runs between steps (a checkpoint save in after_step, a trace
+    started and written) is bounded by its own limits: a loaded host that
+    spends many step medians in it must not trip the watchdog."""
+    job, step_fn, batch = _setup(corpus, 9)
+
+    def slow_save(n, state):
+        if n == 8:
+            time.sleep(2.0)  # 20 x min_s, past stop x the median step
+        return False
+
+    # Both after the first steps, once the watchdog knows a median.
+    tracer = trace.Tracer(trace.Window(6, 7), str(tmp_path / "trace"), log=lambda line: None)
+    out, exits = io.StringIO(), []
+    watchdog = StepWatchdog(warn=2, stop=3, min_s=0.1, out=out, exit_fn=exits.append,
+                            poll_s=0.01)
+    _, history = loop.train(initial_state(job), step_fn, batch, steps=9, progress=False,
+                            watchdog=watchdog, after_step=slow_save, tracer=tracer)
+    watchdog.close()
+    assert exits == [] and "error" not in out.getvalue(), out.getvalue()
+    assert len(history) == 9

@@ -65,6 +65,11 @@ class StepLog:
         self.last_done = time.perf_counter()
         self.watch(step)
 
+    def pause(self) -> None:
+        """Nothing the watchdog should time runs until the next `watch`."""
+        if self.watchdog is not None:
+            self.watchdog.idle()
+
     def watch(self, step: int) -> None:
         """The watchdog counts step `step` from now. It watches the interval the
         records time, from the end of one step to the end of the next, not only
@@ -172,6 +177,7 @@ def train(state: TrainState, train_step: Callable, batch_at: Callable[[int], jax
                 # Nothing in flight at either edge: the trace holds its steps only.
                 _drain(log, pending)
                 pending = None
+                log.pause()  # starting or writing the trace is not a step: unwatched
                 tracer.toggle()
                 log.restart_clock(step)  # writing the trace is not step time
             state, metrics = train_step(state, batch_at(step))
@@ -181,10 +187,12 @@ def train(state: TrainState, train_step: Callable, batch_at: Callable[[int], jax
                 log.finish(step, metrics, state.params)  # the state this step produced
                 pending = None
             if after_step is not None:
+                # A checkpoint save is bounded by its own timeouts: unwatched, and
+                # the step in flight is watched from its end, so a long save (a
+                # loaded host) is not a stuck step.
+                log.pause()
                 if after_step(step + 1, state):
                     break
-                # A checkpoint save is bounded by its own timeouts; the step in
-                # flight is watched from here, so a long save is not a stuck step.
                 log.watch(step if pending is not None else step + 1)
         _drain(log, pending)
     finally:

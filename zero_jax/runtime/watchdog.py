@@ -53,7 +53,8 @@ class StepWatchdog:
             self._current = None
 
     def idle(self) -> None:
-        """No step is under way (the loop has ended): nothing to watch."""
+        """No step is under way, or what runs is not one (a save, a trace being
+        written, the loop has ended): nothing to watch."""
         with self._lock:
             self._current = None
 
