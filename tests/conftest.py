@@ -30,8 +30,15 @@ import pytest  # noqa: E402
 from zero_jax.data import corpus as data_lib  # noqa: E402
 
 # Identical programs (the same reference run in several modules, a script run
-# three times by one test) compile once per session; subprocesses share it.
-_CACHE = tempfile.mkdtemp(prefix="zero_jax_test_cache_")
+# three times by one test) compile once per session: the workers of one run
+# (pytest-xdist names it) and their subprocesses share one cache. An entry
+# read while another process still writes it is a warning and a compile
+# (jax's own handling), never a wrong program: entries are keyed by the
+# program's hash.
+_RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+_CACHE = (os.path.join(tempfile.gettempdir(), f"zero_jax_test_cache_{_RUN}") if _RUN
+          else tempfile.mkdtemp(prefix="zero_jax_test_cache_"))
+os.makedirs(_CACHE, exist_ok=True)
 os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE
 jax.config.update("jax_compilation_cache_dir", _CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
