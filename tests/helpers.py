@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -104,3 +106,13 @@ def assert_close(actual, expected, rtol=1e-5):
         worst = float((np.abs(a - b) / np.maximum(scale, 1e-30)).max()) if b.size else 0.0
         assert worst <= 100 * rtol, f"{name}: an element differs by {worst:.2e} > {100 * rtol}"
     jax.tree_util.tree_map_with_path(check, host(actual), host(expected))
+
+
+def recorded_steps(path: Path) -> list[int]:
+    """The steps of a metrics file's records so far (a line still being
+    written, or a missing file, is none)."""
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    return [json.loads(line)["step"] for line in lines if line.endswith("}")]

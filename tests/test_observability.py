@@ -16,6 +16,7 @@ import jax
 import pytest
 
 import models
+from tests.helpers import recorded_steps
 from zero_jax import config as config_lib, job as job_lib
 from zero_jax.analysis import cpu_peak, flops
 from zero_jax.remat import Remat
@@ -151,14 +152,6 @@ def _train(tmp_path: Path, *flags: str) -> subprocess.Popen:
         text=True)
 
 
-def _steps(path: Path) -> list[int]:
-    try:
-        lines = path.read_text().splitlines()
-    except FileNotFoundError:
-        return []
-    return [json.loads(line)["step"] for line in lines if line.endswith("}")]
-
-
 def test_sigkill_at_step_13_then_resume_records_each_step_once(tmp_path):
     """Checkpoints every 5 steps, SIGKILL once step 13 is in the metrics,
     --resume: steps 11-13 (trained again from the step-10 checkpoint) are cut
@@ -169,12 +162,12 @@ def test_sigkill_at_step_13_then_resume_records_each_step_once(tmp_path):
 
     first = _train(tmp_path, "--profile-steps", "3:6")
     deadline = time.monotonic() + 240
-    while max(_steps(tmp_path / "m.jsonl"), default=0) < 13:
+    while max(recorded_steps(tmp_path / "m.jsonl"), default=0) < 13:
         assert first.poll() is None and time.monotonic() < deadline, first.stdout.read()
         time.sleep(0.01)
     first.send_signal(signal.SIGKILL)
     first.wait()
-    killed_at = max(_steps(tmp_path / "m.jsonl"))
+    killed_at = max(recorded_steps(tmp_path / "m.jsonl"))
     assert 13 <= killed_at < 20
     traces = list(tmp_path.glob("tb/plugins/profile/*/perfetto_trace.json.gz"))
     assert traces and json.loads(gzip.decompress(traces[0].read_bytes()))["traceEvents"]

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import recorded_steps
 from zero_jax.cli import train as train_cli
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -35,14 +36,6 @@ def _start(tmp: Path, *flags: str) -> subprocess.Popen:
                             text=True)
 
 
-def _steps(path: Path) -> list[int]:
-    try:
-        lines = path.read_text().splitlines()
-    except FileNotFoundError:
-        return []
-    return [json.loads(line)["step"] for line in lines if line.endswith("}")]
-
-
 def _kill_after_a_commit(tmp: Path) -> int:
     """Train with synchronous saves until the first checkpoint has
     committed (its "saved" line) and the metrics file holds the record
@@ -57,13 +50,13 @@ def _kill_after_a_commit(tmp: Path) -> int:
     while True:
         assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)
         saved = [int(line.split()[2]) for line in list(lines) if line.startswith("checkpoint step ")]
-        if saved and max(_steps(tmp / "m.jsonl"), default=0) > saved[0]:
+        if saved and max(recorded_steps(tmp / "m.jsonl"), default=0) > saved[0]:
             break
         time.sleep(0.005)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     reader.join(timeout=10)
-    assert max(_steps(tmp / "m.jsonl")) < STEPS, "the run ended before it was killed"
+    assert max(recorded_steps(tmp / "m.jsonl")) < STEPS, "the run ended before it was killed"
     return saved[0]
 
 
