@@ -140,7 +140,16 @@ class Hooks:
             stored = NamedSharding(self.mesh, self.stored.spec(w.shape, compute.spec, names))
         return Use(stored, compute, jnp.dtype(dtype or self.dtype), jnp.dtype(self.grad_dtype),
                    w.dtype, None if self.partial_grads else stored,
-                   fetch=stored if self.host_params else None)
+                   fetch=stored if self.host_params else None, flat_rows=self._rows_merge())
+
+    def _rows_merge(self) -> bool:
+        """Whether a weight gradient may merge its operands' batch and
+        sequence dimensions into one: not when the sequence is split over
+        devices as well as the batch, a split a merged dimension cannot hold."""
+        if self.mesh is None:
+            return True
+        sizes = dict(self.mesh.shape)
+        return all(sizes[a] == 1 for a in self.rules.mesh_axes("seq"))
 
     def act(self, x: jax.Array, names: Sequence[str | None], name: str | None = None) -> jax.Array:
         """An activation, laid out by the rules; `name` tags it for remat policies."""

@@ -53,6 +53,10 @@ class Use:
     # w is stored in host memory (offload.py): this device's shard is brought
     # to the device, in this layout, before it is cast and gathered
     fetch: NamedSharding | None = None
+    # the weight gradient may merge the rows (batch, sequence) of its operands
+    # into one dimension: false where the sequence is split over devices, so
+    # that a merge would mix two splits (Hooks._use)
+    flat_rows: bool = False
 
     def gather(self, w):
         if self.fetch is not None:
@@ -115,7 +119,44 @@ def dense_weight_grad(use: Use, eq: str, x, g):
     """The gradient of w in einsum(eq, x, w) from x and the output's
     gradient g, in the gradient dtype, reduced into w's stored layout."""
     xs, ws, ys = _operands(eq)
-    return use.reduce(jnp.einsum(f"{xs},{ys}->{ws}", x, g, preferred_element_type=use.grad_dtype))
+    # One dtype throughout: XLA:CPU's plain dot has no bf16 x bf16 -> f32 kernel.
+    same = x.dtype == g.dtype == jnp.dtype(use.grad_dtype)
+    flat = _rows_contraction(xs, ws, ys, x, g, use.grad_dtype) if use.flat_rows and same else None
+    if flat is None:
+        flat = jnp.einsum(f"{xs},{ys}->{ws}", x, g, preferred_element_type=use.grad_dtype)
+    return use.reduce(flat)
+
+
+def _rows_contraction(xs: str, ws: str, ys: str, x, g, dtype):
+    """einsum(f"{xs},{ys}->{ws}", x, g) as one product over rows: the
+    letters x and y share and w lacks (batch, sequence) lead both in the
+    same order, and are merged into one row dimension (a reshape of leading
+    dimensions, no data movement). The operand left with one other dimension
+    becomes the product's left side, contracted along its rows as it is laid
+    out, and only the weight-sized result is transposed into w's order.
+
+    Written as the einsum, the compiler moves the rows of x to the minor end
+    first: a transposing copy of every kept activation a weight gradient
+    reads (XLA:CPU's dot canonicalisation). None when the letters do not fit."""
+    rows = [c for c in xs if c in ys and c not in ws]
+    n = len(rows)
+    if not rows or xs[:n] != "".join(rows) or ys[:n] != "".join(rows):
+        return None
+    x_rest, y_rest = xs[n:], ys[n:]
+    if sorted(x_rest + y_rest) != sorted(ws):
+        return None  # a letter shared with w as well (a batched product)
+    if len(x_rest) == 1:
+        lhs, rhs, lhs_rest, rhs_rest = x, g, x_rest, y_rest
+    elif len(y_rest) == 1:
+        lhs, rhs, lhs_rest, rhs_rest = g, x, y_rest, x_rest
+    else:
+        return None
+    count = math.prod(x.shape[:n])
+    lhs = lhs.reshape(count, lhs.shape[-1])
+    rhs = rhs.reshape(count, *rhs.shape[n:])
+    out = jax.lax.dot_general(lhs, rhs, (((0,), (0,)), ((), ())), preferred_element_type=dtype)
+    order = lhs_rest + rhs_rest
+    return out if order == ws else jnp.transpose(out, [order.index(c) for c in ws])
 
 
 def _dense_bwd(use, eq, res, g):
