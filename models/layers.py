@@ -61,7 +61,12 @@ def attention(q_BxTxHxQ, k_BxSxKxQ, v_BxSxKxQ, implementation: str = "xla", wind
     visible = (j <= i) & ((i - j < window) if window else True)
     if segments_BxT is not None:
         visible = visible & (segments_BxT[:, None, :, None] == segments_BxT[:, None, None, :])
-    scores = jnp.where(visible, scores, jnp.finfo(jnp.float32).min)
+    # The mask is added as a bias of the visible pattern's shape (T x S, or B
+    # x 1 x T x S with segments) rather than selected: the sum's gradient is
+    # the incoming one, where a select's backward materialises a zero tensor
+    # of the scores' full B x H x T x S shape. Visible scores are unchanged
+    # (+ 0); hidden ones go to the float32 minimum or -inf, 0 after softmax.
+    scores = scores + jnp.where(visible, 0.0, jnp.finfo(jnp.float32).min).astype(jnp.float32)
     probs = softmax(scores, v.dtype, keep)
     return jnp.einsum("bhts,bshq->bthq", probs, v)
 
