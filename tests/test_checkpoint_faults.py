@@ -54,8 +54,8 @@ def complete(directory):
 
 
 @pytest.mark.skipif(not FULL, reason="ZERO_JAX_FULL_GRID=1: in CI test_prepared_data.py's resume "
-                    "at step 7 of 15 is bitwise the straight run, test_observability.py and "
-                    "test_wandb.py resume in a fresh process, test_multiprocess.py on 4 processes")
+                    "at step 7 of 15 is bitwise the straight run, test_wandb.py resumes in a "
+                    "fresh process, test_multiprocess.py on 4 processes")
 def test_resume_is_bitwise_and_works_on_four_devices(tmp_path):
     """8 steps straight; 4 steps, a fresh process, --resume, 4 more: bitwise the same.
     The same checkpoint resumed by a process with 4 devices: within 1e-5."""

@@ -1,11 +1,13 @@
-"""Weights & Biases (--wandb-project, --wandb-mode offline): what a run logs,
-read back from its offline run directory with wandb's own reader of the
-.wandb file (`wandb leet inspect --json`), against the metrics file of the
-same run. One job trains twice: killed (SIGKILL) after a checkpoint has
-committed, then resumed; each invocation is a W&B run of the job's group."""
+"""What a killed and resumed run records: its metrics file, TensorBoard
+events and Weights & Biases runs (--wandb-mode offline, read back with
+wandb's own reader of the .wandb file, `wandb leet inspect --json`), each
+against the metrics file of the same run. One job trains twice: killed
+(SIGKILL) after a checkpoint has committed, then resumed; each invocation
+is a W&B run of the job's group. The first also profiles two steps."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import signal
@@ -25,7 +27,7 @@ STEPS = 12
 FLAGS = ["--devices", "2", "--mesh", "fsdp=2", "--seq-len", "32", "--batch-size", "8",
          "--steps", str(STEPS), "--eval-every", "0", "--eval-batches", "1", "--no-progress",
          "--checkpoint-dir", "ckpt", "--checkpoint-every", "4", "--metrics-out", "m.jsonl",
-         "--wandb-project", "zero-jax-test", "--wandb-mode", "offline"]
+         "--tensorboard-dir", "tb", "--wandb-project", "zero-jax-test", "--wandb-mode", "offline"]
 
 
 def _start(tmp: Path, *flags: str) -> subprocess.Popen:
@@ -43,7 +45,7 @@ def _kill_after_a_commit(tmp: Path) -> int:
     checkpoint's step, before that record was written. Then SIGKILL it, a
     step later, well inside the second wandb takes to write its file by
     itself. Returns the checkpoint's step."""
-    proc, lines = _start(tmp, "--no-async-save"), []
+    proc, lines = _start(tmp, "--no-async-save", "--profile-steps", "2:4"), []
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
     reader.start()
     deadline = time.monotonic() + 240
@@ -83,9 +85,10 @@ def job(tmp_path_factory) -> dict:
     out, _ = second.communicate(timeout=240)
     assert second.returncode == 0, out
     start = int(out.split("resumed from ")[1].split("(step ")[1].split(";")[0])
+    assert "MFU" in out.splitlines()[-1], out
     runs = sorted((tmp / "wandb").glob("offline-run-*"))
     assert len(runs) == 2, runs  # one W&B run per invocation
-    return {"committed": committed, "start": start, "first_records": first_records,
+    return {"committed": committed, "start": start, "first_records": first_records, "tmp": tmp,
             "records": [json.loads(line) for line in (tmp / "m.jsonl").read_text().splitlines()],
             "killed": _read_run(runs[0]), "resumed": _read_run(runs[1])}
 
@@ -125,7 +128,31 @@ def test_both_runs_are_one_group_named_after_where_they_start(job):
     assert killed["run_id"] != resumed["run_id"]
 
 
-@pytest.mark.parametrize("which,flags", [("killed", ["--no-async-save"]), ("resumed", ["--resume"])])
+def test_each_step_is_recorded_once_in_the_metrics_and_tensorboard(job):
+    """Steps after the checkpoint, trained again by the resumed run, are cut
+    from the metrics file and purged from the TensorBoard events: each step
+    is recorded once in both, every record with its MFU. The killed run's
+    profile of steps 2-3 was written before the kill."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    records = job["records"]
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    assert max(job["first_records"]) > job["start"]  # some steps were trained twice
+    assert all(r["mfu"] > 0 and r["model_tflops_per_device"] > 0 for r in records)
+    events = EventAccumulator(str(job["tmp"] / "tb"))
+    events.Reload()
+    assert {"train/loss", "val/loss", "train/grad_norm", "train/lr", "perf/tokens_per_s",
+            "perf/mfu", "train/loss_scale", "train/skipped",
+            "memory/host_resident_bytes"} <= set(events.Tags()["scalars"])
+    assert [e.step for e in events.Scalars("train/loss")] == list(range(1, STEPS + 1))
+    assert [e.value for e in events.Scalars("train/loss")] == pytest.approx(
+        [r["loss"] for r in records])
+    traces = list(job["tmp"].glob("tb/plugins/profile/*/perfetto_trace.json.gz"))
+    assert traces and json.loads(gzip.decompress(traces[0].read_bytes()))["traceEvents"]
+
+
+@pytest.mark.parametrize("which,flags", [("killed", ["--no-async-save", "--profile-steps", "2:4"]),
+                                         ("resumed", ["--resume"])])
 def test_the_config_is_the_run_config(job, which, flags):
     cfg, _ = train_cli.parse([*FLAGS, *flags])
     logged = {k: v for k, v in job[which]["run"]["config"]["update"].items() if k != "_wandb"}
