@@ -57,38 +57,49 @@ RUNS = [(2, 4, "cpu-2x4")] + (
     else [])
 
 
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory):
+    """2 processes x 4 devices (cpu-2x4), ten steps, a checkpoint every 4:
+    the first of RUNS, and the checkpoint the restore test resumes."""
+    tmp = tmp_path_factory.mktemp("two")
+    out, ckpt = tmp / "m.jsonl", tmp / "ckpt"
+    p = launch(2, 4, "--steps", "10", "--mesh", "cpu-2x4", *SMALL, "--metrics-out", str(out),
+               "--checkpoint-dir", str(ckpt), "--checkpoint-every", "4")
+    assert p.returncode == 0, p.stdout[-4000:]
+    return {"stdout": p.stdout, "losses": losses(out), "checkpoints": ckpt}
+
+
 @pytest.mark.parametrize("n,k,mesh", RUNS, ids=[f"{n}x{k}-{m}" for n, k, m in RUNS])
-def test_processes_give_the_losses_of_one_process(reference, tmp_path, n, k, mesh):
-    out = tmp_path / "m.jsonl"
-    p = launch(n, k, "--steps", "10", "--mesh", mesh, *SMALL, "--metrics-out", str(out))
-    assert p.returncode == 0, p.stdout[-4000:]
-    assert f"[{n - 1}] " in p.stdout  # every process's lines, prefixed
+def test_processes_give_the_losses_of_one_process(reference, two_processes, tmp_path, n, k, mesh):
+    if (n, k, mesh) == RUNS[0]:
+        stdout, run_losses = two_processes["stdout"], two_processes["losses"]
+    else:
+        out = tmp_path / "m.jsonl"
+        p = launch(n, k, "--steps", "10", "--mesh", mesh, *SMALL, "--metrics-out", str(out))
+        assert p.returncode == 0, p.stdout[-4000:]
+        stdout, run_losses = p.stdout, losses(out)
+    assert f"[{n - 1}] " in stdout  # every process's lines, prefixed
     if mesh.startswith("cpu-"):
-        assert "data: across processes" in p.stdout and "fsdp: inside each process" in p.stdout
-    np.testing.assert_allclose(losses(out), reference, rtol=1e-5)
+        assert "data: across processes" in stdout and "fsdp: inside each process" in stdout
+    np.testing.assert_allclose(run_losses, reference, rtol=1e-5)
 
 
-def test_checkpoint_of_two_processes_restores_in_one_and_in_four(tmp_path):
-    """Saved by 2 processes, resumed by 4 (and, under ZERO_JAX_FULL_GRID=1,
-    by 1, with the same losses). A restore verifies every array against the
-    checksum saved with it (layout-independent, of the exact bits), so a
-    restore that succeeds is bit-exact."""
-    saved = tmp_path / "saved"
-    p = launch(2, 4, "--steps", "4", "--mesh", "cpu-2x4", *SMALL, "--checkpoint-dir", str(saved))
-    assert p.returncode == 0, p.stdout[-4000:]
-    assert sorted(os.listdir(saved)) == ["4"]
-    after = {}
+def test_checkpoint_of_two_processes_restores_in_one_and_in_four(two_processes, tmp_path):
+    """Saved by 2 processes at step 4, resumed by 4 (and, under
+    ZERO_JAX_FULL_GRID=1, by 1): steps 5 and 6 as the 2 processes trained
+    them. A restore verifies every array against the checksum saved with it
+    (layout-independent, of the exact bits), so a restore that succeeds is
+    bit-exact."""
+    saved = two_processes["checkpoints"] / "4"
+    assert saved.is_dir(), sorted(os.listdir(two_processes["checkpoints"]))
     for n, k in ((1, 8), (4, 2)) if os.environ.get("ZERO_JAX_FULL_GRID") else ((4, 2),):
         directory, out = tmp_path / f"resumed-by-{n}", tmp_path / f"{n}.jsonl"
-        shutil.copytree(saved, directory)
+        shutil.copytree(saved, directory / "4")
         p = launch(n, k, "--steps", "6", "--mesh", "fsdp=8", *SMALL, "--checkpoint-dir",
                    str(directory), "--resume", "--metrics-out", str(out))
         assert p.returncode == 0, p.stdout[-4000:]
         assert re.search(r"\(step 4; \d+ arrays equal to the saved ones by checksum\)", p.stdout)
-        after[n] = losses(out)
-    assert len(after[4]) == 2
-    if 1 in after:
-        np.testing.assert_allclose(after[4], after[1], rtol=1e-5)
+        np.testing.assert_allclose(losses(out), two_processes["losses"][4:6], rtol=1e-5)
 
 
 def _children(launcher_pid):
