@@ -56,12 +56,17 @@ MODEL_CATEGORIES = [
 ]
 
 
-def category(opcode: str, op_name: str) -> str:
-    """An op's category: collectives by opcode; the optimizer update and step
-    bookkeeping are the ops outside the model's forward and backward (no jvp
-    in their op_name); the model's ops by MODEL_CATEGORIES, forward or backward."""
+def category(opcode: str, op_name: str, zero_fill: bool = False) -> str:
+    """An op's category: collectives by opcode; the zero-fills of the scan's
+    stacked buffers (`zero_fill`, op_table) with the scan's slicing and
+    stacking, whatever metadata XLA left on them; the optimizer update and
+    step bookkeeping are the ops outside the model's forward and backward
+    (no jvp in their op_name); the model's ops by MODEL_CATEGORIES, forward
+    or backward."""
     if opcode.removesuffix("-start").removesuffix("-done") in COLLECTIVES:
         return "collectives"
+    if zero_fill:
+        return "scan slicing/stacking"
     if "jvp(" not in op_name:
         return "optimizer, gradient norm, step" if op_name else "other"
     phase = "backward" if "transpose(jvp(" in op_name else "forward"
@@ -81,14 +86,26 @@ def parse(argv):
     return flags.from_args(args, args.config), args
 
 
-def op_table(hlo_text: str) -> dict[str, tuple[str, str]]:
-    """HLO op name -> (opcode, JAX op_name) from the compiled module's text."""
-    table = {}
-    for m in re.finditer(r"^\s*(?:ROOT )?%?([\w.\-]+) = [^\n]*?\b([a-z][\w\-]*)\(([^\n]*)$",
+def op_table(hlo_text: str, layers: int) -> dict[str, tuple[str, str, bool]]:
+    """HLO op name -> (opcode, JAX op_name, zero_fill) from the compiled
+    module's text. zero_fill: a broadcast of a constant (or XLA's copy of
+    one) shaped [layers, ...]: a buffer the scan stacks into, which JAX
+    allocates as zeros on every backend. XLA merges equal broadcasts and
+    copies the result for each buffer, so their metadata name the optimizer
+    or nothing."""
+    table, fills = {}, set()
+    for m in re.finditer(r"^\s*(?:ROOT )?%?([\w.\-]+) = ([^\n]*?)\b([a-z][\w\-]*)\(([^\n]*)$",
                          hlo_text, re.M):
-        name, opcode, rest = m.groups()
+        name, shape, opcode, rest = m.groups()
         op_name = re.search(r'op_name="([^"]*)"', rest)
-        table[name] = (opcode, op_name.group(1) if op_name else "")
+        dims = re.match(r"\w+\[(\d+),\d", shape)  # an array shaped [layers, ...]
+        operands = re.findall(r"%([\w.\-]+)", rest.split(")", 1)[0])
+        filled = (opcode == "broadcast" or name.startswith("wrapped_broadcast")) and all(
+            o.startswith("constant") for o in operands)
+        if dims and int(dims.group(1)) == layers and (
+                filled or (opcode == "copy" and operands and operands[0] in fills)):
+            fills.add(name)
+        table[name] = (opcode, op_name.group(1) if op_name else "", name in fills)
     return table
 
 
@@ -116,7 +133,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     compiled = job.compile_train_step()
-    table = op_table(compiled.as_text())
+    table = op_table(compiled.as_text(), job.model.layers)
     t = cfg.train
     state = job.init_state()
 
@@ -139,15 +156,15 @@ def main(argv=None) -> int:
         total, count = op_times(Path(tmp), "jit_train_step")
     by_category = collections.Counter()
     for op, us in total.items():
-        by_category[category(*table.get(op, ("", "")))] += us
+        by_category[category(*table.get(op, ("", "", False)))] += us
     tokens = t.batch_size * cfg.data.seq_len
     report = {
         "step_wall_ms": wall * 1e3, "tokens_per_s": tokens / wall,
         "device_thread_ms_per_step": sum(total.values()) / n / 1e3,
         "categories": {c: us / n / 1e3 for c, us in by_category.most_common()},
         "top_ops": [{"op": op, "ms_per_step": us / n / 1e3, "calls_per_step": count[op] / n,
-                     "category": category(*table.get(op, ("", ""))),
-                     "jax_op": table.get(op, ("", ""))[1]}
+                     "category": category(*table.get(op, ("", "", False))),
+                     "jax_op": table.get(op, ("", "", False))[1]}
                     for op, us in total.most_common(args.top)],
     }
     if args.json:
