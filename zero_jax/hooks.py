@@ -106,7 +106,7 @@ class Hooks:
     partial_grads: bool = False  # leave gradients unreduced in the compute layout (per_shard)
     rows: RowSplit | None = None  # tables are row blocks over a manual axis (lookup, vocab_ids)
     host_params: bool = False  # stored parameters are in host memory, fetched at each use
-    attention: str = "xla"  # jax.nn.dot_product_attention's implementation: xla | cudnn
+    attention: str = "xla"  # layers.attention: xla (written out) | cudnn (fused)
     scan_layers: bool = True  # False: the layer stack is unrolled (one copy of each layer in the program)
     context: Context | None = None  # the sequence split over `context`: strategy and order
 

@@ -57,7 +57,8 @@ def interconnect(shape, processes: np.ndarray | None = None) -> str:
 def _attention_line(job: Job) -> str:
     """The attention implementation, and how it crosses `context`."""
     ctx = job.hooks.context
-    inner = f"jax.nn.dot_product_attention, {job.hooks.attention} implementation"
+    inner = ("cudnn: jax.nn.dot_product_attention's fused kernel" if job.hooks.attention == "cudnn"
+             else "xla: scores and softmax written out in float32 (models/layers.py)")
     if ctx is None:
         return inner
     if ctx.strategy == "ulysses":
