@@ -25,6 +25,8 @@ import sys
 
 import jax
 
+from zero_jax.runtime import host_allocator
+
 # Set by scripts/launch.py in each process it starts: that process's device count.
 ENV_LAUNCHED = "ZERO_JAX_DEVICES_PER_PROCESS"
 _XLA_COUNT = "--xla_force_host_platform_device_count="
@@ -77,7 +79,12 @@ def wanted(n: int | None, default: int | None = None, environ=os.environ) -> int
 def simulate(n: int | None, default: int | None = None) -> int | None:
     """Simulate `n` CPU devices (the --devices flag; None when not given), or
     `default` when neither the launcher nor XLA_FLAGS sets a count. Call it
-    before anything asks JAX for devices. Returns the count set, or None."""
+    before anything asks JAX for devices. Returns the count set, or None.
+
+    Every entry point calls this before JAX's backend starts, which is also
+    the only moment the host allocator can be set to reuse a step's freed
+    memory (host_allocator.py), so it is done here, device count or not."""
+    host_allocator.keep_freed_memory()
     launched = os.environ.get(ENV_LAUNCHED)
     if launched and n is not None and n != int(launched):
         print(f"note: --devices {n} ignored: scripts/launch.py gives this process "
