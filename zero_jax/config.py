@@ -94,6 +94,7 @@ class ParallelConfig:
     virtual_stages: int = 0  # chunks per device for interleaved (0: 2 for interleaved, else 1)
     pipeline_gather_once: bool = False  # ZeRO-3: gather a stage's weights once per step, not per microbatch
     pipeline_tables: PipelineTables = "rows"  # rows: each stage uses its row block of the embedding and head (where pipe divides them); whole: gathered, gradients summed whole
+    overlap_collectives: bool = True  # XLA:GPU: each layer's ZeRO gather issued an iteration early and its gradient reduction finished an iteration late, beside the layer scan's compute (overlap.py); other backends ignore it
     grad_reduce: GradReduce = "auto"  # step | microbatch: when accumulated gradients are reduced; auto: microbatch at stage 3
     context_attention: ContextAttention = "auto"  # all-gather | ring | ulysses: attention across a context axis; auto: ulysses where the heads split over it under cuDNN attention, else ring
 

@@ -75,7 +75,7 @@ class Job:
         return step.jit_train_step(self.layout, self.model, self.hooks, self.tx, self.lr,
                                    self.run.train.microbatches, self.scale_cfg, self.schedule,
                                    self.run.parallel.pipeline_gather_once, self.reduce_once,
-                                   self.tables_in_rows)
+                                   self.tables_in_rows, self.run.parallel.overlap_collectives)
 
     def jit_loss_and_grads(self):
         """The step's loss and gradients alone, `(params, batch) -> (loss, grads)`:
@@ -101,7 +101,7 @@ class Job:
 
     def compile_eval_step(self):
         fn = step.jit_eval_step(self.layout, self.model, self.hooks, self.schedule,
-                                self.tables_in_rows)
+                                self.tables_in_rows, self.run.parallel.overlap_collectives)
         return fn.lower(self.layout.abstract.params, self.abstract_batch).compile()
 
     @property

@@ -22,6 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from zero_jax import loss_scale as loss_scale_lib
 from zero_jax import master as master_lib
 from zero_jax import offload as offload_lib
+from zero_jax import overlap as overlap_lib
 from zero_jax.pipeline import executor as pipeline_lib
 from zero_jax.sharding import zero as zero_lib
 from zero_jax.sharding.specs import map_specs, without_axis
@@ -312,8 +313,11 @@ def make_loss_and_grads(layout: Layout, model: ModelFns, hooks: Hooks, microbatc
 def jit_train_step(layout: Layout, model: ModelFns, hooks: Hooks, tx: optax.GradientTransformation,
                    lr: optax.Schedule, microbatches: int,
                    scale_cfg: loss_scale_lib.LossScaleConfig, sched: Schedule | None = None,
-                   gather_once: bool = False, reduce_once: bool = True, row_blocks: bool = True):
-    """`train_step` bound to a layout, jitted with its shardings, state donated."""
+                   gather_once: bool = False, reduce_once: bool = True, row_blocks: bool = True,
+                   overlap: bool = True):
+    """`train_step` bound to a layout, jitted with its shardings, state donated;
+    with `overlap`, XLA:GPU told to overlap the per-layer collectives with
+    the layer scan's compute (overlap.py)."""
     loss_and_grads = make_loss_and_grads(layout, model, hooks, microbatches, sched, gather_once,
                                          reduce_once, row_blocks)
     # The new parameters go where they are stored: to the device, or left in
@@ -327,11 +331,19 @@ def jit_train_step(layout: Layout, model: ModelFns, hooks: Hooks, tx: optax.Grad
     replicated = NamedSharding(layout.mesh, PartitionSpec())
     return jax.jit(step, in_shardings=(layout.shardings, layout.batch_sharding),
                    out_shardings=(layout.shardings, replicated), donate_argnums=0,
-                   compiler_options=offload_lib.compiler_options(layout.host_params))
+                   compiler_options=compiler_options(layout, overlap))
+
+
+def compiler_options(layout: Layout, overlap: bool) -> dict[str, bool] | None:
+    """The XLA options a step of `layout` compiles with: offload's prefetch,
+    and with `overlap` the collective pipelining of overlap.py."""
+    options = {**(offload_lib.compiler_options(layout.host_params) or {}),
+               **(overlap_lib.compiler_options(layout.zero_stage) if overlap else {})}
+    return options or None
 
 
 def jit_eval_step(layout: Layout, model: ModelFns, hooks: Hooks, sched: Schedule | None = None,
-                  row_blocks: bool = True):
+                  row_blocks: bool = True, overlap: bool = True):
     """The mean loss over a batch's targets, with the parameters where they
     are stored: under a pipeline, through `sched`'s forwards (each stage
     runs the layers it stores; only activations cross `pipe`)."""
@@ -355,4 +367,4 @@ def jit_eval_step(layout: Layout, model: ModelFns, hooks: Hooks, sched: Schedule
 
     return jax.jit(eval_step, in_shardings=(layout.shardings.params, layout.batch_sharding),
                    out_shardings=NamedSharding(layout.mesh, PartitionSpec()),
-                   compiler_options=offload_lib.compiler_options(layout.host_params))
+                   compiler_options=compiler_options(layout, overlap))
