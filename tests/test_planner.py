@@ -3,6 +3,7 @@ arrays, the analytic step estimate against compiled programs, the CLI."""
 
 import dataclasses
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -65,12 +66,12 @@ def test_model_state_bytes_are_exact_and_the_estimate_is_near_the_compiled(choic
     assert est.memory.device_bytes == pytest.approx(m["argument_bytes"] + m["temp_bytes"], rel=0.25)
 
 
-def test_plan_ranks_layouts_and_writes_a_config_train_accepts(tmp_path):
+def test_plan_ranks_layouts_and_writes_configs_that_train_elsewhere(tmp_path):
     out = subprocess.run(
         [sys.executable, "scripts/plan.py", "--model", "gpt-tiny", "--vocab-size", "256",
          "--cluster", "a100-80gb", "--nodes", "1", "--gpus-per-node", "8", "--global-batch",
          "16", "--seq-len", "32", "--stages", "1,3", "--remat", "full", "--micro", "2",
-         "--compile", "0", "--top", "5", "--json", "--write-config", str(tmp_path)],
+         "--compile", "0", "--top", "5", "--json", "--write-config", str(tmp_path / "plan")],
         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     plan = json.loads(out.stdout)
@@ -80,9 +81,21 @@ def test_plan_ranks_layouts_and_writes_a_config_train_accepts(tmp_path):
     for r in top:  # both figures a paper may quote; Megatron's counts the recomputation too
         assert 0 < r["model_tflops_per_device"] < r["hardware_tflops_per_device"]
         assert r["reserve_bytes"] == 0.10 * A100.device.hbm_bytes
-    run = config_lib.build(str(tmp_path / "run.toml"), {})
-    assert run.parallel.mesh.endswith("mesh.toml") and run.model.name == "gpt-tiny"
-    job_lib.mesh_config(run).resolve(8)  # the written mesh covers the cluster
+    # Carried elsewhere, the pair still runs: the mesh is named beside the
+    # run, and the data is the user's to name (refused until it is).
+    carried = tmp_path / "carried"
+    carried.mkdir()
+    for name in ("mesh.toml", "run.toml"):
+        (carried / name).write_bytes((tmp_path / "plan" / name).read_bytes())
+    shutil.rmtree(tmp_path / "plan")
+    train = [sys.executable, str(ROOT / "scripts/train.py"), "--config", str(carried / "run.toml"),
+             "--devices", "8", "--no-progress"]
+    unset = subprocess.run(train, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert unset.returncode == 2 and "[data] source is still the plan's placeholder" in unset.stderr
+    ran = subprocess.run(train + ["--data", "stdlib", "--steps", "2", "--eval-batches", "1"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    assert "done: step 2" in ran.stdout
 
 
 def test_offload_layouts_move_states_to_the_host_within_its_memory():

@@ -15,6 +15,7 @@ import math
 import tomllib
 import types
 import typing
+from pathlib import Path
 from typing import Any, Literal
 
 from zero_jax import paths
@@ -39,6 +40,11 @@ WandbMode = Literal["online", "offline"]  # wandb.init(mode=...); offline: `wand
 
 class ConfigError(ValueError):
     """A run config that cannot run; raised before anything is compiled."""
+
+
+# The [data] source of a config the planner wrote (planner/configs.py): the
+# plan knows the sequence length, not where the user's tokens are.
+DATA_PLACEHOLDER = "SET ME: a directory scripts/prepare_data.py wrote"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -320,11 +326,28 @@ def build(file: str | None = None, overrides: dict[str, Any] | None = None) -> R
                               f"known: {sorted(SECTIONS)}")
         for section, values in raw.items():
             tables[section].update(values)
+        _mesh_beside(file, tables["parallel"])
     for key, value in (overrides or {}).items():
         if value is not None:
             section, field = key.split(".")
             tables[section][field] = value
-    return RunConfig(**{s: _section(s, cls, tables[s]) for s, cls in SECTIONS.items()})
+    run = RunConfig(**{s: _section(s, cls, tables[s]) for s, cls in SECTIONS.items()})
+    if run.data.source == DATA_PLACEHOLDER:
+        raise ConfigError(f"{file}: [data] source is still the plan's placeholder; set it to a "
+                          "directory scripts/prepare_data.py wrote (or give --data DIR; "
+                          "--data stdlib for the byte-level demo corpus)")
+    return run
+
+
+def _mesh_beside(file: str, parallel: dict[str, Any]) -> None:
+    """A mesh file a config names by a relative path is found beside the
+    config first: a config and its mesh, copied together, run from any
+    working directory."""
+    mesh = parallel.get("mesh")
+    if isinstance(mesh, str) and "=" not in mesh and not Path(mesh).is_absolute():
+        beside = Path(file).parent / mesh
+        if beside.is_file():
+            parallel["mesh"] = str(beside)
 
 
 def validate(run: RunConfig, mesh: MeshShape) -> None:

@@ -283,7 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     ranked = search.rank(estimates, results, problem.cluster)
     report(args, problem, ranked, model_line, len(layouts), len(search.fitting(estimates)))
     if args.write_config and ranked and ranked[0].fits:
-        configs.write(Path(args.write_config), ranked[0].choice, problem.base, problem.cluster)
-        print(f"wrote {args.write_config}/mesh.toml and run.toml: "
-              f"zero-jax train --config {args.write_config}/run.toml", file=sys.stderr)
+        mesh, run = configs.write(Path(args.write_config), ranked[0].choice, problem.base,
+                                  problem.cluster)
+        print(f"wrote {mesh} and {run} (copy both; set [data] source in {run.name}): "
+              f"zero-jax train --config {run}", file=sys.stderr)
     return 0

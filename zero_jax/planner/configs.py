@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from zero_jax.config import DATA_PLACEHOLDER
 from zero_jax.planner.choices import Choice, Cluster
 
 
@@ -34,11 +35,15 @@ def run_toml(flat: dict[str, Any]) -> str:
 
 
 def write(directory: Path, choice: Choice, base: dict[str, Any],
-          cluster: Cluster) -> None:
-    """DIR/mesh.toml and DIR/run.toml of `choice` on top of `base`; the run
-    names the mesh file by its absolute path, so it runs from anywhere."""
+          cluster: Cluster) -> tuple[Path, Path]:
+    """DIR/mesh.toml and DIR/run.toml of `choice` on top of `base`. The run
+    names its mesh by a path relative to itself (found beside the config,
+    config.build) and its data by a placeholder train.py refuses until it is
+    set: the pair runs from wherever it is copied to."""
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / "mesh.toml").write_text(mesh_toml(choice, cluster))
-    flat = choice.flat(base)
-    flat["parallel.mesh"] = str((directory / "mesh.toml").absolute())
-    (directory / "run.toml").write_text(run_toml(flat))
+    mesh, run = directory / "mesh.toml", directory / "run.toml"
+    mesh.write_text(mesh_toml(choice, cluster))
+    flat = {**choice.flat(base), "parallel.mesh": mesh.name, "data.source": DATA_PLACEHOLDER}
+    run.write_text(f"# {choice.label} on {cluster.size} x {cluster.device.name}: set [data] "
+                   f"source, then zero-jax train --config {run.name}\n" + run_toml(flat))
+    return mesh, run
