@@ -170,6 +170,8 @@ def test_master_weights_are_what_is_saved_and_resumed(corpus, saved_master, tmp_
     if changed:
         assert "compute bfloat16" in changed[0] and "compute float32" in changed[0]
     params = run.load_params(str(tmp_path), resumed)  # --init-from takes the master weights too
+    # and the run names the step it loads
+    assert run._init_from_label(str(tmp_path)) == f"{tmp_path / '3'} (step 3, the newest complete)"
     jax.tree.map(np.testing.assert_array_equal, host(params), saved.params)
 
 

@@ -87,6 +87,14 @@ def data_meta(job: Job, step: int, corpus: data_lib.TokenData | None) -> dict[st
                 "tokenizer": corpus.meta.get("tokenizer", {})} if corpus else {})}
 
 
+def _init_from_label(source: str) -> str:
+    """--init-from as the run says it: a checkpoint directory with the step
+    load_params reads (its newest complete one), else the path."""
+    path = Path(source)
+    steps = ckpt_lib.complete_steps(path) if path.is_dir() else []
+    return f"{path / str(steps[-1])} (step {steps[-1]}, the newest complete)" if steps else source
+
+
 def load_params(source: str, job: Job, loaders: list[ParamLoader] = ()) -> Any:
     """Parameters from a checkpoint directory, a consolidated .safetensors file, or
     a format one of `loaders` recognises (a loader returns the parameters
@@ -144,9 +152,9 @@ def initial_state(job: Job, checkpointer: ckpt_lib.Checkpointer | None,
             if corpus is not None:
                 _log_data_change(meta.get("data", {}), data_meta(job, step, corpus), log)
             return state, step
-        log(f"--resume: no complete checkpoint in {checkpointer.directory}; starting fresh")
+        log(f"--resume: no complete checkpoint in {checkpointer.directory}; starting at step 0")
     if c.init_from:
-        log(f"parameters from {c.init_from}; new optimizer state, step 0")
+        log(f"parameters from {_init_from_label(c.init_from)}; new optimizer state, step 0")
         try:
             params = load_params(c.init_from, job, loaders)
         except (ValueError, FileNotFoundError) as e:

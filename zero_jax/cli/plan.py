@@ -54,15 +54,17 @@ from zero_jax.planner import devices as hardware
 
 
 def parse(argv):
+    kinds = ", ".join(sorted(f.stem for f in hardware.DIRECTORY.glob("*.toml")))
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True)
+    p.add_argument("--model", required=True,
+                   help="a preset in models/ (gpt-tiny ... bloom-176b, llama-3-8b ...) or hf:DIR")
     p.add_argument("--vocab-size", type=int, default=50257, help="for presets without one")
-    p.add_argument("--cluster", required=True, help="a device kind in meshes/devices/")
-    p.add_argument("--nodes", type=int, required=True)
+    p.add_argument("--cluster", required=True, help=f"the device kind, a file of meshes/devices/: {kinds}")
+    p.add_argument("--nodes", type=int, required=True, help="nodes in the cluster")
     p.add_argument("--gpus-per-node", type=int, default=0, help="default: the device kind's")
     p.add_argument("--global-batch", type=int, required=True, help="sequences per step")
-    p.add_argument("--seq-len", type=int, required=True)
-    p.add_argument("--precision", default="bf16")
+    p.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
+    p.add_argument("--precision", default="bf16", help="fp32, bf16 or fp16 (default: %(default)s)")
     p.add_argument("--stages", default="0,1,2,3", help="ZeRO stages to consider")
     p.add_argument("--remat", default="full,none", help="activation policies to consider")
     p.add_argument("--micro", default="1,2,4,8", help="microbatch sizes to consider")
@@ -71,7 +73,7 @@ def parse(argv):
     p.add_argument("--tables", default="rows,whole",
                    help="how pipelines use the embedding and head to consider "
                         "(--pipeline-tables): rows, whole")
-    p.add_argument("--top", type=int, default=10)
+    p.add_argument("--top", type=int, default=10, help="layouts shown (default: %(default)s)")
     p.add_argument("--reserve-gb", type=float, default=None,
                    help="memory per device kept free beyond the estimate (default: the larger "
                         "of 10%% of the device's and 4 GB)")
@@ -79,10 +81,14 @@ def parse(argv):
     p.add_argument("--include", action="append", default=[],
                    help="a layout to show and compile whatever its rank: its whole label "
                         "names it alone, a prefix every layout it begins")
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--cache-dir", default=os.path.expanduser("~/.cache/zero_jax/plan"))
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--write-config", metavar="DIR")
+    p.add_argument("--workers", type=int, default=2,
+                   help="compile worker processes, each simulating the cluster's devices "
+                        "(default: %(default)s)")
+    p.add_argument("--cache-dir", default=os.path.expanduser("~/.cache/zero_jax/plan"),
+                   help="compiled layouts' figures, by config hash (default: %(default)s)")
+    p.add_argument("--json", action="store_true", help="print the ranking as JSON")
+    p.add_argument("--write-config", metavar="DIR",
+                   help="write the top layout as DIR/mesh.toml and DIR/run.toml for train --config")
     return p.parse_args(argv)
 
 
