@@ -28,10 +28,15 @@ from zero_jax.data import corpus as data_lib
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="gpt-small")
-    parser.add_argument("--mesh", default="fsdp=8")
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--model", default="gpt-small",
+                        help="model preset in models/ (default: %(default)s)")
+    parser.add_argument("--mesh", default="fsdp=8",
+                        help="a meshes/ name, a TOML path, or inline like data=2,fsdp=4 "
+                             "(default: %(default)s)")
+    parser.add_argument("--seq-len", type=int, default=128,
+                        help="tokens per row (default: %(default)s)")
+    parser.add_argument("--batch-size", type=int, default=8,
+                        help="global batch, in rows (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=6, help="timed steps per phase")
     cpu.add_devices_flag(parser)
     args = cpu.parse_args(parser, argv)

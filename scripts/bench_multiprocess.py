@@ -30,9 +30,13 @@ def median_step(metrics: Path, skip: int) -> float:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("-n", "--num-processes", type=int, default=2)
-    parser.add_argument("--devices-per-process", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("-n", "--num-processes", type=int, default=2,
+                        help="processes of the multi-process run (default: %(default)s)")
+    parser.add_argument("--devices-per-process", type=int, default=4,
+                        help="simulated CPU devices per process; the one-process run has -n "
+                             "times as many (default: %(default)s)")
+    parser.add_argument("--steps", type=int, default=20,
+                        help="train steps per run (default: %(default)s)")
     parser.add_argument("--skip", type=int, default=3, help="first steps left out (warm-up)")
     parser.add_argument("train_args", nargs=argparse.REMAINDER,
                         help="-- more scripts/train.py flags (default: the main job's)")

@@ -107,12 +107,19 @@ def pinned(args, argv: list[str]) -> int:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="gpt-tiny")
+    parser.add_argument("--model", default="gpt-tiny",
+                        help="model preset in models/ (default: %(default)s)")
     parser.add_argument("--mesh", default="pipe=2,fsdp=4", help="with a pipe axis, on one host")
-    parser.add_argument("--zero-stage", type=int, default=3)
-    parser.add_argument("--microbatches", type=int, default=8)
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--zero-stage", type=int, default=3,
+                        help="0 DDP, 1 optimizer state, 2 + gradients, 3 + parameters "
+                             "(default: %(default)s)")
+    parser.add_argument("--microbatches", type=int, default=8,
+                        help="microbatches per step (the non-pipelined step accumulates as many) "
+                             "(default: %(default)s)")
+    parser.add_argument("--seq-len", type=int, default=128,
+                        help="tokens per row (default: %(default)s)")
+    parser.add_argument("--batch-size", type=int, default=64,
+                        help="global batch, in rows (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per variant")
     parser.add_argument("--schedules", default=",".join(SCHEDULES),
                         help=f"comma-separated, from {', '.join(SCHEDULES)}")
@@ -120,7 +127,7 @@ def main(argv=None) -> int:
     parser.add_argument("--n-layer", type=int, default=0, help="layers (0: the preset's)")
     parser.add_argument("--pinned", action="store_true",
                         help="pipe=2 as 2 processes of 1 device, each pinned to its own core")
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     cpu.add_devices_flag(parser)
     args = parser.parse_args(argv)
     if args.pinned:

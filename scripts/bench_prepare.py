@@ -120,9 +120,12 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--mb", type=float, default=100.0,
                    help="megabytes of input: of text, or of Parquet files on disk")
-    p.add_argument("--input-format", choices=("text", "parquet"), default="text")
-    p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
-    p.add_argument("--vocab-size", type=int, default=8192)
+    p.add_argument("--input-format", choices=("text", "parquet"), default="text",
+                   help="the generated input: text files or Parquet files (default: %(default)s)")
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                   help="prepare_data.py worker processes (default: the CPU count)")
+    p.add_argument("--vocab-size", type=int, default=8192,
+                   help="vocabulary of the tokenizer --tokenizer bpe trains (default: %(default)s)")
     p.add_argument("--tokenizer", choices=("bpe", "bytes"), default="bpe",
                    help="a BPE tokenizer.json trained here, or the byte-level default")
     p.add_argument("--work-dir", required=True, help="scratch directory (removed first)")

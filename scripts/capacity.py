@@ -103,7 +103,7 @@ def main(argv=None) -> int:
     p.add_argument("--host-bytes", type=float, default=1e12, help="host memory for the one device")
     p.add_argument("--grad-dtype", default="float32",
                    help="gradient dtype (the bf16 policy's: float32; bfloat16 halves it)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     args = p.parse_args(argv)
     rows = []
     for kind in args.devices.split(","):

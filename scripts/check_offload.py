@@ -30,12 +30,20 @@ from zero_jax.analysis import memory
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="gpt-tiny")
-    parser.add_argument("--mesh", default="fsdp=8")
-    parser.add_argument("--zero-stage", type=int, default=3)
-    parser.add_argument("--precision", default="bf16")
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--model", default="gpt-tiny",
+                        help="model preset in models/ (default: %(default)s)")
+    parser.add_argument("--mesh", default="fsdp=8",
+                        help="a meshes/ name, a TOML path, or inline like data=2,fsdp=4 "
+                             "(default: %(default)s)")
+    parser.add_argument("--zero-stage", type=int, default=3,
+                        help="0 DDP, 1 optimizer state, 2 + gradients, 3 + parameters "
+                             "(default: %(default)s)")
+    parser.add_argument("--precision", default="bf16",
+                        help="precision policy: fp32 | bf16 | fp16 (default: %(default)s)")
+    parser.add_argument("--seq-len", type=int, default=128,
+                        help="tokens per row (default: %(default)s)")
+    parser.add_argument("--batch-size", type=int, default=16,
+                        help="global batch, in rows (default: %(default)s)")
     cpu.add_devices_flag(parser)
     args = cpu.parse_args(parser, argv)
     corpus = data_lib.load("stdlib")

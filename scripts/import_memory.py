@@ -5,7 +5,7 @@ tensor in it.
 
 Builds the job for the directory's own shape (`--model hf:DIR`), then
 imports its weights (models/hf.py: one tensor at a time into the sharded
-layout) and prints, as JSON, the peak resident memory the import added, the
+layout) and prints (as JSON under `--json`, in bytes) the peak resident memory the import added, the
 bytes of the parameters it placed, the difference, and the largest tensor.
 On a CPU the devices' memory is the process's, so the placed parameters are
 part of the peak; what the import itself holds is the difference. The
@@ -41,9 +41,11 @@ def largest_tensor_bytes(path: Path, itemsize: int = 4) -> int:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("dir")
+    parser.add_argument("dir", help="a Hugging Face model directory (config.json and safetensors)")
     parser.add_argument("--mesh", default="fsdp=-1", help="default: every device on fsdp")
-    parser.add_argument("--zero-stage", type=int, default=3)
+    parser.add_argument("--zero-stage", type=int, default=3,
+                        help="ZeRO stage of the layout imported into (default: %(default)s)")
+    parser.add_argument("--json", action="store_true", help="print the figures as JSON, in bytes")
     parser.add_argument("--param-dtype", choices=("float32", "bfloat16"), default="float32",
                         help="the dtype the parameters are placed in")
     cpu.add_devices_flag(parser)
@@ -60,11 +62,19 @@ def main(argv=None) -> int:
     host_arrays = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     placed = sum(x.nbytes for x in jax.tree.leaves(params))
-    print(json.dumps({"peak_added_bytes": peak, "param_bytes": placed,
-                      "peak_beyond_params_bytes": peak - placed,
-                      "host_arrays_peak_bytes": host_arrays,
-                      "largest_tensor_bytes": largest_tensor_bytes(
-                          Path(args.dir), np.dtype(args.param_dtype).itemsize)}))
+    largest = largest_tensor_bytes(Path(args.dir), np.dtype(args.param_dtype).itemsize)
+    if args.json:
+        print(json.dumps({"peak_added_bytes": peak, "param_bytes": placed,
+                          "peak_beyond_params_bytes": peak - placed,
+                          "host_arrays_peak_bytes": host_arrays,
+                          "largest_tensor_bytes": largest}))
+    else:
+        mib = 2**20
+        print(f"importing {args.dir} added {peak / mib:,.1f} MiB of peak resident memory: "
+              f"{placed / mib:,.1f} MiB of placed parameters and {(peak - placed) / mib:,.1f} MiB "
+              f"beyond them ({(peak - placed) / largest:.2f}x the largest tensor, "
+              f"{largest / mib:,.1f} MiB as {args.param_dtype}); numpy arrays on the host peaked "
+              f"at {host_arrays / mib:,.1f} MiB")
     return 0
 
 

@@ -42,10 +42,12 @@ def losses(corpus, flat: dict, steps: int, devices=None) -> np.ndarray:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--precision", default="bf16")
+    parser.add_argument("--precision", default="bf16",
+                        help="precision policy: fp32 | bf16 | fp16 (default: %(default)s)")
     parser.add_argument("--grad-dtype", default="", help="e.g. bfloat16 (default: the policy's)")
     parser.add_argument("--mesh", action="append", help=f"default: {', '.join(MESHES)}")
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=10,
+                        help="steps per run, their losses compared (default: %(default)s)")
     cpu.add_devices_flag(parser, default_help="XLA_FLAGS's, else 8")
     args = cpu.parse_args(parser, argv, default=8)
     corpus = data_lib.load("stdlib")

@@ -68,8 +68,10 @@ def check(choice: layouts.Choice, seq_len: int, cluster: layouts.Cluster) -> dic
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seq-len", type=int, action="append")
-    parser.add_argument("--layouts", type=int, default=len(LAYOUTS))
+    parser.add_argument("--seq-len", type=int, action="append",
+                        help="sequence length; repeat for several (default: 128 and 1024)")
+    parser.add_argument("--layouts", type=int, default=len(LAYOUTS),
+                        help="check the first N layouts of the list (default: all %(default)s)")
     cpu.add_devices_flag(parser, default_help="XLA_FLAGS's, else 8")
     args = cpu.parse_args(parser, argv, default=8)
     cluster = layouts.Cluster(hardware.load("a100-80gb"), 1, 8)

@@ -181,7 +181,8 @@ def test_import_holds_about_one_tensor_in_host_memory(tmp_path, dtype):
     shapes = jax.eval_shape(models.model_fns(cfg).init, jax.random.key(0))
     hf.save(tmp_path, cfg, lambda path, layer: rng.standard_normal(
         _leaf_shape(shapes, path)[0 if layer is None else 1:], np.float32), dtype=dtype)
-    out = subprocess.run([sys.executable, "scripts/import_memory.py", str(tmp_path)], cwd=ROOT,
+    out = subprocess.run([sys.executable, "scripts/import_memory.py", str(tmp_path), "--json"],
+                         cwd=ROOT,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)

@@ -65,11 +65,14 @@ def row(r: dict) -> str:
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--suite", choices=suites.SUITES, default="cpu")
+    parser.add_argument("--suite", choices=suites.SUITES, default="cpu",
+                        help="cpu: 8 simulated CPU devices; gpu-1: one GPU, bf16, ladders of "
+                             "models up to the largest that fits (default: %(default)s)")
     parser.add_argument("--cases", metavar="NAME,...", help="a subset, by name or shell pattern")
     parser.add_argument("--steps", type=int, help="timed steps per case (default: cpu 5, gpu-1 10)")
     parser.add_argument("--warmup", type=int, help="untimed steps first (default: cpu 1, gpu-1 2)")
-    parser.add_argument("--json-out", type=Path, default=Path("bench.json"), metavar="FILE")
+    parser.add_argument("--json-out", type=Path, default=Path("bench.json"), metavar="FILE",
+                        help="results as JSON, rewritten after each case (default: %(default)s)")
     parser.add_argument("--dry-run", action="store_true",
                         help="gpu-1 only: its ladders with tiny models, runnable on CPU")
     parser.add_argument("--memory-limit", type=int, metavar="BYTES",

@@ -41,7 +41,7 @@ DTYPES = ("bfloat16", "float32")  # what --dtype writes: Hugging Face's two for 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--checkpoint-dir", required=True)
+    parser.add_argument("--checkpoint-dir", required=True, help="the run's --checkpoint-dir")
     parser.add_argument("--step", type=int, help="default: the newest complete checkpoint")
     parser.add_argument("--out", help="consolidated .safetensors file to write")
     parser.add_argument("--hf-dir", help="directory for a Hugging Face export")

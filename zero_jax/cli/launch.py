@@ -92,7 +92,8 @@ def checked_command(args: argparse.Namespace) -> list[str]:
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("-n", "--num-processes", type=int, required=True)
+    parser.add_argument("-n", "--num-processes", type=int, required=True,
+                        help="processes to start on this machine (jax.distributed's process count)")
     parser.add_argument("--devices-per-process", type=int, default=1,
                         help="simulated CPU devices per process (wins over the program's --devices)")
     parser.add_argument("--port", type=int, default=0, help="coordinator port (0: a free one)")
