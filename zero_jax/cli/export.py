@@ -15,7 +15,12 @@ against the checksum saved with it. Import the files back with
 (GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM):
 config.json and the weights in files of at most `--max-shard-size` bytes
 (5 GB, as save_pretrained), with model.safetensors.index.json when there
-are several.
+are several. It also carries the run's tokenizer (tokenizer.json and the
+files beside it) from `--tokenizer`, else from the tokenizer the run's data
+was prepared with (refused if that file's SHA-256 has changed since), else
+from the directory the weights came from (`--model hf:DIR`, `--init-from`),
+and says which in one line; for byte-level data, a TOKENIZER.md saying the
+model reads UTF-8 bytes (checkpoint/tokenizer_files.py).
 
 `--dtype bfloat16|float32` is the dtype written; by default, the one the
 model was trained to hold (`default_dtype`): a float32-trained model is
@@ -34,6 +39,7 @@ import models
 from models import hf
 from zero_jax.checkpoint import export
 from zero_jax.checkpoint import manager as ckpt_lib
+from zero_jax.checkpoint import tokenizer_files
 from zero_jax.runtime import procmem
 
 DTYPES = ("bfloat16", "float32")  # what --dtype writes: Hugging Face's two for LMs
@@ -47,6 +53,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--hf-dir", help="directory for a Hugging Face export")
     parser.add_argument("--max-shard-size", type=float, default=hf.MAX_SHARD_BYTES,
                         help="bytes per safetensors file of the Hugging Face export")
+    parser.add_argument("--tokenizer",
+                        help="tokenizer files to copy into --hf-dir (a directory with "
+                             "tokenizer.json, or a tokenizer.json); default: those of the run's "
+                             "data, else of its --init-from directory")
     parser.add_argument("--dtype", choices=DTYPES,
                         help="dtype of the weights written; default: the one the model was "
                              "trained to hold (bfloat16 for a Hugging Face export of a bf16 run)")
@@ -90,9 +100,23 @@ def output_dtypes(args: argparse.Namespace, reader: export.ParamReader) -> dict[
             for what, given in (("out", args.out), ("hf", args.hf_dir)) if given}
 
 
+def tokenizer_for(args: argparse.Namespace, meta: dict) -> tokenizer_files.Export | None:
+    """What a Hugging Face export carries of the run's tokenizer, checked
+    against what --hf-dir already holds (None for no Hugging Face export)."""
+    if not args.hf_dir:
+        return None
+    init_from = meta.get("run", {}).get("checkpoint", {}).get("init_from", "")
+    dirs = models.weight_dirs(meta.get("model", {}).get("name", ""), init_from)
+    found = tokenizer_files.for_run(meta, dirs, args.tokenizer)
+    tokenizer_files.check_destination(found, Path(args.hf_dir))
+    return found
+
+
 def write(args: argparse.Namespace, reader: export.ParamReader, step: int,
-          directory: Path, dtype: dict[str, str]) -> list[Path]:
-    """Every file asked for, written in its dtype; on a failure, those written are removed."""
+          directory: Path, dtype: dict[str, str],
+          tokenizer: tokenizer_files.Export | None = None) -> list[Path]:
+    """Every file asked for, written in its dtype, the tokenizer's last; on a
+    failure, those written are removed. Returns the weights' files."""
     written = []
     try:
         if args.out:
@@ -103,6 +127,8 @@ def write(args: argparse.Namespace, reader: export.ParamReader, step: int,
             cfg = models.config_from(reader.meta["model"])
             written += hf.save(Path(args.hf_dir), cfg, reader.read, int(args.max_shard_size),
                                dtype["hf"])
+            if tokenizer:
+                tokenizer_files.write(tokenizer, Path(args.hf_dir))
     except (ckpt_lib.CorruptCheckpoint, OSError):  # OSError: no space, no permission
         for path in written + [Path(p) for p in (args.out,) if p]:
             path.unlink(missing_ok=True)
@@ -122,9 +148,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     directory = Path(args.checkpoint_dir)
     try:
-        check_outputs(args.out, args.hf_dir, args.max_shard_size)
+        check_outputs(args.out, args.hf_dir, args.max_shard_size, args.tokenizer)
         step = choose_step(directory, args.step)
         reader = export.ParamReader(directory / str(step))
+        tokenizer = tokenizer_for(args, reader.meta)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -134,10 +161,12 @@ def main(argv: list[str] | None = None) -> int:
     dtype = output_dtypes(args, reader)
     baseline = procmem.reset_peak()  # measure from here
     try:
-        written = write(args, reader, step, directory, dtype)
+        written = write(args, reader, step, directory, dtype, tokenizer)
     except (ckpt_lib.CorruptCheckpoint, OSError) as e:
         return failed(e)
     print(describe(written, step, directory))
+    if tokenizer:
+        print(tokenizer.line)
     for line in narrowings(reader.stored_dtypes(), dtype, asked=bool(args.dtype)):
         print(line)
     if args.report_memory:
@@ -147,11 +176,15 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def check_outputs(out: str | None, hf_dir: str | None, max_shard_size: float) -> None:
+def check_outputs(out: str | None, hf_dir: str | None, max_shard_size: float,
+                  tokenizer: str | None = None) -> None:
     """What the export would write, checked before anything is read."""
     if not (out or hf_dir):
         raise ValueError("nothing to write: give --out FILE (one .safetensors file) and/or "
                          "--hf-dir DIR (the Hugging Face layout)")
+    if tokenizer and not hf_dir:
+        raise ValueError(f"--tokenizer {tokenizer}: only a Hugging Face export carries a "
+                         "tokenizer; add --hf-dir DIR")
     if out and not Path(out).parent.is_dir():
         raise ValueError(f"--out {out}: the directory {Path(out).parent} does not exist; "
                          "create it first")

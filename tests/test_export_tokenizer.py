@@ -1,0 +1,192 @@
+"""The tokenizer a Hugging Face export carries (zero_jax/checkpoint/tokenizer_files.py):
+the files the run's data was prepared with, the same bytes, and the line
+saying so; a changed tokenizer refused; byte-level data's note; another
+file already in --hf-dir never replaced. tests/interop/test_tokenizer_export.py
+loads the export in transformers."""
+
+import hashlib
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.helpers import initial_state, make_job
+from zero_jax import run
+from zero_jax.checkpoint import manager as ckpt_lib
+from zero_jax.cli import export as export_cli
+from zero_jax.cli import prepare_data
+from zero_jax.data import corpus as data_lib
+
+ROOT = Path(__file__).resolve().parent.parent
+FAST = "PreTrainedTokenizerFast"
+
+
+def _script(name: str):
+    """scripts/<name>.py as a module: a tool of the tests, not of the package."""
+    path = ROOT / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"scripts_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def make_tokenizer(out: Path) -> Path:
+    """A small byte-level BPE tokenizer (tokenizer.json, tokenizer_config.json)."""
+    assert _script("make_tokenizer").main(["--out", str(out), "--vocab-size", "300",
+                                           "--sample-mb", "0.05"]) == 0
+    return out
+
+
+def prepared(tmp: Path, tokenizer: str = "bytes") -> Path:
+    """Four short documents prepared with `tokenizer`."""
+    (tmp / "texts").mkdir()
+    for i in range(4):
+        (tmp / "texts" / f"{i}.txt").write_text(f"def f{i}(x):\n    return x + {i}\n" * 20)
+    out = tmp / "data"
+    assert prepare_data.main(["--input", f"{tmp}/texts/*.txt", "--out", str(out), "--tokenizer",
+                              tokenizer, "--val-fraction", "0.5", "--workers", "1",
+                              "--no-progress"]) == 0
+    return out
+
+
+def checkpoint(tmp: Path, source: str, corpus=None, **overrides) -> Path:
+    """gpt-tiny's initial state, saved as a run on `source` saves it (data and tokenizer
+    recorded)."""
+    corpus = corpus or data_lib.load(source)
+    job = make_job(corpus, data=source, **overrides)
+    c = ckpt_lib.Checkpointer(ckpt_lib.CheckpointConfig(dir=str(tmp / "ckpt")), job.layout.names,
+                              writer=True)
+    c.save(0, initial_state(job), run.checkpoint_meta(job, 0, corpus))
+    c.wait()
+    return tmp / "ckpt"
+
+
+def export(ckpt: Path, hf: Path, *flags: str) -> int:
+    return export_cli.main(["--checkpoint-dir", str(ckpt), "--hf-dir", str(hf), *flags])
+
+
+def said(capsys) -> str:
+    """The one line the export printed about the tokenizer."""
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("tokenizer:")]
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def same_bytes(a: Path, b: Path) -> bool:
+    return a.read_bytes() == b.read_bytes()
+
+
+def sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def bpe_run(tmp_path_factory):
+    """(tokenizer directory, checkpoint) of a run on data prepared with a BPE tokenizer."""
+    tmp = tmp_path_factory.mktemp("bpe")
+    tok = make_tokenizer(tmp / "tok")
+    return tok, checkpoint(tmp, str(prepared(tmp, str(tok))))
+
+
+def test_hf_export_copies_the_tokenizer_the_data_was_prepared_with(bpe_run, tmp_path, capsys):
+    tok, ckpt = bpe_run
+    assert export(ckpt, tmp_path / "hf") == 0
+    assert said(capsys) == (f"tokenizer: copied tokenizer.json, tokenizer_config.json from {tok} "
+                    f"(SHA-256 {sha(tok / 'tokenizer.json')[:12]}..., the data's); gave "
+                    f"tokenizer_config.json tokenizer_class {FAST} (it had none)")
+    assert same_bytes(tmp_path / "hf" / "tokenizer.json", tok / "tokenizer.json")
+    config = json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())
+    assert config == {"tokenizer_class": FAST,
+                      **json.loads((tok / "tokenizer_config.json").read_text())}
+    assert export(ckpt, tmp_path / "hf") == 0  # the same files again: nothing of the user's lost
+
+
+def test_tokenizer_flag_copies_a_bare_tokenizer_json_with_a_config_made_for_it(
+        bpe_run, tmp_path, capsys):
+    tok, ckpt = bpe_run
+    (tmp_path / "bare").mkdir()
+    shutil.copy(tok / "tokenizer.json", tmp_path / "bare")
+    bare = tmp_path / "bare" / "tokenizer.json"
+    assert export(ckpt, tmp_path / "hf", "--tokenizer", str(bare)) == 0
+    assert said(capsys) == (
+        f"tokenizer: copied tokenizer.json from {tmp_path / 'bare'} (SHA-256 "
+        f"{sha(tok / 'tokenizer.json')[:12]}..., as --tokenizer asked); wrote "
+        f"tokenizer_config.json ({FAST}, eos_token <|endoftext|>)")
+    assert json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text()) == {
+        "tokenizer_class": FAST, "eos_token": "<|endoftext|>"}  # id 0, the data's eos_id
+
+
+def test_a_changed_tokenizer_is_refused_and_a_removed_one_said(tmp_path, capsys):
+    tok = make_tokenizer(tmp_path / "tok")
+    ckpt = checkpoint(tmp_path, str(prepared(tmp_path, str(tok))))
+    shutil.copytree(tok, tmp_path / "original")
+    was = sha(tok / "tokenizer.json")
+    with open(tok / "tokenizer.json", "a") as f:
+        f.write("\n")
+    assert export(ckpt, tmp_path / "hf") == 2
+    err = capsys.readouterr().err
+    assert was in err and sha(tok / "tokenizer.json") in err and "--tokenizer DIR" in err, err
+    assert not (tmp_path / "hf").exists()  # refused before anything is written
+    assert export(ckpt, tmp_path / "hf", "--tokenizer", str(tmp_path / "original")) == 0
+    assert sha(tmp_path / "hf" / "tokenizer.json") == was
+    said(capsys)
+    shutil.rmtree(tok)
+    assert export(ckpt, tmp_path / "hf2") == 0
+    assert said(capsys) == (
+        f"tokenizer: none exported (the data's tokenizer {tok / 'tokenizer.json'} is no longer "
+        "there); add one with --tokenizer DIR (a directory holding tokenizer.json, or the file)")
+    assert not (tmp_path / "hf2" / "tokenizer.json").exists()
+
+
+@pytest.mark.parametrize("data", ["prepared", "stdlib"])
+def test_byte_level_data_exports_a_note_that_the_model_reads_bytes(data, corpus, tmp_path, capsys):
+    ckpt = (checkpoint(tmp_path, str(prepared(tmp_path))) if data == "prepared"
+            else checkpoint(tmp_path, "stdlib", corpus))
+    assert export(ckpt, tmp_path / "hf") == 0
+    end = "end of document 256" if data == "prepared" else "no end-of-document id"
+    assert said(capsys) == (
+        f"tokenizer: none, the model reads UTF-8 bytes (ids 0-255, {end}); wrote TOKENIZER.md "
+        "saying so")
+    note = (tmp_path / "hf" / "TOKENIZER.md").read_text()
+    assert "This model reads UTF-8 bytes: the ids 0-255 are the bytes of the text" in note
+    assert ("256 is the end-of-document id" in note) == (data == "prepared"), note
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == [
+        "TOKENIZER.md", "config.json", "model.safetensors"]
+
+
+def test_without_a_data_tokenizer_the_init_from_directory_s_is_copied(bpe_run, tmp_path, capsys):
+    """A flat token file names no tokenizer: that of the Hugging Face
+    directory the run started from (--init-from) is taken."""
+    tok, ckpt = bpe_run
+    assert export(ckpt, tmp_path / "start") == 0
+    np.random.default_rng(0).integers(0, 300, 4096, dtype=np.uint16).tofile(tmp_path / "t.bin")
+    (tmp_path / "t.bin.json").write_text('{"vocab_size": 300}')
+    flat = checkpoint(tmp_path, str(tmp_path / "t.bin"), init_from=str(tmp_path / "start"))
+    said(capsys)
+    assert export(flat, tmp_path / "hf") == 0
+    assert said(capsys) == (
+        f"tokenizer: copied tokenizer.json, tokenizer_config.json from {tmp_path / 'start'} "
+        f"(SHA-256 {sha(tok / 'tokenizer.json')[:12]}..., of the weights' directory)")
+    assert same_bytes(tmp_path / "hf" / "tokenizer.json", tok / "tokenizer.json")
+
+
+def test_an_export_never_replaces_another_tokenizer_file(bpe_run, tmp_path, capsys):
+    _, ckpt = bpe_run
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "tokenizer.json").write_text("{}")
+    assert export(ckpt, tmp_path / "hf") == 2
+    assert capsys.readouterr().err == (
+        f"error: --hf-dir {tmp_path / 'hf'}: already holds a tokenizer.json other than the one "
+        "to write; remove it, or export into another directory\n")
+    assert [p.name for p in (tmp_path / "hf").iterdir()] == ["tokenizer.json"]
+    assert (tmp_path / "hf" / "tokenizer.json").read_text() == "{}"
+
+
+def test_tokenizer_without_hf_dir_is_refused(bpe_run, tmp_path, capsys):
+    tok, ckpt = bpe_run
+    assert export_cli.main(["--checkpoint-dir", str(ckpt), "--out", str(tmp_path / "m.safetensors"),
+                            "--tokenizer", str(tok)]) == 2
+    assert "--tokenizer" in capsys.readouterr().err and not (tmp_path / "m.safetensors").exists()
