@@ -23,20 +23,13 @@ import models
 from zero_jax.checkpoint import manager as ckpt_lib
 from zero_jax import config as config_lib, job as job_lib, run
 from zero_jax.runtime import cpu
+import bench_flags
 from zero_jax.data import corpus as data_lib
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="gpt-small",
-                        help="model preset in models/ (default: %(default)s)")
-    parser.add_argument("--mesh", default="fsdp=8",
-                        help="a meshes/ name, a TOML path, or inline like data=2,fsdp=4 "
-                             "(default: %(default)s)")
-    parser.add_argument("--seq-len", type=int, default=128,
-                        help="tokens per row (default: %(default)s)")
-    parser.add_argument("--batch-size", type=int, default=8,
-                        help="global batch, in rows (default: %(default)s)")
+    bench_flags.add(parser, model="gpt-small", mesh="fsdp=8", seq_len=128, batch_size=8)
     parser.add_argument("--steps", type=int, default=6, help="timed steps per phase")
     cpu.add_devices_flag(parser)
     args = cpu.parse_args(parser, argv)

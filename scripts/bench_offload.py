@@ -29,6 +29,7 @@ import jax
 import models
 from zero_jax import config as config_lib, job as job_lib
 from zero_jax.runtime import cpu
+import bench_flags
 from zero_jax.data import corpus as data_lib
 from zero_jax.analysis import memory
 from timing import interleaved_medians
@@ -36,20 +37,8 @@ from timing import interleaved_medians
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="gpt-tiny",
-                        help="model preset in models/ (default: %(default)s)")
-    parser.add_argument("--mesh", default="fsdp=8",
-                        help="a meshes/ name, a TOML path, or inline like data=2,fsdp=4 "
-                             "(default: %(default)s)")
-    parser.add_argument("--zero-stage", type=int, default=2,
-                        help="0 DDP, 1 optimizer state, 2 + gradients, 3 + parameters "
-                             "(default: %(default)s)")
-    parser.add_argument("--precision", default="bf16",
-                        help="precision policy: fp32 | bf16 | fp16 (default: %(default)s)")
-    parser.add_argument("--seq-len", type=int, default=128,
-                        help="tokens per row (default: %(default)s)")
-    parser.add_argument("--batch-size", type=int, default=32,
-                        help="global batch, in rows (default: %(default)s)")
+    bench_flags.add(parser, model="gpt-tiny", mesh="fsdp=8", zero_stage=2, precision="bf16",
+                    seq_len=128, batch_size=32)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per variant")
     parser.add_argument("--variants", default="none,opt",
                         help="none, opt (optimizer state), opt+params (ZeRO-3)")
