@@ -8,13 +8,15 @@
 divides the model and the cluster (zero_jax/planner/choices.py) is estimated
 from abstract shapes: model-state bytes exact from the shardings, a step's
 temporaries and its time analytic. Layouts that cannot fit are pruned; of
-the rest, the fastest `--compile` (and any `--include`d) are compiled on
+the rest, the top of the ranking (and any `--include`d) are compiled on
 simulated CPU devices in worker processes, each with the cluster's device
-count, cached by config hash (zero_jax/planner/search.py): the compiled
-memory is shown beside the estimate and the program's collective bytes
-replace the analytic traffic. XLA:CPU widens bf16 temporaries to float32, so
-compiled temporaries are an upper bound of a GPU's; fitting is decided on
-the estimate. XLA:CPU compiles at most 2048 devices in one process: larger
+count, cached by config hash (zero_jax/planner/search.py), re-ranking after
+each batch until the top `--top` that fit are compiled or `--compile`
+layouts have been: the compiled memory is shown beside the estimate, with
+which bounds which, and the program's collective bytes replace the analytic
+traffic. XLA:CPU widens bf16 temporaries to float32, so compiled
+temporaries are an upper bound of a GPU's; fitting is decided on the
+estimate. XLA:CPU compiles at most 2048 devices in one process: larger
 clusters are planned from the estimates alone.
 
 Time: the executed FLOPs at peak x the device's matmul efficiency (a
@@ -47,7 +49,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 import models
-from zero_jax import config as config_lib, precision, remat
+from zero_jax import config as config_lib, job as job_lib, precision, remat
 from zero_jax.planner import configs, cost, search
 from zero_jax.planner.choices import Cluster, choices, mesh_shapes
 from zero_jax.planner import devices as hardware
@@ -77,7 +79,10 @@ def parse(argv):
     p.add_argument("--reserve-gb", type=float, default=None,
                    help="memory per device kept free beyond the estimate (default: the larger "
                         "of 10%% of the device's and 4 GB)")
-    p.add_argument("--compile", type=int, default=4, help="compile the best N that fit (0: none)")
+    p.add_argument("--compile", type=int, default=8,
+                   help="compile at most N layouts, from the top of the ranking down, "
+                        "re-ranking after each batch, until the top --top that fit are "
+                        "compiled (0: none; default: %(default)s)")
     p.add_argument("--include", action="append", default=[],
                    help="a layout to show and compile whatever its rank: its whole label "
                         "names it alone, a prefix every layout it begins")
@@ -195,7 +200,21 @@ def announce(args, problem: search.Problem, model_line: str, layouts: int, offlo
               "(meshes/devices/)", file=sys.stderr)
 
 
-def row(e: cost.Estimate, cluster: Cluster, rank: int) -> dict:
+NARROW = {"bfloat16": "bf16", "float16": "f16"}  # XLA:CPU computes both in float32
+
+
+def cpu_wider(policy: str) -> str:
+    """How a layout compiled here holds more than on a GPU (cost.against_compiled):
+    its 16-bit floats computed in float32, and XLA's attention writing out the
+    scores where the GPU runs cuDNN's fused kernel; "" where neither."""
+    p = precision.resolve(policy, "gpu")
+    parts = [NARROW[d] for d in (p.compute, p.grads, p.params) if d in NARROW][:1]
+    if job_lib.attention_implementation("auto", "gpu", p.compute) == "cudnn":
+        parts.append("scores")
+    return ", ".join(parts)
+
+
+def row(e: cost.Estimate, cluster: Cluster, rank: int, wider: str = "") -> dict:
     """One ranked layout as a JSON row (--json; the table prints from it too)."""
     n, dev = cluster.size, cluster.device
     out = {"rank": rank, "layout": e.choice.label, "fits": e.fits,
@@ -211,16 +230,19 @@ def row(e: cost.Estimate, cluster: Cluster, rank: int) -> dict:
     if e.compiled:
         keys = ("error", "argument_bytes", "temp_bytes", "collective_bytes", "collectives")
         out["compiled"] = {k: e.compiled[k] for k in keys if k in e.compiled}
+        out["compiled_vs_estimate"] = (cost.against_compiled(e, wider) if "temp_bytes" in e.compiled
+                                       else "twin's collectives" if e.choice.offload else None)
     return out
 
 
 def table_line(r: dict) -> str:
     c = r.get("compiled") or {}
-    cpu = f"{(c['argument_bytes'] + c['temp_bytes']) / 1e9:.1f}" if "temp_bytes" in c else \
-        ("err" if "error" in c else "-")
+    cpu = (f"{(c['argument_bytes'] + c['temp_bytes']) / 1e9:.1f}" if "temp_bytes" in c else
+           "err" if "error" in c else "twin" if "collectives" in c else "-")
     return (f"{r['rank']:>4}  {r['layout']:<72}{'yes' if r['fits'] else 'no':>5}"
             f"{r['bytes']['total_estimate'] / 1e9:>7.1f}{r['reserve_bytes'] / 1e9:>8.1f}"
-            f"{cpu:>8}{r['bytes']['host'] / 1e9:>8.1f}{r['headroom']:>7.0%}"
+            f"{cpu:>8}  {r.get('compiled_vs_estimate') or '':<28}"
+            f"{r['bytes']['host'] / 1e9:>8.1f}{r['headroom']:>7.0%}"
             f"{r['step_s']:>9.2f}{r['tokens_per_s']:>13,.0f}{r['model_tflops_per_device']:>8.1f}"
             f"{r['hardware_tflops_per_device']:>8.1f}{r['mfu']:>6.0%}")
 
@@ -244,10 +266,13 @@ def print_table(rows: list[dict], device, fitting: int, total: int) -> None:
             if device.can_offload else "")
     print(f"{fitting} of {total} layouts fit in {device.hbm_bytes / 1e9:.1f} GB{host} "
           f"with the reserve (estimate; 'reserve': kept free for collectives, workspaces and "
-          f"fragmentation; 'CPU GB': compiled here, bf16 temporaries widened, an upper bound; "
+          f"fragmentation; 'CPU GB': compiled here, then which figure bounds which "
+          f"(docs/planning.md); 'twin': an offload layout, its collectives those of the same "
+          f"layout compiled without offload; "
           f"'host GB': offloaded, per device; TFLOP/s per device, 'model' 6N + attention, "
           f"'hw' Megatron's formula, every layer recomputed once)")
-    print(f"{'#':>4}  {'layout':<72}{'fits':>5}{'GB':>7}{'reserve':>8}{'CPU GB':>8}{'host GB':>8}"
+    print(f"{'#':>4}  {'layout':<72}{'fits':>5}{'GB':>7}{'reserve':>8}{'CPU GB':>8}"
+          f"  {'CPU GB vs GB':<28}{'host GB':>8}"
           f"{'head':>7}{'step s':>9}{'tok/s':>13}{'model':>8}{'hw':>8}{'MFU':>6}")
     for r in rows:
         print(table_line(r))
@@ -259,7 +284,8 @@ def report(args, problem: search.Problem, ranked: list, model_line: str, layouts
            fitting: int) -> None:
     """The top --top layouts and every --include'd one: a table or JSON."""
     shown = ranked[:args.top] + search.matching(ranked[args.top:], args.include)
-    rows = [row(e, problem.cluster, rank=ranked.index(e) + 1) for e in shown]
+    wider = cpu_wider(args.precision)
+    rows = [row(e, problem.cluster, ranked.index(e) + 1, wider) for e in shown]
     device = problem.cluster.device
     if args.json:
         print(json.dumps({"model": model_line, "cluster": device.name,
@@ -267,6 +293,17 @@ def report(args, problem: search.Problem, ranked: list, model_line: str, layouts
                           "fitting": fitting, "top": rows}, indent=1))
     else:
         print_table(rows, device, fitting, layouts)
+
+
+def say_compiled(args, ranked: list[cost.Estimate], compiled: int) -> None:
+    """How far down the printed ranking the compiled figures reach, on stderr."""
+    if not args.compile:
+        return
+    shown = min(args.top, sum(e.fits for e in ranked))
+    done = search.compiled_top(ranked, args.top)
+    more = "" if done == shown else f" (raise --compile to compile the rest of the top {shown})"
+    print(f"compiled {compiled} layouts: the top {done} of the {shown} shown that fit"
+          f" are compiled{more}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -284,9 +321,10 @@ def main(argv: list[str] | None = None) -> int:
     announce(args, problem, model_line, len(layouts), options["offloads"])
     estimates = search.estimate_all(problem, layouts, progress_bar)
     results = search.compile_best(problem, estimates, search.matching(estimates, args.include),
-                                  count=args.compile, workers=args.workers,
+                                  count=args.compile, top=args.top, workers=args.workers,
                                   cache_dir=Path(args.cache_dir), progress=progress_bar)
     ranked = search.rank(estimates, results, problem.cluster)
+    say_compiled(args, ranked, len(results))
     report(args, problem, ranked, model_line, len(layouts), len(search.fitting(estimates)))
     if args.write_config and ranked and ranked[0].fits:
         mesh, run = configs.write(Path(args.write_config), ranked[0].choice, problem.base,

@@ -108,6 +108,24 @@ def with_measured(est: Estimate, measured: dict[str, Any], cluster: Cluster) -> 
                                compiled=measured)
 
 
+def against_compiled(est: Estimate, cpu_wider: str = "") -> str | None:
+    """Which of the estimate (`GB`) and the compiled figure (`CPU GB`) bounds
+    which, where both are known. `cpu_wider` names how the program compiled
+    here holds more than a GPU's ("bf16": 16-bit floats computed in float32;
+    "scores": XLA's attention writes out the scores cuDNN's fused kernel
+    never stores), so that a compiled figure above the estimate bounds the
+    GPU's from above; with nothing named, it says the estimate may be low."""
+    c = est.compiled or {}
+    if "temp_bytes" not in c:
+        return None
+    cpu, gb = c["argument_bytes"] + c["temp_bytes"], est.peak_bytes
+    if abs(cpu - gb) <= 0.1 * gb:
+        return "within 10%"
+    if cpu < gb:
+        return "GB bounds CPU GB"
+    return f"CPU GB bounds ({cpu_wider})" if cpu_wider else "GB may be low"
+
+
 def _measured_comm(choice: Choice, collectives: dict[str, float],
                    cluster: Cluster) -> dict[str, float]:
     """Seconds per group of mesh axes of the collectives measured as

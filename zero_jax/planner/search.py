@@ -2,13 +2,15 @@
 
 1. Analytic: one abstract job per mesh, ZeRO stage, stage cut and offload
    (choices.abstract_job); every layout on it estimated (cost.estimate).
-2. Compiled: the fastest `count` layouts that fit, and any pinned ones, are
-   compiled on simulated CPU devices (cost.measure) in worker processes,
-   each process with the cluster's device count, cached on disk by the hash
-   of the run config, the device count, the vocabulary and this code.
-   Measured traffic can reorder the ranking: a second round compiles what
-   has risen into the best `count` since. An offload layout runs the
-   collectives of the same layout without offload: that one is compiled.
+2. Compiled: from the top of the ranking down, the layouts that fit, and
+   any pinned ones, are compiled on simulated CPU devices (cost.measure)
+   in worker processes, each process with the cluster's device count,
+   cached on disk by the hash of the run config, the device count, the
+   vocabulary and this code. Measured traffic can reorder the ranking, so
+   it is redone after each batch and what has risen is compiled next,
+   until the rows to be shown are compiled or the budget is spent. An
+   offload layout runs the collectives of the same layout without
+   offload: that one is compiled.
 3. Ranked: fitting first, fastest first, with the compiled figures where
    measured (cost.with_measured).
 
@@ -34,7 +36,6 @@ from zero_jax.planner import cost
 from zero_jax.planner.choices import Choice, Cluster, abstract_job
 
 MAX_CPU_DEVICES = 2048  # XLA:CPU: "Multiprocess computations aren't implemented" above this
-ROUNDS = 2  # compile rounds: the second catches layouts that measured traffic promoted
 
 Progress = Callable[[Iterable, str], Iterable]
 
@@ -167,11 +168,11 @@ def submit(flat: dict, devices: int, vocab: int, cache: Path, pool) -> cf.Future
     return future
 
 
-def _todo(ranked: list, pinned: list, results: dict, count: int) -> list[Choice]:
-    """The layouts to compile this round: the best `count`, and the pinned, not yet done."""
-    best = list(dict.fromkeys(compiled_as(e.choice) for e in ranked))[:count]
-    return [c for c in dict.fromkeys(best + [compiled_as(e.choice) for e in pinned])
-            if c not in results]
+def _todo(ranked: list[cost.Estimate], results: dict, top: int, room: int) -> list[Choice]:
+    """The next layouts to compile: of the first `top` that fit, as now
+    ranked, those not yet compiled, best first, at most `room`."""
+    shown = dict.fromkeys(compiled_as(e.choice) for e in ranked if e.fits)
+    return [c for c in list(shown)[:top] if c not in results][:room]
 
 
 def _collect(pending: dict, progress: Progress, desc: str) -> dict:
@@ -187,22 +188,38 @@ def _collect(pending: dict, progress: Progress, desc: str) -> dict:
 
 
 def compile_best(problem: Problem, estimates: list[cost.Estimate], pinned: list[cost.Estimate], *,
-                 count: int, workers: int, cache_dir: Path,
+                 count: int, top: int, workers: int, cache_dir: Path,
                  progress: Progress = quiet) -> dict[Choice, dict]:
-    """Compiled figures of the best `count` layouts that fit, and of `pinned`,
-    keyed by the layout compiled (compiled_as)."""
+    """Compiled figures of the top of the ranking as it will be printed, and
+    of `pinned`, keyed by the layout compiled (compiled_as).
+
+    Measured traffic moves a layout up or down, so the ranking is redone
+    after each batch (one layout per worker) and what rose into the first
+    `top` that fit is compiled next: the loop ends when those are all
+    compiled or `count` layouts have been (cached ones count too, so a warm
+    search prints what a cold one did)."""
     results: dict = {}
     if problem.cluster.size > MAX_CPU_DEVICES or not (count or pinned):
         return results
-    ranked, n = fitting(estimates), problem.cluster.size
+    n = problem.cluster.size
     ctx = multiprocessing.get_context("spawn")  # a fresh backend per worker, with n devices
     with cf.ProcessPoolExecutor(workers, mp_context=ctx) as pool:
-        for round_ in range(ROUNDS):
-            todo = _todo(ranked, pinned, results, count)
-            if not todo:
-                break
+        def run(todo: list[Choice], desc: str) -> None:
             pending = {c: submit(c.flat(problem.base), n, problem.vocab, cache_dir, pool)
                        for c in todo}
-            results.update(_collect(pending, progress, f"compile ({round_ + 1})"))
-            ranked = rank(estimates, results, problem.cluster)
+            results.update(_collect(pending, progress, desc))
+
+        if pinned:
+            run(list(dict.fromkeys(compiled_as(e.choice) for e in pinned)), "compile (--include)")
+        spent = 0
+        while todo := _todo(rank(estimates, results, problem.cluster), results, top,
+                            min(workers, count - spent)):
+            run(todo, f"compile {spent + 1}-{spent + len(todo)} of at most {count}")
+            spent += len(todo)
     return results
+
+
+def compiled_top(ranked: list[cost.Estimate], top: int) -> int:
+    """How many of the first `top` rows that fit, from the first down, are compiled."""
+    shown = [e for e in ranked if e.fits][:top]
+    return next((i for i, e in enumerate(shown) if not e.compiled), len(shown))
