@@ -102,6 +102,8 @@ def test_sigkill_during_an_async_save_keeps_the_previous_checkpoint(tmp_path):
     resumed = train("--steps", str(steps[-1] + 2), "--resume", "--eval-every", "0",
                     "--checkpoint-dir", str(ckpt))
     assert resumed.returncode == 0, resumed.stderr
+    assert resumed.stdout.startswith(f"start: --resume from {ckpt / str(steps[-1])} "
+                                     f"(step {steps[-1]}, the newest complete;")
     assert f"resumed from {ckpt / str(steps[-1])}" in resumed.stdout
     assert "never committed" in resumed.stdout
 

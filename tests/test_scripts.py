@@ -23,13 +23,16 @@ def test_train_prints_plan_and_writes_metrics(tmp_path):
     config.write_text('[parallel]\nmesh = "data=2,fsdp=4"\nzero_stage = 2\n'
                       "[train]\nsteps = 99\nbatch_size = 16\neval_every = 3\neval_batches = 2\n"
                       "[data]\nseq_len = 32\n")
+    ckpt = tmp_path / "ckpt"  # not there yet: --resume says so first, and starts at step 0
     p = run("scripts/train.py", "--config", str(config), "--steps", "6", "--metrics-out",
-            str(metrics))
+            str(metrics), "--checkpoint-dir", str(ckpt), "--resume")
     assert p.returncode == 0, p.stderr
+    assert p.stdout.splitlines()[0] == (f"start: --resume found no complete checkpoint in {ckpt} "
+                                        "(empty); new parameters (seed 0), step 0")
     assert "== zero_jax plan ==" in p.stdout
     assert "stage 2 over data*fsdp (N_d=8)" in p.stdout
     assert "global 16 = 2 per device x 1 microbatches x 8 data-parallel" in p.stdout
-    assert "compiled step: arguments" in p.stdout
+    assert "compiled step, measured: arguments" in p.stdout
     assert "step/s" in p.stdout or "s/step" in p.stdout  # the progress bar
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
@@ -92,7 +95,7 @@ def test_parallel_precision_and_remat_options_reach_the_plan(tmp_path):
     assert "precision  parameters float32, compute bfloat16, gradients float32" in out
     assert "states     params 4/4 + grads 4/4 + optimizer state 8/4 = 4 bytes per parameter, " \
         "/ tensor 2 = 2" in out
-    assert "collectives per device per step" in out and "ZeRO volumes:" in out
+    assert "MiB of payload per device per step" in out and "ZeRO volumes" in out
     assert "remat      dots_saveable" in out  # the flag overrides the file
     assert "activations, one microbatch:" in out
 
@@ -112,7 +115,7 @@ def test_pipelined_training_runs_and_prints_its_stages(tmp_path):
     out = tmp_path / "piped.jsonl"
     p = run("scripts/train.py", "--mesh", "pipe=2,fsdp=2,tensor=2", "--pipeline-schedule", "1f1b",
             "--steps", "8", "--seq-len", "32", "--microbatches", "8", "--eval-every", "0",
-            "--eval-batches", "1", "--no-progress", "--metrics-out", str(out))
+            "--eval-batches", "1", "--no-progress", "--metrics-out", str(out), "--plan", "full")
     assert p.returncode == 0, p.stderr
     assert "pipeline   1f1b: p=2 stages, m=8 microbatches, v=1" in p.stdout
     assert "stage 0: layers 0-1 (2 of 4)\n" in p.stdout

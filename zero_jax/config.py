@@ -36,6 +36,7 @@ Attention = Literal["auto", "xla", "cudnn"]  # job.attention_implementation
 ContextAttention = Literal["auto", "all-gather", "ring", "ulysses"]  # zero_jax/context
 DtypeOverride = Literal["", "float32", "bfloat16", "float16"]  # "": the policy's
 WandbMode = Literal["online", "offline"]  # wandb.init(mode=...); offline: `wandb sync` uploads later
+PlanDetail = Literal["summary", "full"]  # analysis/summary.py describe
 
 
 class ConfigError(ValueError):
@@ -147,6 +148,7 @@ class TrainConfig:
     wandb_mode: WandbMode = "online"  # online | offline (written under $WANDB_DIR, uploaded by `wandb sync`)
     profile_steps: str = ""  # A:B: a jax.profiler trace of steps A to B - 1 ("" for none)
     profile_dir: str = ""  # where the trace goes ("": --tensorboard-dir, else ./profile)
+    plan: PlanDetail = "summary"  # the plan printed before training: summary (one screen) | full (every parameter's layout, collective and pipeline tick)
 
 
 @dataclasses.dataclass(frozen=True)

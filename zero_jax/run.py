@@ -95,6 +95,27 @@ def _init_from_label(source: str) -> str:
     return f"{path / str(steps[-1])} (step {steps[-1]}, the newest complete)" if steps else source
 
 
+def start_line(job: Job) -> str:
+    """Where the state will come from, said before anything compiles: the
+    first line a run prints, so that a --resume that finds nothing (a
+    mistyped --checkpoint-dir, say) is read before the plan, not under it."""
+    c = job.run.checkpoint
+    fresh = (f"parameters from {_init_from_label(c.init_from)}; new optimizer state, step 0"
+             if c.init_from else f"new parameters (seed {job.run.train.seed}), step 0")
+    if not c.resume:
+        return f"start: {fresh}"
+    directory = Path(c.dir).absolute()
+    steps = ckpt_lib.complete_steps(directory)
+    if steps:
+        return (f"start: --resume from {directory / str(steps[-1])} (step {steps[-1]}, the newest "
+                "complete; each array checked by checksum, a corrupt checkpoint falls back to "
+                "the one before)")
+    # The config check has made the directory by now (paths.check): a mistyped
+    # one reads as empty.
+    empty = " (empty)" if not directory.exists() or not any(directory.iterdir()) else ""
+    return f"start: --resume found no complete checkpoint in {directory}{empty}; {fresh}"
+
+
 def load_params(source: str, job: Job, loaders: list[ParamLoader] = ()) -> Any:
     """Parameters from a checkpoint directory, a consolidated .safetensors file, or
     a format one of `loaders` recognises (a loader returns the parameters
@@ -152,9 +173,9 @@ def initial_state(job: Job, checkpointer: ckpt_lib.Checkpointer | None,
             if corpus is not None:
                 _log_data_change(meta.get("data", {}), data_meta(job, step, corpus), log)
             return state, step
-        log(f"--resume: no complete checkpoint in {checkpointer.directory}; starting at step 0")
+        if checkpointer.complete_steps():  # else start_line has said there were none
+            log(f"--resume: no checkpoint in {checkpointer.directory} verified; starting at step 0")
     if c.init_from:
-        log(f"parameters from {_init_from_label(c.init_from)}; new optimizer state, step 0")
         try:
             params = load_params(c.init_from, job, loaders)
         except (ValueError, FileNotFoundError) as e:

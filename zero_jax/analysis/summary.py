@@ -13,13 +13,12 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from zero_jax import step
+from zero_jax.analysis import formula_gap, pipeline_summary
 from zero_jax.analysis.memory import STATES, MemoryReport
 from zero_jax.job import Job
-from zero_jax.pipeline import executor as pipeline_lib
-from zero_jax.pipeline import schedule as sched_lib
 from zero_jax.sharding import zero as zero_lib
 from zero_jax.sharding.mesh import AXES
-from zero_jax.sharding.specs import entries, entry_axes, is_spec, named_leaves, spec_leaves
+from zero_jax.sharding.specs import entries, entry_axes, leaf_bytes, named_leaves, spec_leaves
 
 
 def shaped(shape, spec: PartitionSpec) -> str:
@@ -200,20 +199,35 @@ def _state_figures(report: MemoryReport) -> list[tuple[str, dict[str, float]]]:
     return rows
 
 
-def memory_rows(report: MemoryReport) -> list[str]:
-    """Bytes per device of the model states, three ways, and the activations."""
+def memory_rows(report: MemoryReport, why: str | None = None) -> list[str]:
+    """Bytes per device of the model states, three ways, and the activations;
+    `why` (formula_gap.describe) goes on the shardings' line where they
+    differ from the formula."""
     rows = [_state_row(label, figures) for label, figures in _state_figures(report)]
-    lines = ["memory per device (MiB)"] + _table(("", *STATES, "total"), rows)
+    lines = ["memory per device (MiB; the model states exact, the activations estimated)"]
+    lines += _table(("", *STATES, "total"), rows)
+    if why:
+        lines[3] += f"  {why}"
     if report.compiled is not None:
         c = report.compiled
-        lines.append(f"  compiled step: arguments {_mib(c['argument_bytes'])}, outputs "
+        lines.append(f"  compiled step, measured: arguments {_mib(c['argument_bytes'])}, outputs "
                      f"{_mib(c['output_bytes'])}, temporaries {_mib(c['temp_bytes'])}")
     if report.activations is not None:
-        a = report.activations
-        lines.append(f"  activations, one microbatch: {_mib(a['analytic_bytes'])} estimated"
-                     + (f" (compiled temporaries {_mib(a['compiled_temp_bytes'])})"
-                        if "compiled_temp_bytes" in a else ""))
+        lines.append("  " + activation_line(report.activations))
     return lines
+
+
+def activation_line(a: dict[str, float]) -> str:
+    """The activations' estimate, and which of it and the compiled
+    temporaries bounds the other."""
+    line = f"activations, one microbatch: {_mib(a['analytic_bytes'])} estimated"
+    if "compiled_temp_bytes" not in a:
+        return line
+    temp = _mib(a["compiled_temp_bytes"])
+    if a["analytic_bytes"] > a["compiled_temp_bytes"]:
+        return (line + f", an upper bound: the compiled temporaries ({temp}) hold them, in "
+                "buffers XLA reuses where the estimate counts each apart")
+    return line + f", below the compiled temporaries ({temp}), which hold them and the step's others"
 
 
 def collective_rows(report: MemoryReport) -> list[str]:
@@ -228,14 +242,33 @@ def collective_rows(report: MemoryReport) -> list[str]:
     if theory is not None:
         lines.append(f"  ZeRO volumes: gradients {_mib(theory['gradients'])} + parameters "
                      f"{_mib(theory['parameters'])} = {_mib(sum(theory.values()))}")
+    return lines + ["  " + note for note in _collective_notes(report)]
+
+
+def collective_line(report: MemoryReport) -> list[str]:
+    """`collective_rows` in one line, and its notes on a second."""
+    if report.collectives is None:
+        return []
+    measured, theory = report.collectives.measured, report.collectives.theory
+    ops = ", ".join(f"{k} {_mib(b)}" for k, b in sorted(measured.by_op.items(), key=lambda kv: -kv[1]))
+    line = (f"collectives {_mib(measured.total)} MiB of payload per device per step, measured in "
+            f"the compiled HLO" + (f" ({ops})" if ops else ""))
+    if theory is not None:
+        line += f"; ZeRO volumes {_mib(sum(theory.values()))}"
+    notes = _collective_notes(report)
+    return [line] + (["  " + "; ".join(notes)] if notes else [])
+
+
+def _collective_notes(report: MemoryReport) -> list[str]:
+    measured = report.collectives.measured
+    notes = []
     if measured.rewritten:
-        lines.append(f"  {measured.rewritten} all-reduces followed only by "
-                     "a slice to the device's shard are counted as the reduce-scatters they "
-                     "stand for (XLA:CPU forms none)")
+        notes.append(f"{measured.rewritten} all-reduces followed only by a slice to the device's "
+                     "shard are counted as the reduce-scatters they stand for (XLA:CPU forms none)")
     if measured.in_branches:
-        lines.append(f"  {_mib(measured.in_branches)} MiB run inside pipeline "
-                     "ticks' branches and are counted as if every branch ran: an upper bound")
-    return lines
+        notes.append(f"{_mib(measured.in_branches)} MiB run inside pipeline ticks' branches and "
+                     "are counted as if every branch ran: an upper bound")
+    return notes
 
 
 def tables(job: Job, data_line: str, model_line: str, report: MemoryReport) -> dict[str, Table]:
@@ -253,84 +286,50 @@ def tables(job: Job, data_line: str, model_line: str, report: MemoryReport) -> d
 
 def describe(job: Job, data_line: str, model_line: str, compiled_step=None,
              partitioned_text: str | None = None, report: MemoryReport | None = None) -> str:
-    """The plan as printed; `report`, if given, is the job's memory report
-    for `compiled_step` and `partitioned_text` (computed here otherwise)."""
+    """The plan as printed: one screen by default, every parameter's layout,
+    collective and pipeline tick under `--plan full`. `report`, if given, is
+    the job's memory report for `compiled_step` and `partitioned_text`
+    (computed here otherwise)."""
     if report is None:
         report = job.memory_report(compiled_step, partitioned_text)
+    full = job.run.train.plan == "full"
     summary = summary_rows(job, data_line, model_line, report)
     width = max(len(label) for label, _ in summary)
     lines = ["== zero_jax plan =="] + [f"{label:<{width}}  {text}" for label, text in summary]
-    lines += memory_rows(report) + collective_rows(report)
+    lines += memory_rows(report, formula_gap.describe(job.layout))
+    lines += collective_rows(report) if full else collective_line(report)
     if job.schedule is not None:
-        lines += pipeline_rows(job)
-    lines.append("state layout per device (optimizer-state leaves that mirror a parameter "
-                 "share its optimizer-state layout):")
-    lines += _state_rows(job)
-    if job.layout.specs.replicated:
-        lines.append(f"left whole by ZeRO ({len(job.layout.specs.replicated)} arrays):")
-        lines += [f"  {path}: {why}" for path, why in job.layout.specs.replicated]
+        lines += pipeline_summary.rows(job, full)
+    lines += leaf_rows(job) if full else largest_rows(job)
     return "\n".join(lines)
 
 
-def pipeline_rows(job: Job) -> list[str]:
-    """Stage placement, the schedule's cost and its tick chart."""
-    s, stages = job.schedule, job.layout.stages
-    head = job.model.head_cost(job.run.data.seq_len) if job.model.head_cost else 0.0
-    shared = any(job.row_blocks())
-    cost = sched_lib.cost(s, stages.counts, head=head, shared_ends=shared)
-    waiting = (f"; weight gradients waiting, per stage: {', '.join(map(str, s.pending_w_peak()))}"
-               if s.split_backward else "")
-    rows = [f"pipeline   {s.name}: p={s.p} stages, m={s.m} microbatches, v={s.v} chunks per stage; "
-            f"{s.ticks} fused ticks (a forward and a backward each)"
-            + ("; stage weights gathered once per step" if job.run.parallel.pipeline_gather_once else ""),
-            f"  microbatch inputs stashed, per stage: {', '.join(map(str, s.stash_peak()))}" + waiting,
-            f"  cost {cost.total:.1f} layer-forwards per step (a backward recomputes its forward: 3; "
-            f"head {head:.2f} forward, 3x with its backward, "
-            + ("shared by every stage" if shared else "on the last stage") + "); idle "
-            f"{cost.bubble:.3f} of that; sends not counted"]
-    for d in range(s.p):
-        ends = [] if shared else ((["embedding"] if d == 0 else [])
-                                  + (["head and loss"] if d == s.p - 1 else []))
-        chunks = [k * s.p + d for k in range(s.v)]
-        spans = (f"{stages.first_layer[g]}-{stages.first_layer[g] + stages.counts[g] - 1}"
-                 for g in chunks)
-        rows.append(f"  stage {d}: layers {', '.join(spans)} "
-                    f"({sum(stages.counts[g] for g in chunks)} of {stages.layers})"
-                    + (f", runs the {' and the '.join(ends)}" if ends else ""))
-    if stages.padded != stages.layers:
-        rows.append(f"  {stages.slots} layer slots per chunk: {stages.padded} stored for "
-                    f"{stages.layers} layers (the embedding and head count one layer each)")
-    rows.append("  embedding and head stored split over pipe")
-    rows += _table_rows(job)
-    if s.ticks <= 80:
-        rows += ["  " + line for line in s.chart().splitlines()]
-    return rows
+def leaf_rows(job: Job) -> list[str]:
+    """Every parameter's layout, and every array ZeRO leaves whole, with why."""
+    lines = ["state layout per device (optimizer-state leaves that mirror a parameter "
+             "share its optimizer-state layout):"] + _state_rows(job)
+    replicated = job.layout.specs.replicated
+    if replicated:
+        lines.append(f"left whole by ZeRO ({len(replicated)} arrays):")
+        lines += [f"  {path}: {why}" for path, why in replicated]
+    return lines
 
 
-def _table_rows(job: Job) -> list[str]:
-    """Whether training and evaluation use the tables where they are stored."""
-    fns = job.model.pipeline
-    outer, _ = fns.split(job.layout.abstract.params)
-    stored, _ = fns.split(job.layout.specs.params)
-    names, _ = fns.split(job.layout.names)
-    misfits = pipeline_lib.tables_not_in_rows(outer, stored)
-    if not fns.vocab_parallel:
-        return ["  gathered over pipe at each step, their gradients summed whole (the model's "
-                "embedding and head do not run on row blocks)"]
-    split = pipeline_lib.split_tables(fns, outer, stored, names)
-    lines = []
-    if split:
-        lines.append("  every stage looks up rows, computes logits and adds their gradients on "
-                     "the row block it stores of the tables whose rows are "
-                     f"{', '.join(split)}: nothing of them gathered or accumulated whole")
-    if not misfits:
-        return lines
-    t = job.layout.mesh_shape.sizes["tensor"]
-    tables = ", ".join(f"{path} ({shape[0]} rows)" for path, shape in misfits)
-    line = (f"  gathered over pipe at each step, gradients summed whole: {tables}, not "
-            f"divisible into pipe={job.schedule.p}{f' x tensor={t}' if t > 1 else ''} row blocks")
-    named = named_leaves(names, is_leaf=is_spec)
-    if any(named[path][0] == "vocab" for path, _ in misfits):
-        line += (f"; --vocab-multiple {math.lcm(128, job.schedule.p * t)} pads the vocabulary "
-                 "into such blocks")
-    return lines + [line]
+def largest_rows(job: Job, count: int = 3) -> list[str]:
+    """The `count` parameters that take most bytes per device, their
+    layouts, and how many arrays ZeRO leaves whole."""
+    layout = job.layout
+    stored = leaf_bytes(layout.abstract.params, layout.specs.params, layout.mesh)
+    grads = leaf_bytes(layout.abstract_grads, layout.specs.grads, layout.mesh)
+    table = state_layout(job)
+    order = sorted(range(len(stored)), key=lambda i: -(stored[i] + grads[i]))[:count]
+    lines = [f"largest parameters per device, of {len(stored)} (--plan full: every one's "
+             "layout, each collective, the pipeline's ticks)"]
+    lines += _table(("", "stored", "MiB", "gradient", "MiB"),
+                    [(table.rows[i][0], table.rows[i][1], _mib(stored[i]), table.rows[i][2],
+                      _mib(grads[i])) for i in order])
+    replicated = layout.specs.replicated
+    if replicated:
+        path, why = replicated[0]
+        lines.append(f"left whole by ZeRO: {len(replicated)} arrays, e.g. {path}: {why}")
+    return lines

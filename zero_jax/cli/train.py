@@ -128,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg, args, corpus, job, model_line = prepare(argv)
     except INPUT_ERRORS as e:
         return error(e, 2)
+    if jax.process_index() == 0:
+        print(run.start_line(job), flush=True)
     lowered, train_step, partitioned = compile_train_step(job)
     try:
         # Processes about to run different programs would hang in the first
