@@ -204,10 +204,10 @@ def memory_rows(report: MemoryReport, why: str | None = None) -> list[str]:
     `why` (formula_gap.describe) goes on the shardings' line where they
     differ from the formula."""
     rows = [_state_row(label, figures) for label, figures in _state_figures(report)]
-    lines = ["memory per device (MiB; the model states exact, the activations estimated)"]
-    lines += _table(("", *STATES, "total"), rows)
+    table = _table(("", *STATES, "total"), rows)
     if why:
-        lines[3] += f"  {why}"
+        table[2] += f"  {why}"  # the header, the formula's row, then the shardings'
+    lines = ["memory per device (MiB; the model states exact, the activations estimated)"] + table
     if report.compiled is not None:
         c = report.compiled
         lines.append(f"  compiled step, measured: arguments {_mib(c['argument_bytes'])}, outputs "
