@@ -206,7 +206,7 @@ _CALLS = ("body", "condition", "to_apply", "calls", "branch_computations",
           "true_computation", "false_computation")
 
 
-def _callees(line: str, keys: tuple[str, ...] = _CALLS) -> list[str]:
+def callees(line: str, keys: tuple[str, ...] = _CALLS) -> list[str]:
     found = []
     for key in keys:
         for m in re.finditer(key + r"=\{?([%\w.\-, ]+)\}?", line):
@@ -233,11 +233,11 @@ def inside_loops(hlo_text: str) -> str:
     """The HLO of every computation reachable from a while loop's body: what
     runs once per iteration (e.g. per pipeline tick), not once per step."""
     bodies, _ = computations(hlo_text)
-    todo = [c for lines in bodies.values() for line in lines for c in _callees(line, ("body",))]
+    todo = [c for lines in bodies.values() for line in lines for c in callees(line, ("body",))]
     seen: set[str] = set()
     while todo:
         c = todo.pop()
         if c not in seen and c in bodies:
             seen.add(c)
-            todo += [callee for line in bodies[c] for callee in _callees(line)]
+            todo += [callee for line in bodies[c] for callee in callees(line)]
     return "\n".join(line for c in seen for line in bodies[c])
