@@ -134,20 +134,30 @@ def pieces(cfg, read) -> Iterator[tuple[str, tuple[int, ...], Callable[[], np.nd
     return gpt_hf.pieces(cfg, read)
 
 
-def config_json(cfg, dtype: str = "float32") -> dict:
+def config_json(cfg, dtype: str = "float32", token_ids: dict | None = None) -> dict:
     """config.json for `cfg`, saying the weights' dtype (`torch_dtype`:
-    what `from_pretrained(torch_dtype="auto")` loads them as)."""
-    out = llama_hf.config_json(cfg) if isinstance(cfg, llama.LlamaConfig) else gpt_hf.config_json(cfg)
-    return {**out, "torch_dtype": dtype}
+    what `from_pretrained(torch_dtype="auto")` loads them as) and the
+    special tokens' ids in `token_ids` (tokenizer_files.Export). An id not
+    known is written as null rather than left to the architecture's default
+    (GPT-2's 50256, Llama's 1 and 2), which names another token or none:
+    `generate` would not stop at the end of a document. GPT-2 begins text
+    with its end-of-text token, so its bos is its eos."""
+    is_llama = isinstance(cfg, llama.LlamaConfig)
+    out = llama_hf.config_json(cfg) if is_llama else gpt_hf.config_json(cfg)
+    ids = {"bos_token_id": None, "eos_token_id": None, **(token_ids or {})}
+    if not is_llama and "bos_token_id" not in (token_ids or {}):
+        ids["bos_token_id"] = ids["eos_token_id"]
+    return {**out, **ids, "torch_dtype": dtype}
 
 
 def save(out: Path, cfg, read, max_shard_bytes: int = MAX_SHARD_BYTES,
-         dtype: str = "float32") -> list[Path]:
+         dtype: str = "float32", token_ids: dict | None = None) -> list[Path]:
     """Write a Hugging Face directory: config.json and the weights, in files
     of at most `max_shard_bytes` (a tensor larger than that gets a file of
     its own) with an index when there is more than one, each tensor produced
     and written before the next is read, in `dtype` (float32 or bfloat16,
-    cast as it is written). Returns the files written."""
+    cast as it is written); config.json names `token_ids` (config_json).
+    Returns the files written."""
     out.mkdir(parents=True, exist_ok=True)
     items = list(pieces(cfg, read))
     def size(shape):
@@ -168,6 +178,6 @@ def save(out: Path, cfg, read, max_shard_bytes: int = MAX_SHARD_BYTES,
         index = {"metadata": {"total_size": sum(size(s) for _, s, _ in items)},
                  "weight_map": {t: name for name, group in zip(names, groups) for t, _, _ in group}}
         (out / INDEX).write_text(json.dumps(index, indent=1))
-    (out / "config.json").write_text(json.dumps(config_json(cfg, dtype), indent=1))
+    (out / "config.json").write_text(json.dumps(config_json(cfg, dtype, token_ids), indent=1))
     return written
 

@@ -101,6 +101,9 @@ def test_hf_export_copies_the_tokenizer_the_data_was_prepared_with(bpe_run, tmp_
     config = json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())
     assert config == {"tokenizer_class": FAST,
                       **json.loads((tok / "tokenizer_config.json").read_text())}
+    # generate stops on the data's end of document, not on GPT-2's 50256
+    model = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (model["eos_token_id"], model["bos_token_id"]) == (0, 0)
     assert export(ckpt, tmp_path / "hf") == 0  # the same files again: nothing of the user's lost
 
 
@@ -155,6 +158,9 @@ def test_byte_level_data_exports_a_note_that_the_model_reads_bytes(data, corpus,
     assert ("256 is the end-of-document id" in note) == (data == "prepared"), note
     assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == [
         "TOKENIZER.md", "config.json", "model.safetensors"]
+    model = json.loads((tmp_path / "hf" / "config.json").read_text())
+    eos = 256 if data == "prepared" else None  # none: no architecture default stands in
+    assert (model["eos_token_id"], model["bos_token_id"]) == (eos, eos)
 
 
 def test_without_a_data_tokenizer_the_init_from_directory_s_is_copied(bpe_run, tmp_path, capsys):
@@ -171,6 +177,9 @@ def test_without_a_data_tokenizer_the_init_from_directory_s_is_copied(bpe_run, t
         f"tokenizer: copied tokenizer.json, tokenizer_config.json from {tmp_path / 'start'} "
         f"(SHA-256 {sha(tok / 'tokenizer.json')[:12]}..., of the weights' directory)")
     assert same_bytes(tmp_path / "hf" / "tokenizer.json", tok / "tokenizer.json")
+    # the flat file says no end of document: the ids are the weights' directory's
+    model = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (model["eos_token_id"], model["bos_token_id"]) == (0, 0)
 
 
 def test_an_export_never_replaces_another_tokenizer_file(bpe_run, tmp_path, capsys):

@@ -61,6 +61,8 @@ def test_auto_tokenizer_of_the_export_gives_our_ids(trained, tmp_path):
     assert theirs(text)["input_ids"] + [theirs.eos_token_id] == first
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     assert len(theirs) <= model.config.vocab_size
+    # generate stops where the run's documents end, not on GPT-2's default 50256
+    assert model.config.eos_token_id == model.generation_config.eos_token_id == meta["eos_id"]
 
 
 def test_a_tokenizer_splitting_otherwise_than_gpt2_still_gives_its_own_ids(trained, tmp_path):

@@ -41,6 +41,10 @@ class Export:
 
     files: dict[str, bytes]
     line: str
+    # What config.json says of the special tokens (hf.config_json): those of
+    # the model whose directory the tokenizer came from, the data's
+    # end-of-document id over its eos; {} where nothing is known.
+    token_ids: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,7 +157,19 @@ def _copied(file: Path, data: bytes, sha256: str, whose: str, eos_id: int | None
         if config is not None and "tokenizer_class" not in config:
             files[CONFIG] = _json({"tokenizer_class": FAST, **config})
             line += f"; gave {CONFIG} tokenizer_class {FAST} (it had none)"
-    return Export(files, line)
+    ids = {**_model_ids(file.parent), **({} if eos_id is None else {"eos_token_id": eos_id})}
+    return Export(files, line, ids)
+
+
+def _model_ids(directory: Path) -> dict[str, Any]:
+    """bos_token_id and eos_token_id of the model whose tokenizer is in
+    `directory` (its config.json, as Hugging Face writes it), where given."""
+    try:
+        config = json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    keys = ("bos_token_id", "eos_token_id")
+    return {k: config[k] for k in keys if isinstance(config, dict) and config.get(k) is not None}
 
 
 def eos_token(tokenizer: dict[str, Any], eos_id: int | None) -> str:
@@ -200,7 +216,7 @@ def _byte_note(run: Recorded) -> Export:
             f"of ids.\n\nThe run read {run.source}.\n")
     return Export({NOTE: text.encode()},
                   f"tokenizer: none, the model reads UTF-8 bytes (ids 0-255, {said}); wrote "
-                  f"{NOTE} saying so")
+                  f"{NOTE} saying so", {} if eos is None else {"eos_token_id": eos})
 
 
 def check_destination(export: Export, out: Path) -> None:

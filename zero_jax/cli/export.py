@@ -126,7 +126,7 @@ def write(args: argparse.Namespace, reader: export.ParamReader, step: int,
         if args.hf_dir:
             cfg = models.config_from(reader.meta["model"])
             written += hf.save(Path(args.hf_dir), cfg, reader.read, int(args.max_shard_size),
-                               dtype["hf"])
+                               dtype["hf"], tokenizer.token_ids if tokenizer else None)
             if tokenizer:
                 tokenizer_files.write(tokenizer, Path(args.hf_dir))
     except (ckpt_lib.CorruptCheckpoint, OSError):  # OSError: no space, no permission
