@@ -5,8 +5,9 @@ A step's arithmetic is what the model asks for; the rest of its memory
 traffic is bookkeeping the compiler could not fold away: a transposing copy
 so that a dot reads its operand in the layout it wants, a layer's slice of
 a stacked buffer, the write of what the backward keeps into one, the zeros
-a buffer starts as. This module counts each such op once per execution (a
-loop body's ops times the loop's trip count) with the bytes it writes.
+a buffer starts as (a fill: any broadcast written out). This module counts
+each such op once per execution (a loop body's ops times the loop's trip
+count) with the bytes it writes.
 
 An instruction is a move when it, or every op of the fusion it runs, only
 rearranges or fills memory (MOVES; arithmetic on scalars, which indexes,
