@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 
-
 from zero_jax.analysis import memory
 from zero_jax.sharding import zero as zero_lib
 from zero_jax.sharding.specs import entry_axes, named_leaves, spec_leaves
@@ -52,7 +51,6 @@ def gap(layout: Layout) -> list[tuple[str, float, int]]:
     stage = zero_lib.stage(layout.zero_stage)
     sizes = layout.mesh_shape.sizes
     zero_axes = {a for a in layout.mesh_shape.shard_axes if sizes[a] > 1}
-    n_shard, n_expert = memory._divisors(layout)
     t, ep = sizes["tensor"], sizes.get("expert", 1)
     per = memory.bytes_per_param(layout)
     opt_specs = layout.specs.sharded if stage.opt_state else layout.specs.compute
@@ -66,8 +64,7 @@ def gap(layout: Layout) -> list[tuple[str, float, int]]:
         for i, (leaf, name, spec) in enumerate(zip(leaves, names, spec_leaves(specs))):
             expert = "experts" in tuple(name)
             size = math.prod(leaf.shape) * per[key]
-            formula = size / ((n_expert if sharded else ep) * t if expert
-                              else (n_shard if sharded else 1) * t)
+            formula = size / memory.divisor(layout, sharded, expert)
             formula_axes = ({"tensor"} if t > 1 else set()) | (zero_axes if sharded else set()) \
                 | ({"expert"} if expert and ep > 1 else set())
             axes = {a for a in _axes(spec) if sizes[a] > 1}
@@ -89,9 +86,9 @@ def gap(layout: Layout) -> list[tuple[str, float, int]]:
 def describe(layout: Layout) -> str | None:
     """One line: what makes the shardings' total differ from the formula's,
     in MiB per device; None where they agree within 0.5%."""
-    theory = sum(memory.theory(layout).values())
-    if abs(sum(memory.sharded(layout).values()) - theory) <= 0.005 * theory:
+    rows = gap(layout)  # its parts sum to the whole difference, within a KiB
+    if abs(sum(b for _, b, _ in rows)) <= 0.005 * sum(memory.theory(layout).values()):
         return None
     parts = [f"{b / 2**20:+.2f} MiB {cause}" + (f" ({n} array{'s' * (n > 1)})" if n else "")
-             for cause, b, n in gap(layout)]
+             for cause, b, n in rows]
     return "why they differ: " + "; ".join(parts)

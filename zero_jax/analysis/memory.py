@@ -77,6 +77,18 @@ def bytes_per_param(layout: Layout) -> dict[str, float]:
             "opt_state": opt / psi}
 
 
+def divisor(layout: Layout, sharded: bool, expert: bool) -> int:
+    """What the ZeRO formula divides a parameter's state by: the tensor
+    degree t, times every ZeRO axis where the stage shards it; an expert's,
+    the expert axis whatever the stage, times the other ZeRO axes where
+    sharded."""
+    n_shard, n_expert = _divisors(layout)
+    sizes = layout.mesh_shape.sizes
+    if expert:
+        return (n_expert if sharded else sizes.get("expert", 1)) * sizes["tensor"]
+    return (n_shard if sharded else 1) * sizes["tensor"]
+
+
 def theory(layout: Layout) -> dict[str, float]:
     """The ZeRO formula: bytes per parameter x Psi / (N_d if sharded) / t.
 
@@ -88,16 +100,13 @@ def theory(layout: Layout) -> dict[str, float]:
     in full.
     """
     stage = zero_lib.stage(layout.zero_stage)
-    sizes = layout.mesh_shape.sizes
-    n_shard, n_expert = _divisors(layout)
-    ep, t = sizes.get("expert", 1), sizes["tensor"]
     psi, psi_e = stored_count(layout), expert_count(layout)
     per = bytes_per_param(layout)
     scalars = sum(_nbytes(x) for x in jax.tree.leaves(layout.abstract.opt_state) if not x.shape)
 
     def share(sharded):  # parameters per device before the bytes per parameter
-        return ((psi - psi_e) / (n_shard if sharded else 1) + psi_e / (n_expert if sharded
-                                                                         else ep)) / t
+        return ((psi - psi_e) / divisor(layout, sharded, False)
+                + psi_e / divisor(layout, sharded, True))
     return {
         "params": per["params"] * share(stage.params),
         "grads": per["grads"] * share(stage.grads),

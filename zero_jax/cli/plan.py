@@ -208,7 +208,8 @@ def cpu_wider(policy: str) -> str:
     its 16-bit floats computed in float32, and XLA's attention writing out the
     scores where the GPU runs cuDNN's fused kernel; "" where neither."""
     p = precision.resolve(policy, "gpu")
-    parts = [NARROW[d] for d in (p.compute, p.grads, p.params) if d in NARROW][:1]
+    narrow = next((NARROW[d] for d in (p.compute, p.grads, p.params) if d in NARROW), None)
+    parts = [narrow] if narrow else []
     if job_lib.attention_implementation("auto", "gpu", p.compute) == "cudnn":
         parts.append("scores")
     return ", ".join(parts)
@@ -302,8 +303,8 @@ def say_compiled(args, ranked: list[cost.Estimate], compiled: int) -> None:
     shown = min(args.top, sum(e.fits for e in ranked))
     done = search.compiled_top(ranked, args.top)
     more = "" if done == shown else f" (raise --compile to compile the rest of the top {shown})"
-    print(f"compiled {compiled} layouts: the top {done} of the {shown} shown that fit"
-          f" are compiled{more}", file=sys.stderr)
+    print(f"compiled figures for {compiled} layouts (compiled now or read from --cache-dir): "
+          f"the top {done} of the {shown} shown that fit are compiled{more}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
