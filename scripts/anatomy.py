@@ -110,16 +110,38 @@ def op_table(hlo_text: str, layers: int) -> dict[str, tuple[str, str, bool]]:
 
 
 def op_times(trace_dir: Path, module: str) -> tuple[collections.Counter, collections.Counter]:
-    """Summed duration (µs) and count of each HLO op of `module` in the trace."""
+    """Summed self time (µs) and count of each HLO op of `module` in the trace."""
     trace = max(trace_dir.glob("plugins/profile/*/perfetto_trace.json.gz"))
-    events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
+    events = [e for e in json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
+              if e.get("ph") == "X" and e.get("args", {}).get("hlo_module") == module
+              and "hlo_op" in e["args"]]
     total, count = collections.Counter(), collections.Counter()
-    for e in events:
-        args = e.get("args", {})
-        if e.get("ph") == "X" and args.get("hlo_module") == module and "hlo_op" in args:
-            total[args["hlo_op"]] += e.get("dur", 0)
-            count[args["hlo_op"]] += 1
+    for e, us in self_times(events):
+        total[e["args"]["hlo_op"]] += us
+        count[e["args"]["hlo_op"]] += 1
     return total, count
+
+
+def self_times(events: list[dict]) -> list[tuple[dict, float]]:
+    """Each complete event with its duration less that of the events nested
+    in it on its thread. XLA:CPU's while-loop op runs its body's first ops
+    (up to the first collective, and the wait in it) on its own thread, so
+    its event encloses theirs: summed whole, both would count twice."""
+    out, by_thread = [], collections.defaultdict(list)
+    for e in events:
+        by_thread[(e.get("pid"), e.get("tid"))].append(e)
+    for thread in by_thread.values():
+        thread.sort(key=lambda e: (e["ts"], -e.get("dur", 0)))
+        open_, own = [], {}
+        for e in thread:
+            while open_ and open_[-1]["ts"] + open_[-1].get("dur", 0) <= e["ts"]:
+                open_.pop()
+            if open_:
+                own[id(open_[-1])] -= e.get("dur", 0)
+            own[id(e)] = e.get("dur", 0)
+            open_.append(e)
+        out += [(e, own[id(e)]) for e in thread]
+    return out
 
 
 def main(argv=None) -> int:

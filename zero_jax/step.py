@@ -23,6 +23,7 @@ from zero_jax import loss_scale as loss_scale_lib
 from zero_jax import master as master_lib
 from zero_jax import offload as offload_lib
 from zero_jax import overlap as overlap_lib
+from zero_jax import rounding
 from zero_jax.pipeline import executor as pipeline_lib
 from zero_jax.sharding import zero as zero_lib
 from zero_jax.sharding.specs import map_specs, without_axis
@@ -318,8 +319,10 @@ def jit_train_step(layout: Layout, model: ModelFns, hooks: Hooks, tx: optax.Grad
     """`train_step` bound to a layout, jitted with its shardings, state donated;
     with `overlap`, XLA:GPU told to overlap the per-layer collectives with
     the layer scan's compute (overlap.py)."""
-    loss_and_grads = make_loss_and_grads(layout, model, hooks, microbatches, sched, gather_once,
-                                         reduce_once, row_blocks)
+    # Traced without the float32 roundings remat adds to what it keeps: no-ops
+    # that XLA:GPU deletes and XLA:CPU runs as copies (rounding.py).
+    loss_and_grads = rounding.without_no_op_rounding(make_loss_and_grads(
+        layout, model, hooks, microbatches, sched, gather_once, reduce_once, row_blocks))
     # The new parameters go where they are stored: to the device, or left in
     # host memory under parameter offload.
     host = offload_lib.HostUpdate(layout.shardings.params) if layout.host_opt else None
