@@ -55,7 +55,7 @@ def attention(q_BxTxHxQ, k_BxSxKxQ, v_BxSxKxQ, implementation: str = "xla", wind
     H, K = q_BxTxHxQ.shape[2], k_BxSxKxQ.shape[2]
     k, v = (jnp.repeat(t, H // K, axis=2) if K != H else t for t in (k_BxSxKxQ, v_BxSxKxQ))
     T, S = q_BxTxHxQ.shape[1], k.shape[1]
-    scores = jnp.einsum("bthq,bshq->bhts", q_BxTxHxQ, k).astype(jnp.float32)
+    scores = scores_bhts(q_BxTxHxQ, k).astype(jnp.float32)
     scores = scores / math.sqrt(q_BxTxHxQ.shape[-1])
     i, j = jnp.arange(T)[:, None], jnp.arange(S)[None, :]
     visible = (j <= i) & ((i - j < window) if window else True)
@@ -69,6 +69,33 @@ def attention(q_BxTxHxQ, k_BxSxKxQ, v_BxSxKxQ, implementation: str = "xla", wind
     scores = scores + jnp.where(visible, 0.0, jnp.finfo(jnp.float32).min).astype(jnp.float32)
     probs = softmax(scores, v.dtype, keep)
     return jnp.einsum("bhts,bshq->bthq", probs, v)
+
+
+@jax.custom_vjp
+def scores_bhts(q_BxTxHxQ, k_BxSxHxQ):
+    """q . k over the head dimension, B x H x T x S, in the inputs' dtype."""
+    return jnp.einsum("bthq,bshq->bhts", q_BxTxHxQ, k_BxSxHxQ)
+
+
+def _scores_fwd(q_BxTxHxQ, k_BxSxHxQ):
+    return scores_bhts(q_BxTxHxQ, k_BxSxHxQ), (q_BxTxHxQ, k_BxSxHxQ)
+
+
+def _scores_bwd(res, g_BxHxTxS):
+    """The keys' gradient sums g over its rows (t): written as g^T q, its
+    product reads g across its layout, which a matmul library takes as a
+    transposed operand (XLA:CPU then leaves its fast kernels for a plain
+    loop, at twice the time); written as (q^T g)^T, the product reads g as
+    laid out and q, a head-dimension's width, transposed. Same sums, same
+    bytes; the result is transposed back to k's layout, a copy of k's size
+    that the gradient's concatenation with q's and v's takes in."""
+    q, k = res
+    dq = jnp.einsum("bhts,bshq->bthq", g_BxHxTxS, k)
+    dk_BxHxQxS = jnp.einsum("bthq,bhts->bhqs", q, g_BxHxTxS)
+    return dq.astype(q.dtype), jnp.transpose(dk_BxHxQxS, (0, 3, 1, 2)).astype(k.dtype)
+
+
+scores_bhts.defvjp(_scores_fwd, _scores_bwd)
 
 
 def attention_probs(heads: int, seq_len: int, rows: int, tensor: int, implementation: str,
