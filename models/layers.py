@@ -84,8 +84,8 @@ def _scores_fwd(q_BxTxHxQ, k_BxSxHxQ):
 def _scores_bwd(res, g_BxHxTxS):
     """The keys' gradient sums g over its rows (t): written as g^T q, its
     product reads g across its layout, which a matmul library takes as a
-    transposed operand (XLA:CPU then leaves its fast kernels for a plain
-    loop, at twice the time); written as (q^T g)^T, the product reads g as
+    transposed operand (XLA:CPU then leaves its fast kernels for its
+    generic dot, at twice the time); written as (q^T g)^T, the product reads g as
     laid out and q, a head-dimension's width, transposed. Same sums, same
     bytes; the result is transposed back to k's layout, a copy of k's size
     that the gradient's concatenation with q's and v's takes in."""

@@ -42,10 +42,11 @@ def is_no_op(eqn: core.JaxprEqn) -> bool:
     if eqn.primitive.name != "reduce_precision":
         return False
     dtype = eqn.invars[0].aval.dtype
-    if not jnp.issubdtype(dtype, jnp.floating) or jnp.finfo(dtype).bits < 32:
+    if not jnp.issubdtype(dtype, jnp.floating):
         return False
     info = jnp.finfo(dtype)
-    return (eqn.params["exponent_bits"], eqn.params["mantissa_bits"]) == (info.nexp, info.nmant)
+    return info.bits >= 32 and (eqn.params["exponent_bits"],
+                                eqn.params["mantissa_bits"]) == (info.nexp, info.nmant)
 
 
 def strip_closed(closed: core.ClosedJaxpr) -> core.ClosedJaxpr:
