@@ -92,8 +92,10 @@ def op_table(hlo_text: str, layers: int) -> dict[str, tuple[str, str, bool]]:
     one) shaped [layers, ...]: a buffer the scan stacks into, which JAX
     allocates as zeros on every backend. XLA merges equal broadcasts and
     copies the result for each buffer, so their metadata name the optimizer
-    or nothing."""
-    table, fills = {}, set()
+    or nothing. A fusion that holds a matrix product is named by it: XLA:CPU
+    fuses the attention's softmax (and its backward) into the product of the
+    scores, under the metadata of the softmax's reduction."""
+    table, fills, products = {}, set(), fused_products(hlo_text)
     for m in re.finditer(r"^\s*(?:ROOT )?%?([\w.\-]+) = ([^\n]*?)\b([a-z][\w\-]*)\(([^\n]*)$",
                          hlo_text, re.M):
         name, shape, opcode, rest = m.groups()
@@ -105,8 +107,23 @@ def op_table(hlo_text: str, layers: int) -> dict[str, tuple[str, str, bool]]:
         if dims and int(dims.group(1)) == layers and (
                 filled or (opcode == "copy" and operands and operands[0] in fills)):
             fills.add(name)
-        table[name] = (opcode, op_name.group(1) if op_name else "", name in fills)
+        op_name = op_name.group(1) if op_name else ""
+        calls = re.search(r"calls=%([\w.\-]+)", rest) if opcode == "fusion" else None
+        if calls and calls.group(1) in products:
+            op_name = products[calls.group(1)]
+        table[name] = (opcode, op_name, name in fills)
     return table
+
+
+def fused_products(hlo_text: str) -> dict[str, str]:
+    """Computation name -> the JAX op_name of the first matrix product in it."""
+    out = {}
+    for block in re.finditer(r"^%([\w.\-]+) \(.*?\{\n(.*?)^\}", hlo_text, re.M | re.S):
+        dot = re.search(r'= [^\n]*?\b(?:dot|convolution)\([^\n]*op_name="([^"]*)"',
+                        block.group(2))
+        if dot:
+            out[block.group(1)] = dot.group(1)
+    return out
 
 
 def op_times(trace_dir: Path, module: str) -> tuple[collections.Counter, collections.Counter]:

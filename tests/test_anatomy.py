@@ -30,3 +30,30 @@ def test_a_loop_event_counts_only_the_time_its_body_ops_do_not():
     assert own == {"while": 30, "slice": 20, "all-gather": 40, "nested": 10, "after": 5,
                    "other": 70}
     assert sum(own.values()) == 175  # the union of busy time per thread: 105 + 70
+
+
+MODULE = """\
+%fused_computation.5 (param_0: f32[2,4,4], param_1: f32[2,4,4]) -> f32[2,4] {
+  %param_0 = f32[2,4,4]{2,1,0} parameter(0)
+  %param_1 = f32[2,4,4]{2,1,0} parameter(1)
+  %dot.1 = f32[2,4,4]{2,1,0} dot(%param_0, %param_1), lhs_batch_dims={0}, lhs_contracting_dims={2}, rhs_batch_dims={0}, rhs_contracting_dims={1}, metadata={op_name="jit(train_step)/jvp(GPT)/blocks/bthq,bshq->bhts/dot_general"}
+  %c = f32[] constant(0)
+  ROOT %reduce_sum.1 = f32[2,4]{1,0} reduce(%dot.1, %c), dimensions={2}, to_apply=%add, metadata={op_name="jit(train_step)/jvp(GPT)/blocks/reduce_sum"}
+}
+
+ENTRY %main (a: f32[2,4,4], b: f32[2,4,4]) -> f32[2,4] {
+  %a = f32[2,4,4]{2,1,0} parameter(0)
+  %b = f32[2,4,4]{2,1,0} parameter(1)
+  %norm = f32[2,4,4]{2,1,0} add(%a, %b), metadata={op_name="jit(train_step)/jvp(GPT)/blocks/ln_1/add"}
+  ROOT %ynn_fusion.5 = f32[2,4]{1,0} fusion(%norm, %b), kind=kCustom, calls=%fused_computation.5, metadata={op_name="jit(train_step)/jvp(GPT)/blocks/reduce_sum"}
+}
+"""
+
+
+def test_a_fusion_with_a_product_in_it_is_the_products():
+    """XLA:CPU fuses the softmax into the scores' product under the softmax's
+    reduce_sum metadata: the fusion is attention, not a norm."""
+    anatomy = _anatomy()
+    table = anatomy.op_table(MODULE, layers=4)
+    assert anatomy.category(*table["ynn_fusion.5"]) == "attention (forward)"
+    assert anatomy.category(*table["norm"]) == "norms, activations, residuals (forward)"
