@@ -38,6 +38,7 @@ import models  # noqa: E402
 from zero_jax import flags
 from zero_jax import config as config_lib, job as job_lib  # noqa: E402
 from zero_jax.runtime import cpu
+from zero_jax.analysis import hlo
 from zero_jax.data import corpus as data_lib
 
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "collective-permute", "all-to-all")
@@ -108,9 +109,9 @@ def op_table(hlo_text: str, layers: int) -> dict[str, tuple[str, str, bool]]:
                 filled or (opcode == "copy" and operands and operands[0] in fills)):
             fills.add(name)
         op_name = op_name.group(1) if op_name else ""
-        calls = re.search(r"calls=%([\w.\-]+)", rest) if opcode == "fusion" else None
-        if calls and calls.group(1) in products:
-            op_name = products[calls.group(1)]
+        fused = hlo.callees(rest, ("calls",)) if opcode == "fusion" else []
+        if fused and fused[0] in products:
+            op_name = products[fused[0]]
         table[name] = (opcode, op_name, name in fills)
     return table
 
@@ -118,11 +119,12 @@ def op_table(hlo_text: str, layers: int) -> dict[str, tuple[str, str, bool]]:
 def fused_products(hlo_text: str) -> dict[str, str]:
     """Computation name -> the JAX op_name of the first matrix product in it."""
     out = {}
-    for block in re.finditer(r"^%([\w.\-]+) \(.*?\{\n(.*?)^\}", hlo_text, re.M | re.S):
-        dot = re.search(r'= [^\n]*?\b(?:dot|convolution)\([^\n]*op_name="([^"]*)"',
-                        block.group(2))
-        if dot:
-            out[block.group(1)] = dot.group(1)
+    for name, lines in hlo.computations(hlo_text)[0].items():
+        for line in lines:
+            op_name = re.search(r'op_name="([^"]*)"', line)
+            if op_name and re.search(r"\b(?:dot|convolution)\(", line):
+                out[name] = op_name.group(1)
+                break
     return out
 
 
