@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
+from jax.extend import core
 
 from zero_jax import rounding
 
@@ -19,7 +20,7 @@ def _roundings(fn, *args) -> list[tuple[str, int, int]]:
             if eqn.primitive.name == "reduce_precision":
                 found.append((str(eqn.invars[0].aval.dtype), eqn.params["exponent_bits"],
                               eqn.params["mantissa_bits"]))
-            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            for sub in core.jaxprs_in_params(eqn.params):
                 walk(sub)
 
     walk(jax.make_jaxpr(fn)(*args).jaxpr)
