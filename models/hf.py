@@ -155,7 +155,7 @@ def save(out: Path, cfg, read, max_shard_bytes: int = MAX_SHARD_BYTES,
     """Write a Hugging Face directory: config.json and the weights, in files
     of at most `max_shard_bytes` (a tensor larger than that gets a file of
     its own) with an index when there is more than one, each tensor produced
-    and written before the next is read, in `dtype` (float32 or bfloat16,
+    and written before the next is read, in `dtype` (float32, bfloat16 or float16,
     cast as it is written); config.json names `token_ids` (config_json).
     Returns the files written."""
     out.mkdir(parents=True, exist_ok=True)
@@ -170,10 +170,15 @@ def save(out: Path, cfg, read, max_shard_bytes: int = MAX_SHARD_BYTES,
     n = len(groups)
     names = [SINGLE] if n == 1 else [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
     written = []
-    for name, group in zip(names, groups):
-        export.write_safetensors(out / name, [(t, s, dtype, p) for t, s, p in group],
-                                 {"format": "pt"})
-        written.append(out / name)
+    try:
+        for name, group in zip(names, groups):
+            written.append(out / name)
+            export.write_safetensors(out / name, [(t, s, dtype, p) for t, s, p in group],
+                                     {"format": "pt"})
+    except BaseException:  # a shard cut short is no shard: leave none of this export's
+        for path in written:
+            path.unlink(missing_ok=True)
+        raise
     if n > 1:
         index = {"metadata": {"total_size": sum(size(s) for _, s, _ in items)},
                  "weight_map": {t: name for name, group in zip(names, groups) for t, _, _ in group}}

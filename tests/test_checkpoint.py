@@ -307,6 +307,52 @@ def test_export_in_bfloat16_imports_back_bit_for_bit(corpus, saved, tmp_path, ca
         assert imported["blocks"]["w_fc"].sharding == job.layout.shardings.params["blocks"]["w_fc"]
 
 
+def test_export_in_float16_rounds_each_value_and_imports_back(corpus, saved, tmp_path, capsys):
+    """--dtype float16 on a float32 run: F16 in the header, each value the
+    float32 one rounded, said as a narrowing; imported into float32
+    parameters, exactly those values widened."""
+    directory, state5, _ = saved
+    out = tmp_path / "model.safetensors"
+    assert export_cli.main(["--checkpoint-dir", str(directory), "--out", str(out),
+                            "--dtype", "float16"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith(f"wrote {out}: 56 tensors (float16), "), lines
+    assert lines[1] == ("--out: parameters stored in float32 written in float16 (as --dtype "
+                        "asked); --dtype float32 keeps every bit"), lines
+    assert _header_dtypes(out) == {"F16"}
+    in_file = export.read_consolidated(out, make_job(corpus).layout.names)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, np.asarray(b).astype(np.float16)),
+                 in_file, state5.params)
+    imported = run.load_params(str(out), make_job(corpus, mesh="fsdp=4,tensor=2", layout="fsdp_tp"))
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b, np.float32)),
+                 host(imported), in_file)
+
+
+def test_export_refuses_a_value_float16_cannot_hold(corpus, tmp_path, capsys):
+    """A parameter above float16's 65504 would be written as infinity: the
+    export names it and leaves no weights behind, for --out and for --hf-dir;
+    bfloat16, float32's range, writes it."""
+    job = make_job(corpus)
+    state = job.init_state()
+    wte = state.params["wte"]
+    big = jax.device_put(wte.at[3, 5].set(1.0e5), wte.sharding)
+    _save(job, state._replace(params={**state.params, "wte": big}), tmp_path / "ckpt", 1)
+    for target in (["--out", str(tmp_path / "m.safetensors")], ["--hf-dir", str(tmp_path / "hf")]):
+        assert export_cli.main(["--checkpoint-dir", str(tmp_path / "ckpt"), "--dtype", "float16",
+                                *target]) == 2
+        err = capsys.readouterr().err
+        name = "wte" if target[0] == "--out" else "wte.weight"  # the name in the file written
+        assert err.startswith(f"error: {name}: values up to 1e+05 do not fit in float16, whose "
+                              "largest is 6.55e+04; export in float32"), err
+        assert err.rstrip().endswith("; nothing written"), err
+    assert not (tmp_path / "m.safetensors").exists()
+    assert not list((tmp_path / "hf").glob("*.safetensors")), list((tmp_path / "hf").iterdir())
+    assert export_cli.main(["--checkpoint-dir", str(tmp_path / "ckpt"), "--dtype", "bfloat16",
+                            "--out", str(tmp_path / "m.safetensors")]) == 0
+    assert export.SafetensorsFile(tmp_path / "m.safetensors").get("wte")[3, 5] == \
+        ml_dtypes.bfloat16(1.0e5)
+
+
 @pytest.fixture(scope="module")
 def saved_bf16(corpus, tmp_path_factory):
     """A checkpoint of a run that stores bfloat16 parameters (no master copy)."""

@@ -177,13 +177,38 @@ def write_safetensors(path: str | Path, pieces: Iterable[Piece],
         f.write(struct.pack("<Q", len(text)))
         f.write(text)
         for name, shape, dtype, produce in pieces:
-            data = np.ascontiguousarray(produce(), dtype=_np_dtype(dtype))
+            data = _cast(name, produce(), dtype)
             if data.shape != tuple(shape):
                 raise ValueError(f"{name}: produced shape {data.shape}, expected {tuple(shape)}")
             f.write(data.reshape(-1).view(np.uint8).data)  # no copy of the data
             del data
             _release_freed_memory()
     return 8 + len(text) + offset
+
+
+class OutOfRange(ValueError):
+    """A parameter with finite values that the dtype asked for cannot hold."""
+
+
+def _cast(name: str, data: np.ndarray, dtype: str) -> np.ndarray:
+    """`data` in `dtype`. A narrowing cast rounds, which is asked for; a
+    finite value that would become infinite (float16 holds nothing above
+    65504) is refused: the file would hold a model that is not the one trained."""
+    with np.errstate(over="ignore"):  # an overflow is found below, and named
+        out = np.ascontiguousarray(data, dtype=_np_dtype(dtype))
+    if out.dtype != data.dtype and dtype in FLOATING and (
+            np.count_nonzero(np.isinf(out)) > np.count_nonzero(np.isinf(data))):
+        largest = float(np.max(np.abs(data[np.isfinite(data)])))
+        raise OutOfRange(f"{name}: values up to {largest:.4g} do not fit in {dtype}, whose "
+                         f"largest is {float(_finfo(dtype).max):.4g}; export in float32 "
+                         "(or bfloat16, float32's range)")
+    return out
+
+
+def _finfo(dtype: str):
+    """finfo of a floating dtype by name, bfloat16 included."""
+    import ml_dtypes
+    return ml_dtypes.finfo(_np_dtype(dtype))
 
 
 class SafetensorsError(ValueError):

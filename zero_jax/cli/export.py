@@ -22,9 +22,12 @@ from the directory the weights came from (`--model hf:DIR`, `--init-from`),
 and says which in one line; for byte-level data, a TOKENIZER.md saying the
 model reads UTF-8 bytes (checkpoint/tokenizer_files.py).
 
-`--dtype bfloat16|float32` is the dtype written; by default, the one the
-model was trained to hold (`default_dtype`): a float32-trained model is
-never narrowed unless asked, and a narrowing is said in one line.
+`--dtype bfloat16|float16|float32` is the dtype written; by default, the
+one the model was trained to hold (`default_dtype`): a float32-trained model
+is never narrowed unless asked, and a narrowing is said in one line.
+float16 (for GPUs without bfloat16, such as V100 and T4) holds nothing
+above 65504: a parameter with larger values is refused, naming it, and
+nothing is left written.
 """
 
 from __future__ import annotations
@@ -42,7 +45,10 @@ from zero_jax.checkpoint import manager as ckpt_lib
 from zero_jax.checkpoint import tokenizer_files
 from zero_jax.runtime import procmem
 
-DTYPES = ("bfloat16", "float32")  # what --dtype writes: Hugging Face's two for LMs
+DTYPES = ("bfloat16", "float16", "float32")  # what --dtype writes (Hugging Face's torch_dtype)
+# What each 16-bit dtype is narrower than: fewer bits, or (float16 from bfloat16) less range.
+NARROWER_THAN = {"bfloat16": {"float32", "float64", "float16"},
+                 "float16": {"float32", "float64", "bfloat16"}}
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -90,7 +96,7 @@ def narrowings(stored: set[str], dtypes: dict[str, str], asked: bool) -> list[st
     return [f"{flags[what]}: parameters stored in {', '.join(sorted(stored))} written in "
             f"{dtype} ({why}); --dtype float32 keeps every bit"
             for what, dtype in dtypes.items()
-            if dtype == "bfloat16" and stored & {"float32", "float16"}]
+            if stored & NARROWER_THAN.get(dtype, set())]
 
 
 def output_dtypes(args: argparse.Namespace, reader: export.ParamReader) -> dict[str, str]:
@@ -129,7 +135,7 @@ def write(args: argparse.Namespace, reader: export.ParamReader, step: int,
                                dtype["hf"], tokenizer.token_ids if tokenizer else None)
             if tokenizer:
                 tokenizer_files.write(tokenizer, Path(args.hf_dir))
-    except (ckpt_lib.CorruptCheckpoint, OSError):  # OSError: no space, no permission
+    except (ckpt_lib.CorruptCheckpoint, export.OutOfRange, OSError):  # OSError: no space, no permission
         for path in written + [Path(p) for p in (args.out,) if p]:
             path.unlink(missing_ok=True)
         raise
@@ -139,7 +145,7 @@ def write(args: argparse.Namespace, reader: export.ParamReader, step: int,
 def failed(e: Exception) -> int:
     """A failed write as one line: exit 4 for a corrupt checkpoint, else 2."""
     corrupt = isinstance(e, ckpt_lib.CorruptCheckpoint)
-    what = e if corrupt else f"writing {e.filename}: {e.strerror}"
+    what = e if corrupt or isinstance(e, export.OutOfRange) else f"writing {e.filename}: {e.strerror}"
     print(f"error: {what}; nothing written", file=sys.stderr)
     return 4 if corrupt else 2
 
@@ -162,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     baseline = procmem.reset_peak()  # measure from here
     try:
         written = write(args, reader, step, directory, dtype, tokenizer)
-    except (ckpt_lib.CorruptCheckpoint, OSError) as e:
+    except (ckpt_lib.CorruptCheckpoint, export.OutOfRange, OSError) as e:
         return failed(e)
     print(describe(written, step, directory))
     if tokenizer:
