@@ -45,34 +45,62 @@ COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "collective-permute
 # Model ops, by their JAX op_name (first match wins). The layer stack is a
 # scan: its per-layer slicing of stacked weights and activations, stacking of
 # what the backward keeps, and the loop itself are bookkeeping, not compute.
+# The loss is differentiated apart from the model, so its own ops sit right
+# under a bare jvp() (a pipeline's stage sits under one too, deeper).
 MODEL_CATEGORIES = [
     ("scan slicing/stacking", re.compile(r"dynamic_index_in_dim|dynamic_update_index_in_dim|"
                                          r"dynamic_update_slice|dynamic_slice|/while$|"
                                          r"stack/broadcast_in_dim$")),
-    ("attention", re.compile(r"bhts|softmax|attention|/blocks/(jit\(_where\)/)?(select_n|le)$")),
-    ("loss head", re.compile(r"\.head/|jvp\(\)/|cross_entropy|logsumexp")),
-    ("embedding", re.compile(r"\.embed/")),
+    ("attention", re.compile(r"bhts|softmax|attention|/(blocks|Block)/"  # and the causal mask
+                             r"(le|(jit\(_where\)/)?select_n|jit\(_where\)/broadcast_in_dim)$")),
+    ("loss head", re.compile(r"\.head\)?/|jvp\(\)\)?/(jit\([^)/]*\)/)?[^/]+$|"
+                             r"cross_entropy|logsumexp")),
+    ("embedding", re.compile(r"\.embed\)?/")),
     ("matmuls", re.compile(r"dot_general$")),
     ("norms, activations, residuals", re.compile(r".")),
 ]
+# Outside autodiff's names: a pipeline's backward tick rebuilds its stage's
+# forward (the stage's scan in a cond branch, under the stage's checkpoint)
+# before it transposes it; ops of the model's modules that autodiff leaves out
+# (a gather's integer indexing) are forward work; the rest of a pipeline's
+# shard_map is its schedule (the ticks' buffers and selects).
+REBUILT = re.compile(r"(?:^|/)checkpoint/|_fun/while/")
+MODEL_SCOPE = re.compile(r"\.(embed|head|stack)\)?/|/(blocks|Block)/")
+PIPELINE_SCHEDULE = re.compile(r"shard_map/")
+
+
+def phase(op_name: str) -> str | None:
+    """Which pass of the model an op belongs to, or None outside them: the
+    forward is named jvp(...), the backward transpose(jvp(...)) (in a scanned
+    stack the backward's rebuild of a layer sits inside it), and a pipeline
+    rebuilds a stage's forward in its backward tick outside it (REBUILT)."""
+    if "transpose(jvp(" in op_name:
+        return "backward"
+    if "jvp(" in op_name:
+        return "forward"
+    if REBUILT.search(op_name):
+        return "backward"
+    return "forward" if MODEL_SCOPE.search(op_name) else None
 
 
 def category(opcode: str, op_name: str, zero_fill: bool = False) -> str:
     """An op's category: collectives by opcode; the zero-fills of the scan's
     stacked buffers (`zero_fill`, op_table) with the scan's slicing and
-    stacking, whatever metadata XLA left on them; the optimizer update and
-    step bookkeeping are the ops outside the model's forward and backward
-    (no jvp in their op_name); the model's ops by MODEL_CATEGORIES, forward
-    or backward."""
+    stacking, whatever metadata XLA left on them; a pipeline's schedule and
+    the optimizer update with step bookkeeping are the ops outside the
+    model's forward and backward (`phase`); the model's ops by
+    MODEL_CATEGORIES, forward or backward."""
     if opcode.removesuffix("-start").removesuffix("-done") in COLLECTIVES:
         return "collectives"
     if zero_fill:
         return "scan slicing/stacking"
-    if "jvp(" not in op_name:
+    when = phase(op_name)
+    if when is None:
+        if PIPELINE_SCHEDULE.search(op_name):
+            return "pipeline schedule"
         return "optimizer, gradient norm, step" if op_name else "other"
-    phase = "backward" if "transpose(jvp(" in op_name else "forward"
     name = next(n for n, pattern in MODEL_CATEGORIES if pattern.search(op_name))
-    return name if name == "scan slicing/stacking" else f"{name} ({phase})"
+    return name if name == "scan slicing/stacking" else f"{name} ({when})"
 
 
 def parse(argv):
@@ -90,13 +118,16 @@ def parse(argv):
 def op_table(hlo_text: str, layers: int) -> dict[str, tuple[str, str, bool]]:
     """HLO op name -> (opcode, JAX op_name, zero_fill) from the compiled
     module's text. zero_fill: a broadcast of a constant (or XLA's copy of
-    one) shaped [layers, ...]: a buffer the scan stacks into, which JAX
+    one) shaped [n, ...], n the layers or a loop's trip count (a pipeline
+    stage's layers, its ticks): a buffer a scan stacks into, which JAX
     allocates as zeros on every backend. XLA merges equal broadcasts and
     copies the result for each buffer, so their metadata name the optimizer
     or nothing. A fusion that holds a matrix product is named by it: XLA:CPU
     fuses the attention's softmax (and its backward) into the product of the
     scores, under the metadata of the softmax's reduction."""
     table, fills, products = {}, set(), fused_products(hlo_text)
+    trips = re.findall(r'"known_trip_count":\{"n":"(\d+)"\}', hlo_text)
+    lengths = {layers} | {int(n) for n in trips}
     for m in re.finditer(r"^\s*(?:ROOT )?%?([\w.\-]+) = ([^\n]*?)\b([a-z][\w\-]*)\(([^\n]*)$",
                          hlo_text, re.M):
         name, shape, opcode, rest = m.groups()
@@ -105,7 +136,7 @@ def op_table(hlo_text: str, layers: int) -> dict[str, tuple[str, str, bool]]:
         operands = re.findall(r"%([\w.\-]+)", rest.split(")", 1)[0])
         filled = (opcode == "broadcast" or name.startswith("wrapped_broadcast")) and all(
             o.startswith("constant") for o in operands)
-        if dims and int(dims.group(1)) == layers and (
+        if dims and int(dims.group(1)) in lengths and (
                 filled or (opcode == "copy" and operands and operands[0] in fills)):
             fills.add(name)
         op_name = op_name.group(1) if op_name else ""

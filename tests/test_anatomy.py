@@ -57,3 +57,55 @@ def test_a_fusion_with_a_product_in_it_is_the_products():
     table = anatomy.op_table(MODULE, layers=4)
     assert anatomy.category(*table["ynn_fusion.5"]) == "attention (forward)"
     assert anatomy.category(*table["norm"]) == "norms, activations, residuals (forward)"
+
+
+PIPE = "jit(train_step)/shard_map/while/body/closed_call/cond/branch_1_fun/"
+
+
+def test_a_pipeline_stage_is_counted_as_the_model_in_each_pass():
+    """A pipeline runs its stage's forward under a bare jvp() (the loss's own
+    ops sit there too, one level down), rebuilds it in the backward tick
+    under the stage's checkpoint without any jvp, then transposes it; the
+    tick loop around them is the schedule, not the optimizer."""
+    category = _anatomy().category
+    assert category("fusion", PIPE + "jvp()/while/body/closed_call/Block/btd,df->btf/dot_general") \
+        == "matmuls (forward)"
+    assert category("fusion", PIPE + "while/body/closed_call/checkpoint/Block/btd,df->btf/"
+                    "dot_general") == "matmuls (backward)"
+    assert category("fusion", PIPE + "transpose(jvp())/while/body/closed_call/checkpoint/Block/"
+                    "bhts,bshq->bthq/dot_general") == "attention (backward)"
+    assert category("fusion", PIPE + "while/body/jit(dynamic_index_in_dim)/dynamic_slice") \
+        == "scan slicing/stacking"
+    assert category("fusion", PIPE + "jvp(GPT.head)/btd,vd->btv/dot_general") == \
+        "loss head (forward)"
+    assert category("fusion", PIPE + "GPT.embed/jit(_take)/select_n") == "embedding (forward)"
+    assert category("select", PIPE.removesuffix("cond/branch_1_fun/")) == "pipeline schedule"
+    assert category("collective-permute", PIPE + "ppermute") == "collectives"
+    # Without a pipeline the same rules give what they gave.
+    assert category("fusion", "jit(train_step)/jvp()/exp") == "loss head (forward)"
+    assert category("fusion", "jit(train_step)/transpose(jvp())/mul") == "loss head (backward)"
+    assert category("fusion", "jit(train_step)/blocks/le") == "attention (forward)"  # mask, hoisted
+    assert category("fusion", "jit(train_step)/jit(_where)/select_n") == \
+        "optimizer, gradient norm, step"
+    assert category("fusion", "jit(train_step)/transpose(jvp(GPT))/GPT.stack/while/body/"
+                    "closed_call/checkpoint/blocks/btf,df->btd/dot_general") == "matmuls (backward)"
+
+
+STAGE_FILL = """\
+ENTRY %main (a: f32[]) -> f32[2,4,4] {
+  %constant.1 = f32[] constant(0)
+  ROOT %wrapped_broadcast.26 = f32[2,4,4]{2,1,0} fusion(%constant.1), kind=kLoop, calls=%w, metadata={op_name="jit(train_step)/shard_map/while/body/closed_call"}
+  %while.3 = (s32[]) while(%t), condition=%c, body=%b, backend_config={"known_trip_count":{"n":"2"}}
+}
+"""
+
+
+def test_a_stage_stack_zero_fill_is_the_scans():
+    """A pipeline stage scans its share of the layers (2 of 4 here): the
+    zero-fill of a buffer stacked over a loop's trip count is stacking."""
+    anatomy = _anatomy()
+    table = anatomy.op_table(STAGE_FILL, layers=4)
+    assert table["wrapped_broadcast.26"][2]
+    assert anatomy.category(*table["wrapped_broadcast.26"]) == "scan slicing/stacking"
+    assert not anatomy.op_table(STAGE_FILL.replace('"n":"2"', '"n":"3"'), layers=4)[
+        "wrapped_broadcast.26"][2]
