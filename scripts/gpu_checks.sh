@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# The checks that need one GPU, in one command of under ten minutes:
+#
+#     bash scripts/gpu_checks.sh OUT_DIR [PART ...]            # on a machine with one GPU
+#     PYTHON=.venv/bin/python bash scripts/gpu_checks.sh OUT_DIR   # without one: the stand-ins
+#
+# Run from the source tree with a Python that has JAX (with its CUDA plugin
+# on the GPU machine), flax, optax, orbax-checkpoint, tensorstore, safetensors,
+# ml_dtypes and tqdm; nothing is installed. Each part writes OUT_DIR/PART.txt
+# (the bench also OUT_DIR/bench.json) under its own time limit, so that one
+# part that hangs costs only its own minutes; PART names run only those parts.
+#
+#   versions   Python, JAX and its backend, flax, optax, orbax; the devices
+#   suite      the suite's core against this JAX release, on the CPU with 8
+#              simulated devices: whether the code runs on what is installed
+#   moves      the compiled step's copies, transposes, fills and roundings on
+#              the GPU (scripts/hlo_moves.py), beside the CPU's in
+#              docs/observability.md: which of the CPU's copies XLA:GPU keeps
+#   anatomy    a bf16 gpt-small step's time by category (scripts/anatomy.py)
+#   attention  compiled temporaries against sequence length under cuDNN's
+#              attention (scripts/check_attention.py): no T x T growth
+#   bench      `zero-jax bench --suite gpu-1` on gpt-small and gpt-xl without
+#              offload (tokens/s, MFU, step time, compiled bytes)
+#
+# Without a GPU the GPU parts run their CPU stand-ins (XLA's attention, the
+# gpu-1 selection's dry run, gpt-tiny), which check the script itself.
+set -u
+OUT=${1:?usage: bash scripts/gpu_checks.sh OUT_DIR [PART ...]}
+shift
+PARTS=${*:-versions suite moves anatomy attention bench}
+PY=${PYTHON:-python3}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+
+GPU=$($PY -c 'import jax; print(int(jax.default_backend() == "gpu"))' 2>/dev/null || echo 0)
+
+run() {  # run PART SECONDS COMMAND...: the command's output in OUT/PART.txt and on stdout
+    local part=$1 seconds=$2
+    shift 2
+    case " $PARTS " in *" $part "*) ;; *) return 0 ;; esac
+    local command="$*"
+    echo "== $part (at most ${seconds}s): ${command:0:160}"
+    local start=$SECONDS
+    timeout "$seconds" "$@" >"$OUT/$part.txt" 2>&1
+    local rc=$?
+    tail -n 25 "$OUT/$part.txt"
+    echo "== $part: exit $rc after $((SECONDS - start))s"
+}
+
+run versions 60 $PY -c '
+import sys, importlib.metadata as md, jax
+print("python", sys.version.split()[0])
+for name in ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "tensorstore", "numpy"):
+    try:
+        print(name, md.version(name))
+    except md.PackageNotFoundError:
+        print(name, "not installed")
+print("backend", jax.default_backend(), [d.device_kind for d in jax.devices()])'
+
+run suite 180 env JAX_PLATFORMS=cpu $PY -m pytest -q -x -n 8 --dist loadfile -p no:cacheprovider \
+    tests/test_rounding.py tests/test_layers.py tests/test_numerics.py tests/test_overlap.py \
+    tests/test_config.py tests/test_checkpoint.py tests/test_pipeline_tables.py
+
+if [ "$GPU" = 1 ]; then
+    run moves 90 $PY scripts/hlo_moves.py --mesh data=1 --zero-stage 0 --top 15
+    run anatomy 120 $PY scripts/anatomy.py --mesh data=1 --model gpt-small --precision bf16 \
+        --batch-size 8 --seq-len 1024 --top 20
+    run attention 90 $PY scripts/check_attention.py --attention cudnn --precision bf16
+    run bench 240 $PY scripts/bench.py --suite gpu-1 --cases 'gpt-small/none,gpt-xl/none' \
+        --json-out "$OUT/bench.json"
+else
+    run moves 90 $PY scripts/hlo_moves.py --devices 1 --mesh data=1 --zero-stage 0 --top 15
+    run anatomy 120 $PY scripts/anatomy.py --devices 1 --mesh data=1 --top 20
+    run attention 90 $PY scripts/check_attention.py --attention xla --seq-lens 256,512
+    run bench 240 $PY scripts/bench.py --suite gpu-1 --dry-run --cases 'dry-d64/none' \
+        --json-out "$OUT/bench.json"
+fi
