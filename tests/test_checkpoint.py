@@ -324,7 +324,8 @@ def test_export_in_float16_rounds_each_value_and_imports_back(corpus, saved, tmp
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, np.asarray(b).astype(np.float16)),
                  in_file, state5.params)
     imported = run.load_params(str(out), make_job(corpus, mesh="fsdp=4,tensor=2", layout="fsdp_tp"))
-    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b, np.float32)),
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a),
+                                                            np.asarray(b, np.float32)),
                  host(imported), in_file)
 
 

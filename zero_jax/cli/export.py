@@ -135,7 +135,8 @@ def write(args: argparse.Namespace, reader: export.ParamReader, step: int,
                                dtype["hf"], tokenizer.token_ids if tokenizer else None)
             if tokenizer:
                 tokenizer_files.write(tokenizer, Path(args.hf_dir))
-    except (ckpt_lib.CorruptCheckpoint, export.OutOfRange, OSError):  # OSError: no space, no permission
+    # OSError: no space, no permission; OutOfRange: a value float16 cannot hold
+    except (ckpt_lib.CorruptCheckpoint, export.OutOfRange, OSError):
         for path in written + [Path(p) for p in (args.out,) if p]:
             path.unlink(missing_ok=True)
         raise
@@ -145,7 +146,8 @@ def write(args: argparse.Namespace, reader: export.ParamReader, step: int,
 def failed(e: Exception) -> int:
     """A failed write as one line: exit 4 for a corrupt checkpoint, else 2."""
     corrupt = isinstance(e, ckpt_lib.CorruptCheckpoint)
-    what = e if corrupt or isinstance(e, export.OutOfRange) else f"writing {e.filename}: {e.strerror}"
+    said = corrupt or isinstance(e, export.OutOfRange)  # their messages name the array
+    what = e if said else f"writing {e.filename}: {e.strerror}"
     print(f"error: {what}; nothing written", file=sys.stderr)
     return 4 if corrupt else 2
 
