@@ -61,17 +61,19 @@ run suite 180 env JAX_PLATFORMS=cpu $PY -m pytest -q -x -n 8 --dist loadfile -p 
     tests/test_rounding.py tests/test_layers.py tests/test_numerics.py tests/test_overlap.py \
     tests/test_config.py tests/test_checkpoint.py tests/test_pipeline_tables.py
 
+# What the GPU parts run on the GPU, and their stand-ins without one.
 if [ "$GPU" = 1 ]; then
-    run moves 90 $PY scripts/hlo_moves.py --mesh data=1 --zero-stage 0 --top 15
-    run anatomy 120 $PY scripts/anatomy.py --mesh data=1 --model gpt-small --precision bf16 \
-        --batch-size 8 --seq-len 1024 --top 20
-    run attention 90 $PY scripts/check_attention.py --attention cudnn --precision bf16
-    run bench 240 $PY scripts/bench.py --suite gpu-1 --cases 'gpt-small/none,gpt-xl/none' \
-        --json-out "$OUT/bench.json"
+    DEVICES=()
+    ANATOMY=(--model gpt-small --precision bf16 --batch-size 8 --seq-len 1024)
+    ATTENTION=(--attention cudnn --precision bf16)
+    BENCH=(--cases 'gpt-small/none,gpt-xl/none')
 else
-    run moves 90 $PY scripts/hlo_moves.py --devices 1 --mesh data=1 --zero-stage 0 --top 15
-    run anatomy 120 $PY scripts/anatomy.py --devices 1 --mesh data=1 --top 20
-    run attention 90 $PY scripts/check_attention.py --attention xla --seq-lens 256,512
-    run bench 240 $PY scripts/bench.py --suite gpu-1 --dry-run --cases 'dry-d64/none' \
-        --json-out "$OUT/bench.json"
+    DEVICES=(--devices 1)
+    ANATOMY=()
+    ATTENTION=(--attention xla --seq-lens 256,512)
+    BENCH=(--dry-run --cases 'dry-d64/none')
 fi
+run moves 90 $PY scripts/hlo_moves.py "${DEVICES[@]}" --mesh data=1 --zero-stage 0 --top 15
+run anatomy 120 $PY scripts/anatomy.py "${DEVICES[@]}" --mesh data=1 "${ANATOMY[@]}" --top 20
+run attention 90 $PY scripts/check_attention.py "${ATTENTION[@]}"
+run bench 240 $PY scripts/bench.py --suite gpu-1 "${BENCH[@]}" --json-out "$OUT/bench.json"

@@ -281,21 +281,28 @@ def _header_dtypes(path) -> set[str]:
     return {entry["dtype"] for entry in export.SafetensorsFile(path).header.values()}
 
 
+def _narrowed_export(corpus, directory, tmp_path, capsys, dtype: str, code: str):
+    """`--out` of the float32 checkpoint in `directory` in `dtype`: the file
+    says `code` for every tensor and the export says it narrowed, in one
+    line. Returns the file and its values (numpy, in `dtype`)."""
+    out = tmp_path / "model.safetensors"
+    assert export_cli.main(["--checkpoint-dir", str(directory), "--out", str(out),
+                            "--dtype", dtype]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith(f"wrote {out}: 56 tensors ({dtype}), "), lines
+    assert lines[1] == (f"--out: parameters stored in float32 written in {dtype} (as --dtype "
+                        "asked); --dtype float32 keeps every bit"), lines
+    assert _header_dtypes(out) == {code}
+    return out, export.read_consolidated(out, make_job(corpus).layout.names)
+
+
 def test_export_in_bfloat16_imports_back_bit_for_bit(corpus, saved, tmp_path, capsys):
     """--dtype bfloat16 on a float32 run: BF16 in the file's header, each
     value the float32 one rounded to nearest even, and said in one line.
     Imported, the file's values are what is placed, cast per the policy:
     bit for bit into bfloat16 parameters, exactly widened into float32."""
-    directory, state5, _ = saved
-    out = tmp_path / "model.safetensors"
-    assert export_cli.main(["--checkpoint-dir", str(directory), "--out", str(out),
-                            "--dtype", "bfloat16"]) == 0
-    lines = capsys.readouterr().out.splitlines()
-    assert lines[0].startswith(f"wrote {out}: 56 tensors (bfloat16), "), lines
-    assert lines[1] == ("--out: parameters stored in float32 written in bfloat16 (as --dtype "
-                        "asked); --dtype float32 keeps every bit"), lines
-    assert _header_dtypes(out) == {"BF16"}
-    in_file = export.read_consolidated(out, make_job(corpus).layout.names)  # numpy, bfloat16
+    out, in_file = _narrowed_export(corpus, saved[0], tmp_path, capsys, "bfloat16", "BF16")
+    state5 = saved[1]
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(
         _bits(a), _bits(jnp.asarray(b).astype("bfloat16"))), in_file, state5.params)
     for dtype in ("bfloat16", "float32"):
@@ -311,16 +318,8 @@ def test_export_in_float16_rounds_each_value_and_imports_back(corpus, saved, tmp
     """--dtype float16 on a float32 run: F16 in the header, each value the
     float32 one rounded, said as a narrowing; imported into float32
     parameters, exactly those values widened."""
-    directory, state5, _ = saved
-    out = tmp_path / "model.safetensors"
-    assert export_cli.main(["--checkpoint-dir", str(directory), "--out", str(out),
-                            "--dtype", "float16"]) == 0
-    lines = capsys.readouterr().out.splitlines()
-    assert lines[0].startswith(f"wrote {out}: 56 tensors (float16), "), lines
-    assert lines[1] == ("--out: parameters stored in float32 written in float16 (as --dtype "
-                        "asked); --dtype float32 keeps every bit"), lines
-    assert _header_dtypes(out) == {"F16"}
-    in_file = export.read_consolidated(out, make_job(corpus).layout.names)
+    out, in_file = _narrowed_export(corpus, saved[0], tmp_path, capsys, "float16", "F16")
+    state5 = saved[1]
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, np.asarray(b).astype(np.float16)),
                  in_file, state5.params)
     imported = run.load_params(str(out), make_job(corpus, mesh="fsdp=4,tensor=2", layout="fsdp_tp"))

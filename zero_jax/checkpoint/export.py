@@ -196,8 +196,10 @@ def _cast(name: str, data: np.ndarray, dtype: str) -> np.ndarray:
     65504) is refused: the file would hold a model that is not the one trained."""
     with np.errstate(over="ignore"):  # an overflow is found below, and named
         out = np.ascontiguousarray(data, dtype=_np_dtype(dtype))
-    if out.dtype != data.dtype and dtype in FLOATING and (
-            np.count_nonzero(np.isinf(out)) > np.count_nonzero(np.isinf(data))):
+    if out.dtype == data.dtype or dtype not in FLOATING:
+        return out
+    infinite = np.count_nonzero(np.isinf(out))  # the source is read again only if any
+    if infinite and infinite > np.count_nonzero(np.isinf(data)):
         largest = float(np.max(np.abs(data[np.isfinite(data)])))
         raise OutOfRange(f"{name}: values up to {largest:.4g} do not fit in {dtype}, whose "
                          f"largest is {float(_finfo(dtype).max):.4g}; export in float32 "
