@@ -8,6 +8,7 @@ import pytest
 
 from tests.helpers import compile_step, make_job
 from zero_jax import overlap, step
+from zero_jax.runtime import xla_options
 from zero_jax.analysis import hlo
 
 
@@ -32,22 +33,32 @@ def test_below_zero3_the_scan_holds_no_collective(corpus):
     assert whole["all-reduce"] + whole["reduce-scatter"] >= 1, whole  # after the loop
 
 
-def test_the_step_compiles_with_the_options_only_at_zero3(corpus):
+def test_the_step_asks_for_the_overlap_only_at_zero3_on_gpu(corpus):
     job = make_job(corpus, zero_stage=3)
-    assert step.compiler_options(job.layout, overlap=True) == overlap.ZERO3_OPTIONS
-    assert step.compiler_options(job.layout, overlap=False) is None
-    assert step.compiler_options(make_job(corpus, zero_stage=2).layout, overlap=True) is None
-    off = make_job(corpus, zero_stage=3, overlap_collectives=False)
-    # jax keeps a jit's compiler options on the lowering and merges them into the compile.
-    kept = dict(job.lower_train_step()._lowering._compiler_options_kvs)
-    assert overlap.ZERO3_OPTIONS.items() <= kept.items()
-    assert not overlap.ZERO3_OPTIONS.keys() & dict(off.lower_train_step()._lowering._compiler_options_kvs).keys()
+    on_gpu = step.compiler_options(job.layout, overlap=True, backend="gpu")
+    assert set(on_gpu) == {xla_options.accepted(w)[0] for w in overlap.ZERO3_WANTS}
+    assert step.compiler_options(job.layout, overlap=False, backend="gpu") is None
+    assert step.compiler_options(make_job(corpus, zero_stage=2).layout, overlap=True,
+                                 backend="gpu") is None
+    # Other backends are not asked: their programs (and cache keys) stay free of it.
+    assert step.compiler_options(job.layout, overlap=True, backend="cpu") is None
+    # XLA reads every backend's options on any backend: the step as spelled
+    # for the GPU compiles here with this XLA.
+    job.lower_train_step().compile(compiler_options=on_gpu)
 
 
-def test_this_xla_knows_every_option():
+def test_every_want_has_a_spelling_this_xla_knows():
     # XLA rejects an option it does not know ("No such compile option"), so a
-    # rename in a new jaxlib fails here rather than in a user's first GPU step.
+    # rename in a new jaxlib shows here rather than as a slower GPU step.
+    for want in (*overlap.ZERO3_WANTS, xla_options.WHILE_LOOP_DOUBLE_BUFFERING):
+        assert xla_options.accepted(want) == want.spellings[0], want
     lowered = jax.jit(lambda x: x * 2).lower(jnp.ones(4))
-    lowered.compile(compiler_options=overlap.ZERO3_OPTIONS)
     with pytest.raises(Exception, match="xla_gpu_no_such_option"):
         lowered.compile(compiler_options={"xla_gpu_no_such_option": True})
+
+
+def test_a_want_this_xla_does_not_know_is_left_out_with_a_warning():
+    unknown = xla_options.Want("gpu", (("xla_gpu_no_such_option", True),))
+    with pytest.warns(RuntimeWarning, match="xla_gpu_no_such_option"):
+        assert xla_options.spell((unknown, xla_options.PIPELINE_ALL_GATHER), "gpu") == dict(
+            [xla_options.PIPELINE_ALL_GATHER.spellings[0]])

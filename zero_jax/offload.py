@@ -5,7 +5,7 @@ With `[offload] optimizer = true` the optimizer state lives in `pinned_host`
 memory, sharded as the ZeRO stage says; at stages 1 and 2 that includes the
 float32 master weights (master.py keeps them in the optimizer state). Each
 step the gradients go to the host in the gradient dtype, the update runs
-there (`compute_on("device_host")`), as ZeRO-Offload runs Adam on the CPU,
+there (`compute_on(compute_type="device_host")`), as ZeRO-Offload runs Adam on the CPU,
 and the new stored parameters come back to the device.
 
 Why on the host rather than streamed through the device: streaming brings
@@ -23,7 +23,7 @@ layer to the device before it is cast and all-gathered (param_use.py,
 `Use.gather`), inside the layer scan, so the device holds a layer's shard
 at a time and never the stack; the backward pass keeps the host shard and
 fetches it again, as it gathers again. The fetch depends on the loop index only, so with
-while-loop double buffering (`compiler_options`) XLA:GPU starts the next
+while-loop double buffering (`WANTS`) XLA:GPU starts the next
 layer's copy while this layer computes. Shards move in their stored dtype
 (float32 at ZeRO-3): 4 bytes per parameter this device stores, forward
 and backward (and again to recompute under full remat), per microbatch.
@@ -40,6 +40,8 @@ from typing import Any, Callable
 import jax
 from jax.experimental.compute_on import compute_on
 from jax.sharding import NamedSharding
+
+from zero_jax.runtime import xla_options
 
 HOST = "pinned_host"
 
@@ -64,19 +66,21 @@ class HostUpdate:
         The operands are passed as they are, and XLA moves them: placed in
         host memory explicitly first, JAX types them as host arrays, and
         optax's norms (`x.imag` of a real array) then mix in device-typed
-        zeros, which JAX 0.10 rejects. The compiled step runs the update's
+        zeros, which JAX rejects. The compiled step runs the update's
         instructions with the host compute type, on buffers in host memory
-        (tests/test_offload.py reads both from its HLO). Under parameter
+        (tests/test_offload.py reads both from its HLO). Its results are
+        left in host memory: the optimizer state is stored there, and the
+        parameters are then placed where they are stored. Under parameter
         offload the parameters are host arrays already, and stay there."""
-        new_params, new_opt = compute_on("device_host")(jax.jit(update))(
-            grads, opt_state, params, finite)
+        on_cpu = compute_on(compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)
+        new_params, new_opt = on_cpu(jax.jit(update))(grads, opt_state, params, finite)
         return jax.device_put(new_params, self.params), new_opt
 
 
-def compiler_options(host_params: bool) -> dict[str, bool] | None:
-    """XLA options for a step whose parameters are fetched from host memory
-    layer by layer. While-loop double buffering unrolls the layer scan in
-    pairs, so that XLA:GPU's scheduler starts the next layer's host-to-device
-    copy (it depends on the loop index only, not on the layer's output)
-    while this layer computes: the prefetch. Other backends ignore it."""
-    return {"xla_gpu_enable_while_loop_double_buffering": True} if host_params else None
+def wants(host_params: bool) -> tuple[xla_options.Want, ...]:
+    """What XLA is asked for in a step whose parameters are fetched from host
+    memory layer by layer. While-loop double buffering unrolls the layer scan
+    in pairs, so that XLA:GPU's scheduler starts the next layer's
+    host-to-device copy (it depends on the loop index only, not on the
+    layer's output) while this layer computes: the prefetch."""
+    return (xla_options.WHILE_LOOP_DOUBLE_BUFFERING,) if host_params else ()

@@ -22,8 +22,9 @@ the memory cost is the one layer's buffer in flight that such a prefetch
 has too. The loop stays a loop (the pipeliner peels the first gather out
 ahead of it and the last reduction after it), and the math and its order
 are unchanged: the same collectives on the same values. Other backends
-ignore `xla_gpu_*` options; XLA:CPU's collectives are synchronous, so there
-is nothing for them to overlap with, and no GPU time has been measured yet.
+are not asked (runtime/xla_options.py spells the options for the running
+XLA); XLA:CPU's collectives are synchronous, so there is nothing for them to
+overlap with, and no GPU time has been measured yet.
 `--no-overlap-collectives` compiles without them.
 
 At stages 0 to 2 the loops hold no collective: the partitioner reduces the
@@ -34,14 +35,16 @@ whatever the schedule, so there is nothing to pipeline.
 
 from __future__ import annotations
 
-# The per-layer collectives of a ZeRO-3 scan, by the XLA option that pipelines each.
-ZERO3_OPTIONS = {
-    "xla_gpu_enable_pipelined_all_gather": True,  # the weights' gather, an iteration early
-    "xla_gpu_enable_pipelined_reduce_scatter": True,  # the gradient's reduction, an iteration late
-}
+from zero_jax.runtime import xla_options
+
+# The per-layer collectives of a ZeRO-3 scan, by what XLA is asked to do with each.
+ZERO3_WANTS = (
+    xla_options.PIPELINE_ALL_GATHER,  # the weights' gather, an iteration early
+    xla_options.PIPELINE_REDUCE_SCATTER,  # the gradient's reduction, an iteration late
+)
 
 
-def compiler_options(zero_stage: int) -> dict[str, bool]:
-    """XLA options that overlap the per-layer collectives of a step at
-    `zero_stage` with the layer scan's compute (module docstring)."""
-    return dict(ZERO3_OPTIONS) if zero_stage >= 3 else {}
+def wants(zero_stage: int) -> tuple[xla_options.Want, ...]:
+    """What XLA is asked for to overlap the per-layer collectives of a step
+    at `zero_stage` with the layer scan's compute (module docstring)."""
+    return ZERO3_WANTS if zero_stage >= 3 else ()

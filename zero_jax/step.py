@@ -34,6 +34,7 @@ from zero_jax.loss import cross_entropy, expert_load_ratio
 from zero_jax.model import ModelFns
 from zero_jax.pipeline import schedule as sched_lib
 from zero_jax.pipeline.schedule import Schedule
+from zero_jax.runtime import xla_options
 from zero_jax.state import Layout, TrainState
 
 
@@ -337,12 +338,13 @@ def jit_train_step(layout: Layout, model: ModelFns, hooks: Hooks, tx: optax.Grad
                    compiler_options=compiler_options(layout, overlap))
 
 
-def compiler_options(layout: Layout, overlap: bool) -> dict[str, bool] | None:
-    """The XLA options a step of `layout` compiles with: offload's prefetch,
-    and with `overlap` the collective pipelining of overlap.py."""
-    options = {**(offload_lib.compiler_options(layout.host_params) or {}),
-               **(overlap_lib.compiler_options(layout.zero_stage) if overlap else {})}
-    return options or None
+def compiler_options(layout: Layout, overlap: bool, backend: str | None = None):
+    """The XLA options a step of `layout` compiles with on `backend` (the
+    running one by default): offload's prefetch, and with `overlap` the
+    collective pipelining of overlap.py, spelled as this XLA spells them."""
+    wants = offload_lib.wants(layout.host_params) + (
+        overlap_lib.wants(layout.zero_stage) if overlap else ())
+    return xla_options.spell(wants, backend)
 
 
 def jit_eval_step(layout: Layout, model: ModelFns, hooks: Hooks, sched: Schedule | None = None,
