@@ -42,19 +42,11 @@ from zero_jax import param_use
 from zero_jax.context import attention as context_attention
 from zero_jax.context import layout as context_layout
 from zero_jax.context.layout import Context
-from zero_jax.param_use import Tapped, Use, put
+from zero_jax.param_use import ManualRows, Tapped, Use, block_rows, psum, put
 from zero_jax.remat import DOT, WEIGHT, Remat
 from zero_jax.sharding.rules import AxisRules
+from zero_jax.sharding.specs import entry_axes
 from zero_jax.sharding.zero import Placement
-
-
-def psum(x: jax.Array, axis: str, widen: bool) -> jax.Array:
-    """Sum over the manual mesh `axis`. XLA:CPU's all-reduce promotion aborts
-    on a bf16 all-reduce inside shard_map ("Invalid binary instruction opcode
-    copy"), so with `widen` (on CPU) bf16 is summed in float32 and cast back."""
-    if widen and x.dtype == jnp.bfloat16:
-        return jax.lax.psum(x.astype(jnp.float32), axis).astype(x.dtype)
-    return jax.lax.psum(x, axis)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +101,7 @@ class Hooks:
     attention: str = "xla"  # layers.attention: xla (written out) | cudnn (fused)
     scan_layers: bool = True  # False: the layer stack is unrolled (one copy of each layer in the program)
     context: Context | None = None  # the sequence split over `context`: strategy and order
+    vmapped: tuple[str, ...] = ()  # mesh axes a vmap over batch shards maps to (per_shard)
 
     def per_shard(self, axes: Sequence[str]) -> "Hooks":
         """These hooks for one shard of the batch over the data-parallel mesh
@@ -121,7 +114,7 @@ class Hooks:
         batch = tuple(a for a in self.rules.mesh_axes("batch") if a not in axes)
         crosses = self.stored is not None and bool(set(self.stored.axes) & set(axes))
         return dataclasses.replace(self, rules=self.rules.replace(batch=batch),
-                                   partial_grads=crosses)
+                                   partial_grads=crosses, vmapped=(*self.vmapped, *axes))
 
     @property
     def dtype(self):
@@ -140,7 +133,17 @@ class Hooks:
             stored = NamedSharding(self.mesh, self.stored.spec(w.shape, compute.spec, names))
         return Use(stored, compute, jnp.dtype(dtype or self.dtype), jnp.dtype(self.grad_dtype),
                    w.dtype, None if self.partial_grads else stored,
-                   fetch=stored if self.host_params else None, flat_rows=self._rows_merge())
+                   fetch=stored if self.host_params else None, flat_rows=self._rows_merge(),
+                   manual_rows=self._manual_rows(compute))
+
+    def _manual_rows(self, compute: NamedSharding | None) -> ManualRows | None:
+        """Inside a pipeline's shard_map (`rows`), the mesh axes of size > 1
+        that split a table's rows in its compute layout, which a lookup
+        splits by hand (param_use.ManualRows); elsewhere None."""
+        if self.rows is None or compute is None or not compute.spec:
+            return None
+        axes = tuple(a for a in entry_axes(compute.spec[0]) if self.mesh.shape[a] > 1)
+        return ManualRows(axes, self._widen_local, self.vmapped) if axes else None
 
     def _rows_merge(self) -> bool:
         """Whether a weight gradient may merge its operands' batch and
@@ -198,10 +201,8 @@ class Hooks:
             # This device's block of rows: each id is read where it is
             # stored, zeros elsewhere, and the blocks' results summed (one
             # nonzero term each, so the sum is exact in any dtype).
-            n = w.shape[0]
-            local = ids - self.rows.offset(n)
-            inside = (local >= 0) & (local < n)
-            y = param_use.lookup(self._use(w, names), out_dtype, w, jnp.clip(local, 0, n - 1))
+            at, inside = block_rows(ids, self.rows.offset(w.shape[0]), w.shape[0])
+            y = param_use.lookup(self._use(w, names), out_dtype, w, at)
             return self.rows.sum(jnp.where(inside[..., None], y, jnp.zeros((), y.dtype)))
         return param_use.lookup(self._use(w, names), out_dtype, w, ids)
 

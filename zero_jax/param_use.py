@@ -27,7 +27,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec
 
 from zero_jax.sharding.specs import entry_axes
 
@@ -35,6 +35,67 @@ from zero_jax.sharding.specs import entry_axes
 def put(x, sharding):
     """x constrained to `sharding`, or x itself where there is none (one device)."""
     return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
+
+
+def psum(x: jax.Array, axis, widen: bool) -> jax.Array:
+    """Sum over the manual mesh `axis`. XLA:CPU's all-reduce promotion aborts
+    on a bf16 all-reduce inside shard_map ("Invalid binary instruction opcode
+    copy"), so with `widen` (on CPU) bf16 is summed in float32 and cast back."""
+    if widen and x.dtype == jnp.bfloat16:
+        return jax.lax.psum(x.astype(jnp.float32), axis).astype(x.dtype)
+    return jax.lax.psum(x, axis)
+
+
+def block_rows(ids: jax.Array, first: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
+    """Where global row `ids` fall in a block of `n` rows starting at row
+    `first`: their indices in the block (clipped into it) and whether each
+    is inside."""
+    local = ids - first
+    return jnp.clip(local, 0, n - 1), (local >= 0) & (local < n)
+
+
+@dataclasses.dataclass(frozen=True)
+class ManualRows:
+    """A table's compute layout splits its rows over the mesh `axes`, inside
+    a region manual over other axes (a pipeline's shard_map). XLA's SPMD
+    partitioner aborts on a gather from rows split over its automatic axes
+    there (jaxlib 0.11.2 and 0.12: a check in its device groups;
+    docs/pipelines.md has the reproduction), so `lookup` splits
+    it by hand, as Megatron's vocabulary-parallel embedding does: in a
+    shard_map manual over `axes`, each device reads the ids in its block of
+    rows, zeros elsewhere, and the blocks' results are summed (one nonzero
+    term each: exact in any dtype); backward, each adds the gradients of its
+    own rows. The same collective the partitioner would insert."""
+
+    axes: tuple[str, ...]  # the mesh axes that split the rows
+    widen: bool  # sum bf16 in float32 (`psum`)
+    # the axes a surrounding vmap lays the batch out over (Hooks.per_shard):
+    # manual in the region too, where jax's vmap of a shard_map splits them
+    vmapped: tuple[str, ...] = ()
+
+    def take(self, t: jax.Array, ids: jax.Array) -> jax.Array:
+        def block(t, ids):
+            n = t.shape[0]
+            at, inside = block_rows(ids, jax.lax.axis_index(self.axes) * n, n)
+            y = jnp.take(t, at, axis=0)
+            return psum(jnp.where(inside[..., None], y, jnp.zeros((), y.dtype)), self.axes,
+                        self.widen)
+        return self._region(block, (PartitionSpec(self.axes), PartitionSpec()), PartitionSpec())(
+            t, ids)
+
+    def add_at(self, shape: tuple[int, ...], ids: jax.Array, g: jax.Array) -> jax.Array:
+        def block(ids, g):
+            n = shape[0] // jax.lax.axis_size(self.axes)
+            at, inside = block_rows(ids, jax.lax.axis_index(self.axes) * n, n)
+            return jnp.zeros((n, *shape[1:]), g.dtype).at[at].add(
+                jnp.where(inside[..., None], g, jnp.zeros((), g.dtype)))
+        return self._region(block, (PartitionSpec(), PartitionSpec()), PartitionSpec(self.axes))(
+            ids, g)
+
+    def _region(self, fn, in_specs, out_specs):
+        # The mesh is the surrounding region's (its other manual axes stay so).
+        return jax.shard_map(fn, in_specs=in_specs, out_specs=out_specs,
+                             axis_names={*self.axes, *self.vmapped}, check_vma=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +118,8 @@ class Use:
     # into one dimension: false where the sequence is split over devices, so
     # that a merge would mix two splits (Hooks._use)
     flat_rows: bool = False
+    # a table's rows split by hand in `lookup`, inside a manual region (ManualRows)
+    manual_rows: ManualRows | None = None
 
     def gather(self, w):
         if self.fetch is not None:
@@ -214,7 +277,9 @@ tapped_dense.defvjp(_tapped_fwd, _tapped_bwd)
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def lookup(use: Use, out_dtype, w, ids):
     """Rows `ids` of the gathered table w, in `out_dtype`."""
-    return jnp.take(use.gather(w), ids, axis=0).astype(out_dtype)
+    t = use.gather(w)
+    y = jnp.take(t, ids, axis=0) if use.manual_rows is None else use.manual_rows.take(t, ids)
+    return y.astype(out_dtype)
 
 
 def _lookup_fwd(use, out_dtype, w, ids):
@@ -224,7 +289,11 @@ def _lookup_fwd(use, out_dtype, w, ids):
 
 def _lookup_bwd(use, out_dtype, res, g):
     shape, ids = res
-    dw = jnp.zeros(shape.shape[1:], use.grad_dtype).at[ids].add(g.astype(use.grad_dtype))
+    g = g.astype(use.grad_dtype)
+    if use.manual_rows is None:
+        dw = jnp.zeros(shape.shape[1:], use.grad_dtype).at[ids].add(g)
+    else:
+        dw = use.manual_rows.add_at(shape.shape[1:], ids, g)
     return use.reduce(dw), None
 
 

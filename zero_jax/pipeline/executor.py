@@ -42,7 +42,8 @@ from jax.sharding import Mesh, PartitionSpec
 
 from zero_jax.accumulate import split_microbatches
 from zero_jax.context import layout as context_layout
-from zero_jax.hooks import RowSplit, psum
+from zero_jax.hooks import RowSplit
+from zero_jax.param_use import psum
 from zero_jax.pipeline.cut import Stages
 from zero_jax.pipeline.eval_stage import EvalStage
 from zero_jax.pipeline.program import Program, Tables
@@ -167,7 +168,7 @@ def _train(loop: _Loop, cpu: bool, rows: RowSplit | None, ends, outer_specs, out
     """One device's training loop, inside `shard_map`: the loss summed over
     `pipe`, the embedding's and head's gradients (the row block of each
     table taken in blocks, `outer_specs`; the rest summed over `pipe`, bf16
-    in float32 on CPU, hooks.psum) and its stage's gradients; the router
+    in float32 on CPU, param_use.psum) and its stage's gradients; the router
     metrics, summed over `pipe` but expert_load, the device's slots'."""
     # Inside, shardings refer to the context mesh, whose `pipe` is manual.
     inner = jax.sharding.get_abstract_mesh()
