@@ -79,7 +79,32 @@ def initialize(cfg: DistributedConfig) -> bool:
     if args is None or jax.distributed.is_initialized():
         return False
     jax.distributed.initialize(**args)
+    if not shares_compilation_cache(jax.default_backend()) and _compilation_cache_on():
+        jax.config.update("jax_enable_compilation_cache", False)
+        if jax.process_index() == 0:
+            print(f"the persistent compilation cache is off: on the {jax.default_backend()} "
+                  f"backend JAX keys it per process (docs/hosts.md#the-compilation-cache)")
     return True
+
+
+def shares_compilation_cache(backend: str) -> bool:
+    """Whether the processes of a run on `backend` find the same entries in
+    JAX's persistent compilation cache.
+
+    JAX keys an entry by the program and by the devices' topology as each
+    process serialises it, and only process 0 writes. On the GPU backend it
+    strips the part that names one process's devices, so every process finds
+    what process 0 wrote; on the CPU backend the topology differs from one
+    process to the next (measured with jax 0.10.2 to 0.12.1), so with a warm
+    cache process 0 runs the program it loads while every other process runs
+    the one it compiles. The two need not schedule their collectives alike:
+    under jax 0.12.1 a 2-process run deadlocked in the checkpoint checksums
+    of a resume, 4 times in 4 with a warm cache and never with a cold one."""
+    return backend != "cpu"
+
+
+def _compilation_cache_on() -> bool:
+    return bool(jax.config.jax_enable_compilation_cache and jax.config.jax_compilation_cache_dir)
 
 
 def _client():
