@@ -1,6 +1,6 @@
 """The attention scores' hand-written backward (models/layers.py): the
-gradients autodiff gives the einsum, in float32 and bfloat16, and a keys'
-product the CPU's matmul library takes whole."""
+gradients autodiff gives the einsum in float32, rounded once in bfloat16,
+and a keys' product the CPU's matmul library takes whole."""
 
 import jax
 import jax.numpy as jnp
@@ -15,19 +15,25 @@ def _grads(scores, q, k, g):
     return vjp(g)
 
 
-@pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-6), (jnp.bfloat16, 1e-2)])
-def test_scores_gradients_equal_autodiffs(dtype, tol):
+# bfloat16: the float32 gradient rounded once, within half a unit in the
+# last place, 2**-9 of the value (measured: at most 0.0037 relative).
+@pytest.mark.parametrize("dtype, rtol, atol", [(jnp.float32, 1e-6, 1e-6), (jnp.bfloat16, 2**-8, 0)])
+def test_scores_gradients_equal_autodiffs(dtype, rtol, atol):
+    """Against autodiff of the same product in float32, from the same
+    inputs. Autodiff's own bfloat16 gradient is not always that rounded
+    once: under jaxlib 0.11.2 XLA:CPU rounds its keys' product on the way
+    (37% off on one element of this example)."""
     B, T, S, H, Q = 2, 8, 12, 3, 4
     keys = jax.random.split(jax.random.key(0), 3)
     q = jax.random.normal(keys[0], (B, T, H, Q), dtype)
     k = jax.random.normal(keys[1], (B, S, H, Q), dtype)
     g = jax.random.normal(keys[2], (B, H, T, S), dtype)
     ours = _grads(layers.scores_bhts, q, k, g)
-    autodiff = _grads(lambda q, k: jnp.einsum("bthq,bshq->bhts", q, k), q, k, g)
-    for a, b in zip(ours, autodiff):
-        assert a.dtype == b.dtype == dtype and a.shape == b.shape
-        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
-                                   rtol=tol, atol=tol)
+    wide = [x.astype(jnp.float32) for x in (q, k, g)]
+    exact = _grads(lambda q, k: jnp.einsum("bthq,bshq->bhts", q, k), *wide)
+    for a, b in zip(ours, exact):
+        assert a.dtype == dtype and a.shape == b.shape
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b), rtol=rtol, atol=atol)
     np.testing.assert_array_equal(layers.scores_bhts(q, k),
                                   jnp.einsum("bthq,bshq->bhts", q, k))
 
