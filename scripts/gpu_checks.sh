@@ -4,15 +4,19 @@
 #     bash scripts/gpu_checks.sh OUT_DIR [PART ...]            # on a machine with one GPU
 #     PYTHON=.venv/bin/python bash scripts/gpu_checks.sh OUT_DIR   # without one: the stand-ins
 #
-# Run from the source tree with a Python that has JAX (with its CUDA plugin
-# on the GPU machine), flax, optax, orbax-checkpoint, tensorstore, safetensors,
-# ml_dtypes and tqdm; nothing is installed. Each part writes OUT_DIR/PART.txt
-# (the bench also OUT_DIR/bench.json) under its own time limit, so that one
-# part that hangs costs only its own minutes; PART names run only those parts.
+# Runs from the source tree as it is, with nothing installed: the repository
+# root goes on PYTHONPATH, and the Python (python3, or $PYTHON) needs JAX
+# (0.11.2 or newer, with its CUDA plugin on the GPU machine), flax, optax,
+# orbax-checkpoint, tensorstore, safetensors, ml_dtypes, tqdm and pytest with
+# pytest-xdist; tensorboardX, wandb, pyarrow and matplotlib are not used.
+# Each part writes OUT_DIR/PART.txt (the bench also OUT_DIR/bench.json) under
+# its own time limit, so that one part that hangs costs only its own minutes;
+# PART names run only those parts.
 #
 #   versions   Python, JAX and its backend, flax, optax, orbax; the devices
-#   suite      the suite's core against this JAX release, on the CPU with 8
-#              simulated devices: whether the code runs on what is installed
+#   suite      the suite's core (tests/core.txt) against this JAX release, on
+#              the CPU with 8 simulated devices: whether the code runs on what
+#              is installed
 #   moves      the compiled step's copies, transposes, fills and roundings on
 #              the GPU (scripts/hlo_moves.py), beside the CPU's in
 #              docs/observability.md: which of the CPU's copies XLA:GPU keeps
@@ -30,7 +34,9 @@ shift
 PARTS=${*:-versions suite moves anatomy attention bench}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
+OUT=$(cd "$OUT" && pwd)
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 
 GPU=$($PY -c 'import jax; print(int(jax.default_backend() == "gpu"))' 2>/dev/null || echo 0)
 
@@ -50,7 +56,8 @@ run() {  # run PART SECONDS COMMAND...: the command's output in OUT/PART.txt and
 run versions 60 $PY -c '
 import sys, importlib.metadata as md, jax
 print("python", sys.version.split()[0])
-for name in ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "tensorstore", "numpy"):
+for name in ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin", "flax", "optax",
+             "orbax-checkpoint", "tensorstore", "numpy", "ml_dtypes", "safetensors", "pytest"):
     try:
         print(name, md.version(name))
     except md.PackageNotFoundError:
@@ -58,8 +65,7 @@ for name in ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "tensorstore"
 print("backend", jax.default_backend(), [d.device_kind for d in jax.devices()])'
 
 run suite 180 env JAX_PLATFORMS=cpu $PY -m pytest -q -x -n 8 --dist loadfile -p no:cacheprovider \
-    tests/test_rounding.py tests/test_layers.py tests/test_numerics.py tests/test_overlap.py \
-    tests/test_config.py tests/test_checkpoint.py tests/test_pipeline_tables.py
+    $(cat tests/core.txt)
 
 # What the GPU parts run on the GPU, and their stand-ins without one.
 if [ "$GPU" = 1 ]; then
