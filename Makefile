@@ -55,7 +55,7 @@ venv: $(STAMP)
 %/.interpreter: FORCE
 	@[ -n "$(PYTHON)" ] || { echo "zero_jax needs Python 3.12 or newer and none runs here (tried: $(PY_CANDIDATES)): install one, or name it: make PYTHON=/path/to/python3.12"; exit 1; }
 	@want="$$($(PYTHON) -c 'import sys; print(sys.base_prefix, sys.version.split()[0]) if sys.version_info >= (3, 12) else exit(1)')" || \
-	  { echo "zero_jax needs Python 3.12 or newer: $(PYTHON) is not (make PYTHON=python3.12, or newer)"; exit 1; }; \
+	  { echo "zero_jax needs Python 3.12 or newer: $(PYTHON) is older or does not run (make PYTHON=python3.12, or newer)"; exit 1; }; \
 	have="$$($*/bin/python -c 'import sys; print(sys.base_prefix, sys.version.split()[0])' 2>/dev/null)"; \
 	if [ "$$have" != "$$want" ]; then \
 	  echo "creating $* with $(PYTHON) (Python $${want##* })"; \
