@@ -5,8 +5,8 @@ With `[offload] optimizer = true` the optimizer state lives in `pinned_host`
 memory, sharded as the ZeRO stage says; at stages 1 and 2 that includes the
 float32 master weights (master.py keeps them in the optimizer state). Each
 step the gradients go to the host in the gradient dtype, the update runs
-there (`compute_on(compute_type="device_host")`), as ZeRO-Offload runs Adam on the CPU,
-and the new stored parameters come back to the device.
+there (`compute_on(compute_type="device_host")`), as ZeRO-Offload runs Adam on
+the CPU, and the new stored parameters come back to the device.
 
 Why on the host rather than streamed through the device: streaming brings
 the whole optimizer state to the device at the update, which is where a
@@ -23,7 +23,7 @@ layer to the device before it is cast and all-gathered (param_use.py,
 `Use.gather`), inside the layer scan, so the device holds a layer's shard
 at a time and never the stack; the backward pass keeps the host shard and
 fetches it again, as it gathers again. The fetch depends on the loop index only, so with
-while-loop double buffering (`WANTS`) XLA:GPU starts the next
+while-loop double buffering (`wants`) XLA:GPU starts the next
 layer's copy while this layer computes. Shards move in their stored dtype
 (float32 at ZeRO-3): 4 bytes per parameter this device stores, forward
 and backward (and again to recompute under full remat), per microbatch.

@@ -91,15 +91,16 @@ def shares_compilation_cache(backend: str) -> bool:
     """Whether the processes of a run on `backend` find the same entries in
     JAX's persistent compilation cache.
 
-    JAX keys an entry by the program and by the devices' topology as each
-    process serialises it, and only process 0 writes. On the GPU backend it
-    strips the part that names one process's devices, so every process finds
-    what process 0 wrote; on the CPU backend the topology differs from one
-    process to the next (measured with jax 0.10.2 to 0.12.1), so with a warm
-    cache process 0 runs the program it loads while every other process runs
-    the one it compiles. The two need not schedule their collectives alike:
-    under jax 0.12.1 a 2-process run deadlocked in the checkpoint checksums
-    of a resume, 4 times in 4 with a warm cache and never with a cold one."""
+    JAX keys an entry by the program, the compile options and the devices'
+    topology fingerprint, and only process 0 writes. On GPUs JAX means the
+    key to agree across processes (it leaves the device assignment out
+    there, and can share compiled binaries between hosts; not measured
+    here). On the CPU backend the topology fingerprint differs from one
+    process to the next (jax 0.10.2, 0.11.2 and 0.12.1), so with a warm cache
+    process 0 runs the program it loads while every other process runs the
+    one it compiles. The two need not schedule their collectives alike:
+    under jax 0.12.1 a 2-process resume deadlocked in its checkpoint
+    checksums in each of 3 tries with a warm cache; cold, it never did."""
     return backend != "cpu"
 
 
