@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import typing
 
 import jax
 import numpy as np
@@ -99,7 +100,7 @@ def main(argv=None) -> int:
                         help=f"default: {', '.join(map(str, MICROBATCHES))}")
     parser.add_argument("--zero-stage", action="append", type=int,
                         help=f"default: {', '.join(map(str, ZERO_STAGES))}")
-    parser.add_argument("--layout", choices=("auto", "fsdp", "fsdp_tp", "fsdp_tp_sp"),
+    parser.add_argument("--layout", choices=typing.get_args(config_lib.LayoutName),
                         help="every mesh's layout (default: fsdp_tp_sp under tensor, else auto)")
     parser.add_argument("--steps", type=int, default=0,
                         help="train this many steps and compare every step's loss (default: "

@@ -66,6 +66,8 @@ def two_processes(tmp_path_factory):
     p = launch(2, 4, "--steps", "10", "--mesh", "cpu-2x4", *SMALL, "--metrics-out", str(out),
                "--checkpoint-dir", str(ckpt), "--checkpoint-every", "4")
     assert p.returncode == 0, p.stdout[-4000:]
+    # The suite's persistent cache is in the environment: off for CPU processes (docs/hosts.md).
+    assert "the persistent compilation cache is off" in p.stdout, p.stdout[:2000]
     return {"stdout": p.stdout, "losses": losses(out), "checkpoints": ckpt}
 
 

@@ -42,7 +42,7 @@ from zero_jax import param_use
 from zero_jax.context import attention as context_attention
 from zero_jax.context import layout as context_layout
 from zero_jax.context.layout import Context
-from zero_jax.param_use import ManualRows, Tapped, Use, block_rows, psum, put
+from zero_jax.param_use import ManualRows, Tapped, Use, block_rows, inside_only, psum, put
 from zero_jax.remat import DOT, WEIGHT, Remat
 from zero_jax.sharding.rules import AxisRules
 from zero_jax.sharding.specs import entry_axes
@@ -203,7 +203,7 @@ class Hooks:
             # nonzero term each, so the sum is exact in any dtype).
             at, inside = block_rows(ids, self.rows.offset(w.shape[0]), w.shape[0])
             y = param_use.lookup(self._use(w, names), out_dtype, w, at)
-            return self.rows.sum(jnp.where(inside[..., None], y, jnp.zeros((), y.dtype)))
+            return self.rows.sum(inside_only(y, inside))
         return param_use.lookup(self._use(w, names), out_dtype, w, ids)
 
     def table_shape(self, shape: tuple[int, ...], names: Sequence[str | None]) -> tuple[int, ...]:

@@ -54,6 +54,11 @@ def block_rows(ids: jax.Array, first: jax.Array, n: int) -> tuple[jax.Array, jax
     return jnp.clip(local, 0, n - 1), (local >= 0) & (local < n)
 
 
+def inside_only(x: jax.Array, inside: jax.Array) -> jax.Array:
+    """x's rows (one per id) where `inside` (block_rows), zeros elsewhere."""
+    return jnp.where(inside[..., None], x, jnp.zeros((), x.dtype))
+
+
 @dataclasses.dataclass(frozen=True)
 class ManualRows:
     """A table's compute layout splits its rows over the mesh `axes`, inside
@@ -77,9 +82,7 @@ class ManualRows:
         def block(t, ids):
             n = t.shape[0]
             at, inside = block_rows(ids, jax.lax.axis_index(self.axes) * n, n)
-            y = jnp.take(t, at, axis=0)
-            return psum(jnp.where(inside[..., None], y, jnp.zeros((), y.dtype)), self.axes,
-                        self.widen)
+            return psum(inside_only(jnp.take(t, at, axis=0), inside), self.axes, self.widen)
         return self._region(block, (PartitionSpec(self.axes), PartitionSpec()), PartitionSpec())(
             t, ids)
 
@@ -87,8 +90,7 @@ class ManualRows:
         def block(ids, g):
             n = shape[0] // jax.lax.axis_size(self.axes)
             at, inside = block_rows(ids, jax.lax.axis_index(self.axes) * n, n)
-            return jnp.zeros((n, *shape[1:]), g.dtype).at[at].add(
-                jnp.where(inside[..., None], g, jnp.zeros((), g.dtype)))
+            return jnp.zeros((n, *shape[1:]), g.dtype).at[at].add(inside_only(g, inside))
         return self._region(block, (PartitionSpec(), PartitionSpec()), PartitionSpec(self.axes))(
             ids, g)
 

@@ -338,7 +338,8 @@ def jit_train_step(layout: Layout, model: ModelFns, hooks: Hooks, tx: optax.Grad
                    compiler_options=compiler_options(layout, overlap))
 
 
-def compiler_options(layout: Layout, overlap: bool, backend: str | None = None):
+def compiler_options(layout: Layout, overlap: bool,
+                     backend: str | None = None) -> dict[str, xla_options.Value] | None:
     """The XLA options a step of `layout` compiles with on `backend` (the
     running one by default): offload's prefetch, and with `overlap` the
     collective pipelining of overlap.py, spelled as this XLA spells them."""

@@ -37,15 +37,15 @@ class Want:
     spellings: tuple[tuple[str, Value], ...]  # (option, value), newest XLA first
 
 
+# Each want lists the spellings of the releases pyproject.toml admits (jaxlib
+# 0.11.2 and later); a rename in a new release goes in front of its want.
 _ON = "COLLECTIVE_PIPELINING_MODE_ON"
 
 # XLA:GPU's collective pipeliner on the all-gathers inside a loop: each
 # iteration's gather issued an iteration early (overlap.py).
-PIPELINE_ALL_GATHER = Want("gpu", (("xla_gpu_pipeline_all_gather", _ON),  # jaxlib >= 0.11.1
-                                   ("xla_gpu_enable_pipelined_all_gather", True)))
+PIPELINE_ALL_GATHER = Want("gpu", (("xla_gpu_pipeline_all_gather", _ON),))
 # ... and on the reductions: each finished an iteration late (overlap.py).
-PIPELINE_REDUCE_SCATTER = Want("gpu", (("xla_gpu_pipeline_reduce_scatter", _ON),
-                                       ("xla_gpu_enable_pipelined_reduce_scatter", True)))
+PIPELINE_REDUCE_SCATTER = Want("gpu", (("xla_gpu_pipeline_reduce_scatter", _ON),))
 # A while loop unrolled in pairs, so the next iteration's host-to-device copy
 # starts while this one computes (offload.py).
 WHILE_LOOP_DOUBLE_BUFFERING = Want("gpu", (("xla_gpu_enable_while_loop_double_buffering", True),))
