@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import socket
 import struct
 from pathlib import Path
 
@@ -331,6 +332,22 @@ def test_zero_jax_subcommands_refuse_alike(name, script_name, setup, argv, needl
     lines = capsys.readouterr().err.strip("\n").splitlines()
     assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), lines
     assert needle in lines[0]
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1", "0.0.0.0"])
+def test_launch_refuses_a_port_in_use_before_starting_anything(address, tmp_path, capsys):
+    """A coordinator port another program listens on: one line naming it
+    and the way out, not a traceback from every process once started."""
+    with socket.socket() as held:
+        held.bind((address, 0))
+        held.listen()
+        port = held.getsockname()[1]
+        code = run_case(script("launch").main, None,
+                        ["-n", "2", "--port", str(port), "--", "scripts/train.py"], tmp_path)
+    lines = capsys.readouterr().err.strip("\n").splitlines()
+    assert code == 2 and len(lines) == 1, lines
+    assert lines[0] == (f"error: --port {port}: already in use on this machine; give a free "
+                        "port, or --port 0 (the default) for the launcher to pick one"), lines
 
 
 def test_a_committed_step_without_its_meta_is_a_damaged_checkpoint(tmp_path, capsys):

@@ -24,6 +24,7 @@ the program is the same.
 from __future__ import annotations
 
 import argparse
+import errno
 import functools
 import os
 import shutil
@@ -44,6 +45,25 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def port_in_use(port: int) -> str:
+    """Why `port` cannot be the coordinator's ("" when it can): bound on any
+    address here, IPv4 or IPv6, as the coordinator binds every address. A
+    port only lingering after a closed connection (TIME_WAIT) is free to it."""
+    for family, address in ((socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::")):
+        try:
+            with socket.socket(family) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                s.bind((address, port))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                return "already in use on this machine"
+            if e.errno in (errno.EACCES, errno.EPERM):
+                return f"cannot be bound here ({e.strerror}: ports below 1024 need privileges)"
+            if e.errno not in (errno.EAFNOSUPPORT, errno.EADDRNOTAVAIL):
+                return f"cannot be bound here ({e.strerror})"
+    return ""
 
 
 def process_env(base: dict[str, str], index: int, n: int, port: int, devices: int) -> dict[str, str]:
@@ -74,6 +94,9 @@ def checked_command(args: argparse.Namespace) -> list[str]:
                          f"{len(os.sched_getaffinity(0))} cores to pin them to")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port {args.port}: a TCP port is 1-65535 (0: a free one)")
+    if args.port and (why := port_in_use(args.port)):
+        raise ValueError(f"--port {args.port}: {why}; give a free port, or --port 0 (the "
+                         "default) for the launcher to pick one")
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         raise ValueError("no program to run: give it after --, e.g. "
