@@ -9,12 +9,17 @@
 
 Activations are reported beside them: the model's analytic estimate for the
 remat policy, and the compiled step's temporary bytes.
+
+`check_fits` refuses, before anything is compiled or allocated, a run whose
+model states alone (the `sharded` bytes) exceed a device's memory or what
+the host has left.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import Any
 
 import jax
@@ -23,6 +28,7 @@ from jax.sharding import NamedSharding
 
 from zero_jax import offload as offload_lib
 from zero_jax.analysis.traffic import CollectiveReport
+from zero_jax.runtime import procmem
 from zero_jax.sharding import zero as zero_lib
 from zero_jax.sharding.specs import bytes_per_device, shard_elements, spec_leaves
 from zero_jax.state import Layout
@@ -215,3 +221,98 @@ def report(layout: Layout, compiled_step=None, activation_bytes: float | None = 
     return MemoryReport(param_count(layout), bytes_per_param(layout), formula(layout),
                         theory(layout), sharded(layout), split["device"], split["host"],
                         measured, activations, collectives)
+
+
+# Set to 1 to start a run the fit check would refuse (swap, memory the check
+# cannot see): the check's figures are a floor, never an estimate that may be high.
+ENV_NO_FIT_CHECK = "ZERO_JAX_NO_FIT_CHECK"
+
+
+class DoesNotFit(ValueError):
+    """A run whose model states cannot fit its devices or its host."""
+
+
+def _size(n: float) -> str:
+    """Bytes as a size to read: 93.4 GB, 12.6 MB, 4.1 kB."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:,.1f} {unit}"
+    return f"{n:.0f} bytes"
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
+def check_fits(layout: Layout, what: str, processes_here: int = 1,
+               room: tuple[int, str] | None | str = "measure") -> None:
+    """Raise DoesNotFit, naming the bytes and what to change, when the
+    model states of `layout` (`what`: the flag that chose the model, for the
+    message) need more than a device's memory (where the backend says it:
+    `memory_stats()["bytes_limit"]`) or than this host has available
+    (`room`: (bytes, where from); by default procmem.available()).
+
+    Read from the abstract layout only: nothing is compiled or allocated.
+    The devices of this process share the host's memory on the CPU backend;
+    elsewhere the host holds what is offloaded. `processes_here`: processes
+    of this run on this host (several under scripts/launch.py), each with
+    as many devices as this one."""
+    if isinstance(layout.mesh, jax.sharding.AbstractMesh) or os.environ.get(ENV_NO_FIT_CHECK) == "1":
+        return
+    split = by_memory_kind(layout)
+    on_device, offloaded = sum(split["device"].values()), sum(split["host"].values())
+    local = layout.mesh.local_devices
+    platform, here = local[0].platform, len(local) * processes_here
+    host_need = (on_device + offloaded if platform == "cpu" else offloaded) * here
+    limit = None if platform == "cpu" else (local[0].memory_stats() or {}).get("bytes_limit")
+    if room == "measure":
+        room = procmem.available()
+    device_short = limit is not None and on_device > limit
+    host_short = room is not None and host_need > room[0]
+    if not (device_short or host_short):
+        return
+    raise DoesNotFit(_does_not_fit(layout, what, split, platform, here, host_need, limit, room,
+                                   device_short, processes_here))
+
+
+def _does_not_fit(layout: Layout, what: str, split: dict[str, dict[str, int]], platform: str,
+                  here: int, host_need: int, limit: int | None, room: tuple[int, str] | None,
+                  device_short: bool, processes_here: int) -> str:
+    """The one line of a refused run: what it needs per device and on this
+    host, what there is, and what to change."""
+    names = {"params": "params", "grads": "grads", "opt_state": "optimizer state"}
+    on_device, offloaded = sum(split["device"].values()), sum(split["host"].values())
+    parts = " + ".join(f"{names[k]} {_size(split['device'][k])}" for k in STATES
+                       if split["device"][k])
+    axes = ",".join(f"{a}={n}" for a, n in layout.mesh_shape.sizes.items() if n > 1) or "1 device"
+    need = f"{_size(on_device)} per device ({parts}; ZeRO-{layout.zero_stage} over {axes})"
+    if offloaded:
+        need += f", plus {_size(offloaded)} per device offloaded to host memory"
+    if device_short:
+        need += f", over the {_size(limit)} of a {platform} device (its bytes_limit)"
+    sharers = (f"{here} CPU devices" + (f" of {processes_here} processes" if processes_here > 1
+                                        else "") + " share its memory"
+               if platform == "cpu" else f"{here} devices offload to it")
+    need += (f", and {_size(host_need)} on this host ({sharers}), which has "
+             + (f"{_size(room[0])} available ({room[1]})" if room else "an unknown amount free"))
+    fixes = []
+    if device_short:
+        if not layout.host_opt and layout.zero_stage >= 1 and split["device"]["opt_state"]:
+            fixes.append(f"--offload-optimizer (moves {_size(split['device']['opt_state'])} per "
+                         "device to host memory)")
+        if not layout.host_params and split["device"]["params"]:
+            fixes.append("--offload-params (with --zero-stage 3)")
+    if layout.zero_stage < 3:
+        fixes.append("--zero-stage 3 (shards every state)")
+    if device_short:
+        fixes.append("more devices to shard over")
+    elif room and layout.zero_stage == 3:
+        fixes.append(f"about {math.ceil(host_need / max(room[0], 1))} hosts like this one to "
+                     "shard over")
+    else:
+        fixes.append("more hosts to shard over")
+    fixes.append("a smaller model")
+    where = "a device" if device_short else "this host"
+    return (f"{what} ({_count(param_count(layout))} parameters) does not fit {where}: its model "
+            f"states alone need {need}; nothing was allocated. Use {', '.join(fixes[:-1])} or "
+            f"{fixes[-1]}")

@@ -20,6 +20,7 @@ this same command; `jax.distributed` is set up from the environment.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 
@@ -29,7 +30,7 @@ import models
 from zero_jax import flags
 from zero_jax import config as config_lib, job as job_lib, loop, run
 from zero_jax.analysis import flops, hlo
-from zero_jax.analysis import summary
+from zero_jax.analysis import memory, summary
 from zero_jax.checkpoint import manager as ckpt_lib
 from zero_jax.data import corpus as data_lib
 from zero_jax.runtime import cpu, distributed
@@ -75,7 +76,19 @@ def prepare(argv: list[str] | None):
     models.check_init_from(cfg.checkpoint.init_from, job)
     data_lib.check(corpus, job.model.config.vocab_size, cfg.data.seq_len,
                    models.weight_dirs(cfg.model.name, cfg.checkpoint.init_from))
+    # A model that cannot fit stops here, before a compile that could take
+    # minutes and an initialisation that would fill the host.
+    memory.check_fits(job.layout, f"--model {cfg.model.name}", processes_here(cfg))
     return cfg, args, corpus, job, model_line
+
+
+def processes_here(cfg: config_lib.RunConfig) -> int:
+    """This run's processes on this machine: every one when their coordinator
+    is a loopback address (scripts/launch.py starts them all here), else one
+    (one process per host, as on a cluster)."""
+    coordinator = cfg.distributed.coordinator or os.environ.get(distributed.ENV_COORDINATOR, "")
+    host = coordinator.rpartition(":")[0].strip("[]")
+    return jax.process_count() if host in ("127.0.0.1", "localhost", "::1") else 1
 
 
 def compile_train_step(job: job_lib.Job):
