@@ -255,6 +255,12 @@ CASES = [
     ("plan-seq-len-zero", "plan", None,
      ["--model", "gpt-tiny", "--cluster", "a100-80gb", "--nodes", "1", "--global-batch", "8",
       "--seq-len", "0"], "--seq-len 0"),
+    ("plan-gpus-per-node-zero", "plan", None,
+     ["--model", "gpt-tiny", "--cluster", "a100-80gb", "--nodes", "1", "--gpus-per-node", "0",
+      "--global-batch", "8", "--seq-len", "128"], "--gpus-per-node 0: must be at least 1"),
+    ("plan-gpus-per-node-negative", "plan", None,
+     ["--model", "gpt-tiny", "--cluster", "a100-80gb", "--nodes", "1", "--gpus-per-node", "-8",
+      "--global-batch", "8", "--seq-len", "128"], "--gpus-per-node -8: must be at least 1"),
     # scripts/prepare_data.py
     ("prepare-input-missing", "prepare_data", None,
      ["--input", "{d}/none.txt", "--out", "{d}/out"], "--input"),

@@ -240,3 +240,57 @@ def test_long_sequences_are_planned_over_context():
     choice = est[8].choice
     assert est[8].time.comm_s["context"] == pytest.approx(
         choice.microbatches * cfg.n_layer * per_layer / choice.link_bw(h100, "context"))
+
+
+NARROW = ["--cluster", "a100-80gb", "--global-batch", "16", "--seq-len", "128", "--stages", "3",
+          "--remat", "full", "--micro", "1", "--offload", "none", "--tables", "rows",
+          "--compile", "0", "--top", "1", "--json"]
+
+
+def _plan(capsys, model: str, *flags: str, nodes: int = 1, code: int = 0) -> tuple[dict, str]:
+    """(the JSON ranking, stderr) of `plan --model model` on `nodes` nodes of 8 A100s."""
+    from zero_jax.cli import plan
+
+    got = plan.main(["--model", model, *NARROW, "--nodes", str(nodes), *flags])
+    out, err = capsys.readouterr()
+    assert got == code, err
+    return json.loads(out), err
+
+
+def _model_table(directory: Path) -> str:
+    """The [model] table of the run.toml the plan wrote."""
+    text = (directory / "run.toml").read_text()
+    return text[text.index("[model]"):].split("\n\n")[0]
+
+
+@pytest.mark.parametrize("model,own,nodes", [("llama-2-7b", 32000, 1), ("mistral-7b", 32768, 1),
+                                             ("mixtral-8x7b", 32000, 2)])
+def test_a_preset_is_planned_with_its_own_vocabulary(model, own, nodes, tmp_path, capsys):
+    """The vocabulary is the model's own, not GPT-2's 50257, which is larger
+    and was refused; the run written takes it from the preset again."""
+    plan, _ = _plan(capsys, model, "--write-config", str(tmp_path), nodes=nodes)
+    assert f"vocab {own}," in plan["model"]
+    assert "vocab_size = 0" in _model_table(tmp_path)
+
+
+def test_a_vocab_size_given_wins_over_the_preset_s_and_is_written(tmp_path, capsys):
+    plan, _ = _plan(capsys, "llama-2-7b", "--vocab-size", "40000", "--write-config", str(tmp_path))
+    assert "vocab 40000," in plan["model"]
+    assert "vocab_size = 40000" in _model_table(tmp_path)
+
+
+def test_a_gpt_preset_without_a_vocabulary_is_planned_with_gpt2_s(capsys):
+    assert "vocab 50257," in _plan(capsys, "gpt-tiny")[0]["model"]
+
+
+def test_a_plan_where_nothing_fits_says_so_exits_3_and_writes_nothing(tmp_path, capsys):
+    """BLOOM-176B on one node of 8 A100s fits in no layout: the ranking is
+    still printed, then one line says nothing fits and nothing was written."""
+    plan, err = _plan(capsys, "bloom-176b", "--stages", "0", "--write-config",
+                      str(tmp_path / "plan"), code=3)
+    assert plan["fitting"] == 0
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"error: none of the {plan['layouts']} layouts fits in 85.9 GB per "
+                           "device with the reserve of 8.6 GB (the nearest, "), last
+    assert last.endswith(f"; nothing written to {tmp_path / 'plan'}"), last
+    assert "Traceback" not in err and not (tmp_path / "plan").exists()

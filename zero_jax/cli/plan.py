@@ -36,6 +36,11 @@ the optimizer state, and at ZeRO-3 the parameters, in host memory: they fit
 when the device's bytes fit its memory and the node's devices' host bytes
 fit the node's host memory; their time adds the host link's transfers and
 the host update at the node's memory bandwidth.
+
+The vocabulary is the model's own (a preset's, hf:DIR's config.json; GPT-2's
+50257 for a GPT preset that names none) unless `--vocab-size` says otherwise.
+Exit status: 0 a ranking with a layout that fits, 2 bad input, 3 no layout
+fits (the ranking is still printed; `--write-config` writes nothing).
 """
 
 from __future__ import annotations
@@ -54,16 +59,22 @@ from zero_jax.planner import configs, cost, search
 from zero_jax.planner.choices import Cluster, choices, mesh_shapes
 from zero_jax.planner import devices as hardware
 
+GPT2_VOCAB = 50257  # the vocabulary of a model that names none (a GPT preset)
+# Exit status of a plan in which no layout fits (2: a bad input).
+NOTHING_FITS = 3
+
 
 def parse(argv):
     kinds = ", ".join(sorted(f.stem for f in hardware.DIRECTORY.glob("*.toml")))
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True,
                    help="a preset in models/ (gpt-tiny ... bloom-176b, llama-3-8b ...) or hf:DIR")
-    p.add_argument("--vocab-size", type=int, default=50257, help="for presets without one")
+    p.add_argument("--vocab-size", type=int,
+                   help="the model's vocabulary; default: its own (the preset's, hf:DIR's "
+                        f"config.json), else GPT-2's {GPT2_VOCAB}")
     p.add_argument("--cluster", required=True, help=f"the device kind, a file of meshes/devices/: {kinds}")
     p.add_argument("--nodes", type=int, required=True, help="nodes in the cluster")
-    p.add_argument("--gpus-per-node", type=int, default=0, help="default: the device kind's")
+    p.add_argument("--gpus-per-node", type=int, help="default: the device kind's")
     p.add_argument("--global-batch", type=int, required=True, help="sequences per step")
     p.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
     p.add_argument("--precision", default="bf16", help="fp32, bf16 or fp16 (default: %(default)s)")
@@ -98,18 +109,28 @@ def parse(argv):
 
 
 def base_config(args) -> dict:
-    return {"model.name": args.model, "model.vocab_size": 0, "precision.policy": args.precision,
-            "data.seq_len": args.seq_len, "train.batch_size": args.global_batch,
-            "activations.remat": "full"}
+    """The planned run's fields. The vocabulary is the model's own (0: the
+    preset's, or the data's at train time), unless --vocab-size names
+    another for a model that has one: then the run written carries it."""
+    own = models.preset_vocab(args.model)
+    given = args.vocab_size if own and args.vocab_size not in (None, own) else 0
+    return {"model.name": args.model, "model.vocab_size": given,
+            "precision.policy": args.precision, "data.seq_len": args.seq_len,
+            "train.batch_size": args.global_batch, "activations.remat": "full"}
+
+
+def vocab_of(args) -> int:
+    """The vocabulary planned: --vocab-size, else the model's own, else GPT-2's."""
+    return args.vocab_size or models.preset_vocab(args.model) or GPT2_VOCAB
 
 
 def check_counts(args) -> None:
     """The counts given on the command line: each a whole number in range."""
-    for flag, value, low in (("--nodes", args.nodes, 1), ("--gpus-per-node", args.gpus_per_node, 0),
+    for flag, value, low in (("--nodes", args.nodes, 1), ("--gpus-per-node", args.gpus_per_node, 1),
                              ("--global-batch", args.global_batch, 1),
                              ("--vocab-size", args.vocab_size, 1), ("--top", args.top, 1),
                              ("--compile", args.compile, 0), ("--workers", args.workers, 1)):
-        if value < low:
+        if value is not None and value < low:
             raise ValueError(f"{flag} {value}: must be at least {low}")
 
 
@@ -145,8 +166,8 @@ def cluster_of(args) -> Cluster:
     if args.reserve_gb is not None and not 0 <= args.reserve_gb * 1e9 < device.hbm_bytes:
         raise ValueError(f"--reserve-gb {args.reserve_gb:g}: between 0 and the device's "
                          f"{device.hbm_bytes / 1e9:.1f} GB")
-    return Cluster(device, args.nodes, args.gpus_per_node or device.devices_per_node,
-                   args.reserve_gb)
+    per_node = device.devices_per_node if args.gpus_per_node is None else args.gpus_per_node
+    return Cluster(device, args.nodes, per_node, args.reserve_gb)
 
 
 def layout_options(args) -> dict:
@@ -167,8 +188,9 @@ def problem_of(args) -> tuple[search.Problem, str, dict]:
     base = base_config(args)
     run = config_lib.build(None, base)
     precision.resolve(args.precision, "gpu")  # each layout's job would refuse it, unsaid
-    build, model_line = models.for_run(run.model, args.vocab_size)
-    return search.Problem(base, build, cluster, args.vocab_size), model_line, layout_options(args)
+    vocab = vocab_of(args)
+    build, model_line = models.for_run(run.model, vocab)
+    return search.Problem(base, build, cluster, vocab), model_line, layout_options(args)
 
 
 def no_layout(shapes: list[tuple[int, int, int]], args) -> str:
@@ -183,6 +205,22 @@ def no_layout(shapes: list[tuple[int, int, int]], args) -> str:
     return (f"--global-batch {args.global_batch} with --micro {args.micro}: no microbatch size "
             "divides a data-parallel replica's rows (with at least as many microbatches as "
             "pipeline stages); add smaller sizes to --micro, e.g. 1")
+
+
+def nothing_fits(args, cluster: Cluster, ranked: list[cost.Estimate]) -> str:
+    """No layout fits: the one that comes nearest, and what to change."""
+    near = min(ranked, key=lambda e: e.peak_bytes + e.reserve)
+    where = (f"{cluster.device.hbm_bytes / 1e9:.1f} GB per device with the reserve of "
+             f"{near.reserve / 1e9:.1f} GB")
+    if near.peak_bytes + near.reserve <= near.hbm:  # the device fits it, the host does not
+        where, near_said = (f"the node's host memory ({near.memory.host_bytes / 1e9:.1f} GB a "
+                            f"device)", "")
+    else:
+        near_said = f" (the nearest, {near.choice.label}, needs {near.peak_bytes / 1e9:.1f} GB)"
+    return (f"none of the {len(ranked)} layouts fits in {where}{near_said}; add --nodes, "
+            "widen the search (--stages, --remat, --micro, --offload), or shrink "
+            "--global-batch or --seq-len"
+            + (f"; nothing written to {args.write_config}" if args.write_config else ""))
 
 
 def progress_bar(items, desc: str):
@@ -327,7 +365,10 @@ def main(argv: list[str] | None = None) -> int:
     ranked = search.rank(estimates, results, problem.cluster)
     say_compiled(args, ranked, len(results))
     report(args, problem, ranked, model_line, len(layouts), len(search.fitting(estimates)))
-    if args.write_config and ranked and ranked[0].fits:
+    if not search.fitting(estimates):
+        print(f"error: {nothing_fits(args, problem.cluster, ranked)}", file=sys.stderr)
+        return NOTHING_FITS
+    if args.write_config:
         mesh, run = configs.write(Path(args.write_config), ranked[0].choice, problem.base,
                                   problem.cluster)
         print(f"wrote {mesh} and {run} (copy both; set [data] source in {run.name}): "
