@@ -147,6 +147,11 @@ CASES = [
      "--precision 'fp8'"),
     ("train-unknown-remat", "train", tokens, [*TRAIN, "--remat", "some"], "--remat 'some'"),
     ("train-zero-stage-4", "train", tokens, [*TRAIN, "--zero-stage", "4"], "--zero-stage 4"),
+    ("train-wandb-mode-without-project", "train", tokens, [*TRAIN, "--wandb-mode", "offline"],
+     "--wandb-mode offline: no W&B project to log to; give --wandb-project NAME"),
+    ("train-wandb-mode-in-config-without-project", "train",
+     write("run.toml", '[train]\nwandb_mode = "offline"\n'), [*TRAIN, "--config", "{d}/run.toml"],
+     "{d}/run.toml: [train] wandb_mode = 'offline' but no wandb_project"),
     # the data
     ("train-data-missing", "train", tokens, ["--data", "{d}/none.bin"], "--data"),
     ("train-data-shorter-than-seq-len", "train", tiny_tokens, [*TRAIN, "--seq-len", "128"],

@@ -205,3 +205,17 @@ def test_wandb_mode_takes_online_or_offline_only():
     with pytest.raises(config_lib.ConfigError, match="--wandb-mode 'sometimes': choose from "
                                                      "online, offline"):
         config_lib.build(None, {"train.wandb_mode": "sometimes"})
+
+
+@pytest.mark.parametrize("toml,flags,project", [
+    ('[train]\nwandb_project = "p"\n', ["--wandb-mode", "offline"], "p"),
+    ('[train]\nwandb_mode = "offline"\n', ["--wandb-project", "q"], "q"),
+    ('[train]\nwandb_mode = "offline"\n', ["--wandb-project", ""], ""),  # W&B turned off
+])
+def test_a_wandb_mode_is_taken_where_a_project_is_named(tmp_path, toml, flags, project):
+    """A mode with a project from the config or the flags is the run's; a
+    project emptied on the command line turns W&B off, mode and all. (A mode
+    with no project at all is refused: tests/test_bad_inputs.py.)"""
+    (tmp_path / "run.toml").write_text(toml)
+    cfg, _ = train_cli.parse(["--config", str(tmp_path / "run.toml"), *flags])
+    assert (cfg.train.wandb_project, cfg.train.wandb_mode) == (project, "offline")

@@ -14,7 +14,7 @@ import io
 import textwrap
 import tokenize
 
-from zero_jax.config import SECTIONS, RunConfig, build, field_type, flag_of
+from zero_jax.config import SECTIONS, ConfigError, RunConfig, build, field_type, flag_of
 
 
 @functools.cache
@@ -70,4 +70,23 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
 
 def from_args(args: argparse.Namespace, config_file: str | None) -> RunConfig:
     """The run config of parsed flags (`add_flags`) over `config_file`'s."""
-    return build(config_file, {k: v for k, v in vars(args).items() if "." in k})
+    given = {k: v for k, v in vars(args).items() if "." in k}
+    run = build(config_file, given)
+    check_wandb(run, given, config_file)
+    return run
+
+
+def check_wandb(run: RunConfig, given: dict, config_file: str | None) -> None:
+    """A W&B mode with no project to log to would be ignored: refused."""
+    t = run.train
+    if t.wandb_project:
+        return
+    mode = given.get("train.wandb_mode")
+    if mode is not None:
+        raise ConfigError(f"{flag_of('train', 'wandb_mode')} {mode}: no W&B project to log to; "
+                          f"give {flag_of('train', 'wandb_project')} NAME (or wandb_project in "
+                          "the config's [train]), or leave the mode out")
+    if config_file and given.get("train.wandb_project") is None and t.wandb_mode != "online":
+        raise ConfigError(f"{config_file}: [train] wandb_mode = {t.wandb_mode!r} but no "
+                          f"wandb_project: nothing would be logged; set wandb_project (or "
+                          f"{flag_of('train', 'wandb_project')} NAME), or remove wandb_mode")
