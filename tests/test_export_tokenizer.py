@@ -1,7 +1,7 @@
 """The tokenizer a Hugging Face export carries (zero_jax/checkpoint/tokenizer_files.py):
 the files the run's data was prepared with, the same bytes, and the line
-saying so; a changed tokenizer refused; byte-level data's note; another
-file already in --hf-dir never replaced. tests/interop/test_tokenizer_export.py
+saying so; a changed tokenizer refused; byte-level data's note; a file
+already in --hf-dir never replaced unasked. tests/interop/test_tokenizer_export.py
 loads the export in transformers."""
 
 import hashlib
@@ -104,7 +104,7 @@ def test_hf_export_copies_the_tokenizer_the_data_was_prepared_with(bpe_run, tmp_
     # generate stops on the data's end of document, not on GPT-2's 50256
     model = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert (model["eos_token_id"], model["bos_token_id"]) == (0, 0)
-    assert export(ckpt, tmp_path / "hf") == 0  # the same files again: nothing of the user's lost
+    assert export(ckpt, tmp_path / "hf", "--overwrite") == 0  # the same files again
 
 
 def test_tokenizer_flag_copies_a_bare_tokenizer_json_with_a_config_made_for_it(
@@ -188,8 +188,8 @@ def test_an_export_never_replaces_another_tokenizer_file(bpe_run, tmp_path, caps
     (tmp_path / "hf" / "tokenizer.json").write_text("{}")
     assert export(ckpt, tmp_path / "hf") == 2
     assert capsys.readouterr().err == (
-        f"error: --hf-dir {tmp_path / 'hf'}: already holds a tokenizer.json other than the one "
-        "to write; remove it, or export into another directory\n")
+        f"error: --hf-dir {tmp_path / 'hf'}: already holds tokenizer.json; give --overwrite to "
+        "replace the directory, or export into another\n")
     assert [p.name for p in (tmp_path / "hf").iterdir()] == ["tokenizer.json"]
     assert (tmp_path / "hf" / "tokenizer.json").read_text() == "{}"
 

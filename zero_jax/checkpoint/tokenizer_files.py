@@ -219,16 +219,6 @@ def _byte_note(run: Recorded) -> Export:
                   f"{NOTE} saying so", {} if eos is None else {"eos_token_id": eos})
 
 
-def check_destination(export: Export, out: Path) -> None:
-    """A file of another content already in the export directory is refused,
-    never replaced."""
-    for name, data in export.files.items():
-        path = out / name
-        if path.exists() and (not path.is_file() or path.read_bytes() != data):
-            raise ValueError(f"--hf-dir {out}: already holds a {name} other than the one to "
-                             "write; remove it, or export into another directory")
-
-
 def write(export: Export, out: Path) -> list[Path]:
     """The files written; on a failure, those written are removed."""
     written = []

@@ -28,6 +28,15 @@ is never narrowed unless asked, and a narrowing is said in one line.
 float16 (for GPUs without bfloat16, such as V100 and T4) holds nothing
 above 65504: a parameter with larger values is refused, naming it, and
 nothing is left written.
+
+Nothing the user had is deleted or replaced unasked: an existing `--out`
+or a non-empty `--hf-dir` is refused before anything is read, unless
+`--overwrite` is given. Every output is written under a temporary name
+beside its destination (`.NAME.partial-PID`) and renamed into place only
+once all are complete, so a refusal half-way leaves the previous files as
+they were; a directory replaced is swapped by renames (the old one moved
+aside, the new one renamed in, the old one removed), never left
+half-written under the user's name.
 """
 
 from __future__ import annotations
@@ -35,6 +44,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -66,6 +77,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=DTYPES,
                         help="dtype of the weights written; default: the one the model was "
                              "trained to hold (bfloat16 for a Hugging Face export of a bf16 run)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an existing --out file or a non-empty --hf-dir (each "
+                             "swapped in whole once the export is complete)")
     parser.add_argument("--report-memory", action="store_true",
                         help="print the peak resident memory the export added, as JSON")
     return parser.parse_args(argv)
@@ -113,42 +127,128 @@ def tokenizer_for(args: argparse.Namespace, meta: dict) -> tokenizer_files.Expor
         return None
     init_from = meta.get("run", {}).get("checkpoint", {}).get("init_from", "")
     dirs = models.weight_dirs(meta.get("model", {}).get("name", ""), init_from)
-    found = tokenizer_files.for_run(meta, dirs, args.tokenizer)
-    tokenizer_files.check_destination(found, Path(args.hf_dir))
-    return found
+    return tokenizer_files.for_run(meta, dirs, args.tokenizer)
+
+
+class Staged:
+    """Outputs written under temporary names beside their destinations (the
+    same file system, so that a rename moves them), then renamed into place
+    together; `writing` is the destination being written (for an error)."""
+
+    def __init__(self) -> None:
+        self.pairs: list[tuple[Path, Path]] = []  # (temporary, destination)
+        self.writing: Path | None = None
+        self.committed: list[Path] = []  # renamed into place before a failure
+
+    def file(self, destination: str) -> Path:
+        return self._add(_real(destination))
+
+    def directory(self, destination: str) -> Path:
+        final = _real(destination)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        temporary = self._add(final)
+        temporary.mkdir()
+        return temporary
+
+    def _add(self, final: Path) -> Path:
+        temporary = final.with_name(f".{final.name}.partial-{os.getpid()}")
+        self.pairs.append((temporary, final))
+        self.writing = final
+        return temporary
+
+    def discard(self) -> None:
+        for temporary, _ in self.pairs:
+            if temporary.is_dir() and not temporary.is_symlink():
+                shutil.rmtree(temporary, ignore_errors=True)
+            else:
+                temporary.unlink(missing_ok=True)
+
+    def commit(self) -> list[str]:
+        """Each output renamed into place; notes of old directories left behind."""
+        notes = []
+        for temporary, final in self.pairs:
+            self.writing = final
+            if temporary.is_dir():
+                notes += _swap_in(temporary, final)
+            else:
+                os.replace(temporary, final)
+            self.committed.append(final)
+        return notes
+
+
+def _real(path: str) -> Path:
+    """The path a destination names, links followed: a link stays, and what
+    it points to is replaced."""
+    return Path(os.path.realpath(path))
+
+
+def _swap_in(temporary: Path, final: Path) -> list[str]:
+    """Directory `temporary` renamed to `final`: at once where `final` is
+    absent or empty, else by moving the old one aside first (put back if
+    the second rename fails) and removing it after."""
+    if not final.exists() or (final.is_dir() and not any(final.iterdir())):
+        os.replace(temporary, final)
+        return []
+    old = final.with_name(f".{final.name}.old-{os.getpid()}")
+    os.rename(final, old)
+    try:
+        os.rename(temporary, final)
+    except OSError:
+        os.rename(old, final)
+        raise
+    try:
+        shutil.rmtree(old)
+    except OSError as e:
+        return [f"note: the replaced {final} is left at {old} ({e.strerror}); remove it"]
+    return []
 
 
 def write(args: argparse.Namespace, reader: export.ParamReader, step: int,
           directory: Path, dtype: dict[str, str],
-          tokenizer: tokenizer_files.Export | None = None) -> list[Path]:
-    """Every file asked for, written in its dtype, the tokenizer's last; on a
-    failure, those written are removed. Returns the weights' files."""
+          tokenizer: tokenizer_files.Export | None = None,
+          staged: Staged | None = None) -> tuple[list[Path], list[str]]:
+    """Every file asked for, written in its dtype under temporary names, then
+    renamed into place together; on a failure, the temporaries are removed
+    and the destinations are as they were. Returns the weights' files and
+    notes of anything left behind."""
+    staged = staged or Staged()
     written = []
     try:
         if args.out:
-            export.write_safetensors(args.out, reader.consolidated(dtype["out"]),
+            out = staged.file(args.out)
+            export.write_safetensors(out, reader.consolidated(dtype["out"]),
                                      {"step": str(step), "source": str(directory)})
             written.append(Path(args.out))
         if args.hf_dir:
+            out = staged.directory(args.hf_dir)
             cfg = models.config_from(reader.meta["model"])
-            written += hf.save(Path(args.hf_dir), cfg, reader.read, int(args.max_shard_size),
-                               dtype["hf"], tokenizer.token_ids if tokenizer else None)
+            written += [Path(args.hf_dir) / p.name
+                        for p in hf.save(out, cfg, reader.read, int(args.max_shard_size),
+                                         dtype["hf"], tokenizer.token_ids if tokenizer else None)]
             if tokenizer:
-                tokenizer_files.write(tokenizer, Path(args.hf_dir))
-    # OSError: no space, no permission; OutOfRange: a value float16 cannot hold
-    except (ckpt_lib.CorruptCheckpoint, export.OutOfRange, OSError):
-        for path in written + [Path(p) for p in (args.out,) if p]:
-            path.unlink(missing_ok=True)
+                tokenizer_files.write(tokenizer, out)
+    except BaseException:  # a refusal, a full disk, an interrupt: nothing of this export stays
+        staged.discard()
         raise
-    return written
+    try:
+        notes = staged.commit()
+    except OSError:
+        staged.discard()
+        raise
+    return written, notes
 
 
-def failed(e: Exception) -> int:
-    """A failed write as one line: exit 4 for a corrupt checkpoint, else 2."""
+def failed(e: Exception, staged: Staged, kept: list[str]) -> int:
+    """A failed write as one line: exit 4 for a corrupt checkpoint, else 2;
+    `kept`, the destinations that existed before, are said to be untouched."""
     corrupt = isinstance(e, ckpt_lib.CorruptCheckpoint)
     said = corrupt or isinstance(e, export.OutOfRange)  # their messages name the array
-    what = e if said else f"writing {e.filename}: {e.strerror}"
-    print(f"error: {what}; nothing written", file=sys.stderr)
+    what = e if said else f"writing {staged.writing or e.filename}: {e.strerror}"
+    kept = [p for p in kept if _real(p) not in staged.committed]
+    left = f", {' and '.join(kept)} left as {'it was' if len(kept) == 1 else 'they were'}"
+    done = (f"only {' and '.join(map(str, staged.committed))} written" if staged.committed
+            else "nothing written")
+    print(f"error: {what}; {done}{left if kept else ''}", file=sys.stderr)
     return 4 if corrupt else 2
 
 
@@ -156,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     directory = Path(args.checkpoint_dir)
     try:
-        check_outputs(args.out, args.hf_dir, args.max_shard_size, args.tokenizer)
+        check_outputs(args.out, args.hf_dir, args.max_shard_size, args.tokenizer,
+                      args.overwrite)
         step = choose_step(directory, args.step)
         reader = export.ParamReader(directory / str(step))
         tokenizer = tokenizer_for(args, reader.meta)
@@ -167,12 +268,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}; nothing written", file=sys.stderr)
         return 4
     dtype = output_dtypes(args, reader)
+    kept = [p for p in (args.out, args.hf_dir) if p and Path(p).exists()]
     baseline = procmem.reset_peak()  # measure from here
+    staged = Staged()
     try:
-        written = write(args, reader, step, directory, dtype, tokenizer)
+        written, notes = write(args, reader, step, directory, dtype, tokenizer, staged)
+    # OSError: no space, no permission; OutOfRange: a value float16 cannot hold
     except (ckpt_lib.CorruptCheckpoint, export.OutOfRange, OSError) as e:
-        return failed(e)
+        return failed(e, staged, kept)
     print(describe(written, step, directory))
+    for note in notes:
+        print(note)
     if tokenizer:
         print(tokenizer.line)
     for line in narrowings(reader.stored_dtypes(), dtype, asked=bool(args.dtype)):
@@ -185,8 +291,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def check_outputs(out: str | None, hf_dir: str | None, max_shard_size: float,
-                  tokenizer: str | None = None) -> None:
-    """What the export would write, checked before anything is read."""
+                  tokenizer: str | None = None, overwrite: bool = False) -> None:
+    """What the export would write, checked before anything is read: nothing
+    the user has is replaced unless `overwrite`."""
     if not (out or hf_dir):
         raise ValueError("nothing to write: give --out FILE (one .safetensors file) and/or "
                          "--hf-dir DIR (the Hugging Face layout)")
@@ -200,6 +307,21 @@ def check_outputs(out: str | None, hf_dir: str | None, max_shard_size: float,
         raise ValueError(f"--out {out}: is a directory; give a file name (model.safetensors)")
     if hf_dir and Path(hf_dir).exists() and not Path(hf_dir).is_dir():
         raise ValueError(f"--hf-dir {hf_dir}: exists and is not a directory")
+    if out and hf_dir and (_real(hf_dir) == _real(out) or _real(hf_dir) in _real(out).parents):
+        raise ValueError(f"--out {out}: inside --hf-dir {hf_dir}, which the export writes "
+                         "whole; give a file name outside it")
+    if out and Path(out).exists() and not overwrite:
+        raise ValueError(f"--out {out}: already exists; give --overwrite to replace it, or "
+                         "another file name")
+    try:
+        held = sorted(p.name for p in Path(hf_dir).iterdir()) if hf_dir and Path(hf_dir).is_dir() \
+            else []
+    except OSError as e:
+        raise ValueError(f"--hf-dir {hf_dir}: cannot be read ({e.strerror})") from None
+    if held and not overwrite:
+        listed = ", ".join(held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
+        raise ValueError(f"--hf-dir {hf_dir}: already holds {listed}; give --overwrite to "
+                         "replace the directory, or export into another")
     if hf_dir and not (max_shard_size >= 1 and math.isfinite(max_shard_size)):
         raise ValueError(f"--max-shard-size {max_shard_size:g}: must be a number of bytes >= 1 "
                          f"(default {hf.MAX_SHARD_BYTES:g}, as save_pretrained)")
