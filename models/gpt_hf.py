@@ -57,12 +57,29 @@ def pieces(cfg: GPTConfig, read: Read) -> Iterator[tuple[str, tuple[int, ...], C
     yield "ln_f.bias", (D,), lambda: read("ln_f.bias", None)
 
 
-def shape_from(hf: dict) -> dict:
-    """Our shape fields from a GPT-2 config.json."""
+# GPT-2's keys that change what transformers computes, and the values this
+# model computes: attention scaled by 1 / sqrt(head size) and not also by
+# 1 / layer, GELU's tanh approximation (three names for one function), and
+# the head tied to the embedding. Dropouts, and `reorder_and_upcast_attn`
+# (where float16 rounds), leave float32 logits as they are.
+FIXED = {"scale_attn_weights": (True,), "scale_attn_by_inverse_layer_idx": (False,),
+         "activation_function": ("gelu_new", "gelu_pytorch_tanh", "gelu_fast"),
+         "tie_word_embeddings": (True,)}
+
+
+def shape_from(hf: dict, where: str = "config.json") -> dict:
+    """Our shape fields from a GPT-2 config.json; a key GPT2LMHeadModel
+    honours at a value this model does not compute (FIXED) is refused,
+    naming it."""
+    for key, values in FIXED.items():
+        if hf.get(key, values[0]) not in values:
+            raise ValueError(f"{where}: {key} = {hf[key]!r} is not supported: this GPT computes "
+                             f"{' / '.join(repr(v) for v in values)}")
     d = hf["n_embd"]
     return {"n_layer": hf["n_layer"], "n_head": hf["n_head"], "d_model": d,
             "d_mlp": hf.get("n_inner") or 4 * d, "vocab_size": hf["vocab_size"],
-            "max_seq_len": hf["n_positions"]}
+            "max_seq_len": hf["n_positions"],
+            "ln_eps": float(hf.get("layer_norm_epsilon", 1e-5))}
 
 
 Get = Callable[[str], np.ndarray]  # Hugging Face tensor by name

@@ -44,7 +44,7 @@ def shape(path: Path) -> tuple[str, dict]:
     hf = read_config(path)
     kind = hf.get("model_type")
     if kind == "gpt2":
-        return "gpt", gpt_hf.shape_from(hf)
+        return "gpt", gpt_hf.shape_from(hf, where=str(path / "config.json"))
     if kind in llama_hf.MODEL_TYPES:
         return "llama", llama_hf.shape_from(hf, where=str(path / "config.json"))
     raise ValueError(f"{path}/config.json: model_type {kind!r} is not supported; supported: "

@@ -43,40 +43,35 @@ Read = Callable[[str, int | None], np.ndarray]  # (our path, layer or None) -> a
 
 
 def shape_from(hf: dict, where: str = "config.json") -> dict:
-    """Our LlamaConfig fields from a Hugging Face config.json."""
+    """Our LlamaConfig fields from a Hugging Face config.json, read as
+    transformers' class for its model_type reads it (transformers 5): a key
+    that class honours and this model cannot compute is refused in one line
+    naming it; one the class ignores (a Llama's sliding_window, a Mistral's
+    attention_bias) is ignored here too. docs/models.md has the table."""
     kind = hf["model_type"]
     heads = hf["num_attention_heads"]
-    # transformers 5 writes the rotary settings as one `rope_parameters`
-    # table; published configs have `rope_theta` and `rope_scaling`
-    rope = dict(hf.get("rope_parameters") or {})
-    theta = rope.pop("rope_theta", hf.get("rope_theta", 1e4))
-    scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default"
-                                         else None)
+    if hf.get("hidden_act", "silu") not in ("silu", "swish"):
+        raise ValueError(f"{where}: hidden_act = {hf['hidden_act']!r} is not supported: the "
+                         "MLP here is SwiGLU, whose gate is silu")
     fields = {
         "family": kind, "n_layer": hf["num_hidden_layers"], "n_head": heads,
         "n_kv_head": hf.get("num_key_value_heads") or heads, "d_model": hf["hidden_size"],
         "d_mlp": hf["intermediate_size"], "vocab_size": hf["vocab_size"],
-        "max_seq_len": hf["max_position_embeddings"], "rope_theta": float(theta),
-        "rms_eps": float(hf.get("rms_norm_eps", 1e-6)),
+        "max_seq_len": hf["max_position_embeddings"],
+        "rms_eps": float(hf.get("rms_norm_eps", 1e-5 if kind == "mixtral" else 1e-6)),
         "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
-        "qkv_bias": kind in ("qwen2", "qwen2_moe") or bool(hf.get("attention_bias", False)),
+        "qkv_bias": _qkv_bias(hf, kind, where),
+        **_rope(hf, kind, where),
     }
-    head_dim = hf.get("head_dim")
+    head_dim = hf.get("head_dim")  # every family's attention takes it where given
     if head_dim and head_dim != hf["hidden_size"] // heads:
         fields["head_dim"] = head_dim
-    window = hf.get("sliding_window")
-    if window and (kind == "mistral" or hf.get("use_sliding_window")):
+    window = _window(hf, kind, where)
+    if window:
         fields["sliding_window"] = window
-    if scaling:
-        kind_of = scaling.get("rope_type", scaling.get("type"))
-        if kind_of != "llama3":
-            raise ValueError(f"{where}: rope_scaling of type {kind_of!r} is not supported "
-                             "(Llama 3's 'llama3' is)")
-        fields["rope_scaling"] = (float(scaling["factor"]), float(scaling["low_freq_factor"]),
-                                  float(scaling["high_freq_factor"]),
-                                  int(scaling["original_max_position_embeddings"]))
-    if kind != "qwen2" and hf.get("mlp_bias"):
-        raise ValueError(f"{where}: mlp_bias = true is not supported")
+    if kind == "llama" and hf.get("mlp_bias"):  # the one family whose MLP can have biases
+        raise ValueError(f"{where}: mlp_bias = True is not supported: this model's MLP has no "
+                         "biases")
     if kind == "mixtral":
         fields.update(n_experts=hf["num_local_experts"], n_experts_per_tok=hf["num_experts_per_tok"],
                       router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.0)))
@@ -99,7 +94,125 @@ def shape_from(hf: dict, where: str = "config.json") -> dict:
     return fields
 
 
+def _qkv_bias(hf: dict, kind: str, where: str) -> bool:
+    """Whether q, k and v have biases. Qwen2 always has them and Qwen2-MoE
+    unless `qkv_bias` is false; Mistral and Mixtral never, whatever
+    `attention_bias` says. Llama's and Qwen3-MoE's `attention_bias` biases
+    o_proj too, which this model does not have."""
+    if kind == "qwen2":
+        return True
+    if kind == "qwen2_moe":
+        return bool(hf.get("qkv_bias", True))
+    if kind in ("llama", "qwen3_moe") and hf.get("attention_bias"):
+        raise ValueError(f"{where}: attention_bias = True is not supported: it gives "
+                         f"{ARCHITECTURES[kind]} an o_proj bias beside the q/k/v ones, and this "
+                         "model has no o_proj bias")
+    return False
+
+
+def _rope(hf: dict, kind: str, where: str) -> dict:
+    """rope_theta and rope_scaling, as transformers 5 reads them: it writes
+    one `rope_parameters` table, older files have `rope_theta` and
+    `rope_scaling`, and where a file has both tables `rope_scaling` is the
+    one read. A file without a base has its class's: 1e6 for Mixtral, else
+    1e4; a top-level original_max_position_embeddings wins over the table's."""
+    rope = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
+    if {"full_attention", "sliding_attention"} & set(rope):
+        raise ValueError(f"{where}: rope_parameters given per layer type ({', '.join(rope)}) "
+                         "are not supported: every layer here rotates alike")
+    theta = rope.get("rope_theta", hf.get("rope_theta", 1e6 if kind == "mixtral" else 1e4))
+    out = {"rope_theta": float(theta)}
+    kind_of = rope.get("rope_type", rope.get("type", "default"))
+    if kind_of == "default":  # whose frequencies transformers computes over the whole head
+        return out
+    if kind_of != "llama3":
+        raise ValueError(f"{where}: rope_type = {kind_of!r} is not supported: only the default "
+                         "rotation and Llama 3's 'llama3' scaling are")
+    partial = rope.get("partial_rotary_factor") or hf.get("partial_rotary_factor") or 1.0
+    if partial != 1.0:
+        raise ValueError(f"{where}: partial_rotary_factor = {partial} is not supported: every "
+                         "dimension of a head is rotated here")
+    original = hf.get("original_max_position_embeddings") or rope.get(
+        "original_max_position_embeddings") or hf["max_position_embeddings"]
+    out["rope_scaling"] = (float(rope["factor"]), float(rope["low_freq_factor"]),
+                           float(rope["high_freq_factor"]), int(original))
+    return out
+
+
+def _window(hf: dict, kind: str, where: str) -> int:
+    """The sliding window every layer has (0: none), from the window each
+    layer has in transformers' class (`layer_windows`); a window on some
+    layers only is refused, naming the keys that placed it."""
+    windows = layer_windows(hf, kind, where)
+    if len(set(windows)) == 1:
+        return windows[0] or 0
+    some = [i for i, w in enumerate(windows) if w]
+    keys = [f"{k} = {hf[k]}" for k in ("use_sliding_window", "sliding_window", "max_window_layers")
+            if k in hf] + (["layer_types"] if "layer_types" in hf else [])
+    raise ValueError(f"{where}: sliding_attention on layers {some} of {len(windows)} only "
+                     f"({', '.join(keys)}) is not supported: every layer here attends alike, all "
+                     "with one window or all without")
+
+
+def layer_windows(hf: dict, kind: str, where: str = "config.json") -> list[int | None]:
+    """Each layer's sliding window (None: none) as transformers 5 reads
+    config.json for `kind`: Llama has none, whatever the file says; Mistral
+    and Mixtral apply `sliding_window` to every layer whenever it is set
+    (a Mistral file without the key gets 4096); Qwen3-MoE when
+    `use_sliding_window` is true; Qwen2 and Qwen2-MoE on the layers
+    `layer_types` names "sliding_attention", or without it, Qwen2 on layers
+    from `max_window_layers` on, Qwen2-MoE on every other layer below it."""
+    L = hf["num_hidden_layers"]
+    if kind == "llama":
+        return [None] * L
+    window = hf.get("sliding_window", None if kind == "mixtral" else 4096)
+    if kind not in ("mistral", "mixtral") and not hf.get("use_sliding_window", False):
+        window = None  # the Qwen families' window acts only with the flag (their files may say 0)
+    if window is not None and window <= 0:
+        raise ValueError(f"{where}: sliding_window = {window} is not supported: such a window "
+                         "hides every position; null means none")
+    if kind in ("mistral", "mixtral", "qwen3_moe"):
+        return [window] * L
+    types = hf.get("layer_types")
+    if types is None:
+        first = hf.get("max_window_layers", 28)
+        slides = ((lambda i: i >= first) if kind == "qwen2"
+                  else (lambda i: i % 2 == 0 and i < first))
+        types = ["sliding_attention" if window is not None and slides(i) else "full_attention"
+                 for i in range(L)]
+    if len(types) != L or set(types) - {"sliding_attention", "full_attention"}:
+        raise ValueError(f"{where}: layer_types = {types} is not supported: {L} entries, each "
+                         "'full_attention' or 'sliding_attention', are")
+    if window is None and "sliding_attention" in types:
+        raise ValueError(f"{where}: layer_types names sliding_attention layers but "
+                         f"use_sliding_window = {hf.get('use_sliding_window', False)} and "
+                         f"sliding_window = {hf.get('sliding_window')} give them no window "
+                         "(transformers cannot run it either)")
+    return [window if t == "sliding_attention" else None for t in types]
+
+
+def exportable(cfg: LlamaConfig) -> None:
+    """Raises, naming the field, where `cfg` computes attention that its
+    architecture in transformers cannot: checked before anything is written."""
+    arch = ARCHITECTURES[cfg.family]
+    if cfg.sliding_window and cfg.family == "llama":
+        raise ValueError(f"sliding_window = {cfg.sliding_window} cannot be exported: {arch} has "
+                         "no sliding window (transformers ignores the key) and would attend to "
+                         "every position; train without it, or as a Mistral")
+    # Qwen2 always has q/k/v biases; Llama's and Qwen3-MoE's attention_bias
+    # would bias o_proj too, and Mistral and Mixtral have none.
+    biased = {"qwen2": True, "qwen2_moe": cfg.qkv_bias}.get(cfg.family, False)
+    if cfg.qkv_bias != biased:
+        raise ValueError(f"qkv_bias = {cfg.qkv_bias} cannot be exported as {arch}, whose q/k/v "
+                         f"projections {'always' if biased else 'never'} have biases")
+
+
 def config_json(cfg: LlamaConfig) -> dict:
+    """config.json for `cfg`, with every key its class reads for the
+    attention stated (shape_from reads them back): transformers' defaults
+    differ by class and version (a Mistral without `sliding_window` has 4096)."""
+    exportable(cfg)
+    window = cfg.sliding_window or None
     out = {
         "architectures": [ARCHITECTURES[cfg.family]], "model_type": cfg.family,
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
@@ -111,14 +224,20 @@ def config_json(cfg: LlamaConfig) -> dict:
         "attention_dropout": 0.0,
     }
     if cfg.family == "llama":
-        out.update(attention_bias=cfg.qkv_bias, mlp_bias=False)
-    if cfg.family in ("mistral", "qwen2"):
-        out["sliding_window"] = cfg.sliding_window or None
-    if cfg.family in ("qwen2", "qwen2_moe", "qwen3_moe"):
-        out["use_sliding_window"] = bool(cfg.sliding_window)
+        out.update(attention_bias=False, mlp_bias=False)
+    if cfg.family in ("mistral", "mixtral"):  # on every layer whenever set
+        out["sliding_window"] = window
+    if cfg.family in ("qwen2", "qwen2_moe", "qwen3_moe"):  # only with the flag
+        out.update(use_sliding_window=bool(window), sliding_window=window)
+    if cfg.family in ("qwen2", "qwen2_moe"):
+        # Each layer named: without the list Qwen2-MoE would slide every other
+        # layer. Qwen2's own rule (layers from max_window_layers on) agrees.
+        out["layer_types"] = ["sliding_attention" if window else "full_attention"] * cfg.n_layer
+    if cfg.family == "qwen2":
+        out["max_window_layers"] = 0 if window else cfg.n_layer
     if cfg.family == "mixtral":
         out.update(num_local_experts=cfg.n_experts, num_experts_per_tok=cfg.n_experts_per_tok,
-                   router_aux_loss_coef=cfg.router_aux_loss_coef, sliding_window=None)
+                   router_aux_loss_coef=cfg.router_aux_loss_coef)
     if cfg.family in ("qwen2_moe", "qwen3_moe"):
         out.update(num_experts=cfg.n_experts, num_experts_per_tok=cfg.n_experts_per_tok,
                    moe_intermediate_size=cfg.expert_mlp, norm_topk_prob=cfg.norm_topk_prob,
@@ -217,6 +336,7 @@ def sources(cfg: LlamaConfig) -> dict[str, Callable[[Get, int | None], np.ndarra
 
 def pieces(cfg: LlamaConfig, read: Read) -> Iterator[tuple[str, tuple[int, ...], Callable[[], np.ndarray]]]:
     """(Hugging Face name, shape, producer) for every tensor, one layer at a time."""
+    exportable(cfg)  # at the first tensor asked for, before any is written
     V, D = cfg.vocab_size, cfg.d_model
     yield "model.embed_tokens.weight", (V, D), lambda: read("wte", None)[:V]
     layer_map = _layer_map(cfg)

@@ -204,3 +204,127 @@ def _leaf_shape(tree, path):
 def test_llama_fields_on_a_gpt_are_refused(corpus):
     with pytest.raises(ValueError, match="n_kv_head: Llama-family fields"):
         make_job(corpus, model="gpt-tiny", n_kv_head=2)
+
+
+# config.json keys that shape attention, read as transformers 5's class for
+# each model_type reads them (tests/interop/test_attention_keys.py checks the
+# logits against transformers itself).
+BASE = dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=64,
+            intermediate_size=128, vocab_size=256, max_position_embeddings=64)
+FAMILY = {"llama": {}, "mistral": {}, "qwen2": {},
+          "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+          "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                            shared_expert_intermediate_size=48),
+          "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)}
+
+
+def _config(kind, **keys):
+    return {"model_type": kind, **BASE, **FAMILY[kind], **keys}
+
+
+SLIDING = ["sliding_attention"] * 2
+WINDOWS = [  # (model_type, keys, the window every layer gets)
+    ("mixtral", dict(sliding_window=16), 16),  # whenever set
+    ("mixtral", {}, 0),
+    ("mistral", dict(sliding_window=16), 16),
+    ("mistral", dict(sliding_window=None), 0),
+    ("mistral", {}, 4096),  # MistralConfig's default
+    ("llama", dict(sliding_window=16, use_sliding_window=True), 0),  # LlamaForCausalLM has none
+    ("qwen2", dict(sliding_window=16), 0),  # only with use_sliding_window
+    ("qwen2", dict(sliding_window=16, use_sliding_window=True, max_window_layers=0), 16),
+    ("qwen2", dict(sliding_window=16, use_sliding_window=True, max_window_layers=2), 0),
+    ("qwen2", dict(sliding_window=16, use_sliding_window=True, max_window_layers=2,
+                   layer_types=SLIDING), 16),  # the list wins over max_window_layers
+    ("qwen2_moe", dict(sliding_window=16, use_sliding_window=True, layer_types=SLIDING), 16),
+    ("qwen2_moe", dict(sliding_window=16, use_sliding_window=True, max_window_layers=0), 0),
+    ("qwen2_moe", dict(sliding_window=0, use_sliding_window=False), 0),  # as Qwen2MoeConfig saves
+    ("qwen3_moe", dict(sliding_window=16, use_sliding_window=True), 16),
+    ("qwen3_moe", dict(sliding_window=16, use_sliding_window=False), 0),
+]
+
+
+@pytest.mark.parametrize("kind,keys,window", WINDOWS)
+def test_each_family_reads_the_window_its_transformers_class_applies(kind, keys, window):
+    fields = llama_hf.shape_from(_config(kind, **keys))
+    assert fields.get("sliding_window", 0) == window
+    if window:  # and writes it back so that the class applies it again
+        cfg = llama.LlamaConfig(**fields)
+        written = llama_hf.config_json(cfg)
+        assert llama_hf.layer_windows(written, kind) == [window] * cfg.n_layer
+        assert llama.LlamaConfig(**llama_hf.shape_from(written)) == cfg
+
+
+REFUSED = [  # (model_type, keys, what the one-line error says)
+    ("qwen2", dict(sliding_window=16, use_sliding_window=True, max_window_layers=1),
+     r"sliding_attention on layers \[1\] of 2 only .*max_window_layers = 1"),
+    ("qwen2_moe", dict(sliding_window=16, use_sliding_window=True),  # every other layer
+     r"sliding_attention on layers \[0\] of 2 only \(use_sliding_window = True"),
+    ("qwen2", dict(sliding_window=16, layer_types=SLIDING),
+     "layer_types names sliding_attention layers but use_sliding_window = False"),
+    ("mistral", dict(sliding_window=0), "sliding_window = 0 is not supported"),
+    ("llama", dict(attention_bias=True), "attention_bias = True .*o_proj bias"),
+    ("qwen3_moe", dict(attention_bias=True), "attention_bias = True .*o_proj bias"),
+    ("llama", dict(mlp_bias=True), "mlp_bias = True"),
+    ("mixtral", dict(hidden_act="gelu"), "hidden_act = 'gelu'"),
+    ("llama", dict(rope_parameters={"rope_type": "yarn", "factor": 4.0}),
+     "rope_type = 'yarn' is not supported"),
+    ("llama", dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                 "high_freq_factor": 4.0}, partial_rotary_factor=0.5),
+     "partial_rotary_factor = 0.5"),
+]
+
+
+@pytest.mark.parametrize("kind,keys,message", REFUSED)
+def test_a_key_the_model_cannot_compute_is_refused_in_one_line(kind, keys, message):
+    with pytest.raises(ValueError, match=message) as e:
+        llama_hf.shape_from(_config(kind, **keys), where="dir/config.json")
+    assert str(e.value).startswith("dir/config.json: ") and "\n" not in str(e.value)
+
+
+def test_keys_a_class_ignores_are_ignored_and_defaults_are_its_own():
+    """Mistral's and Mixtral's attention has no biases whatever
+    attention_bias says, Qwen2's always has q/k/v biases, Qwen2-MoE's unless
+    qkv_bias is false; a Mixtral without rope_theta rotates at 1e6, as
+    MixtralConfig does; rope_scaling wins over rope_parameters, as in
+    transformers, and partial_rotary_factor acts only with scaling."""
+    shape = llama_hf.shape_from
+    assert not shape(_config("mistral", attention_bias=True))["qkv_bias"]
+    assert shape(_config("qwen2", attention_bias=False))["qkv_bias"]
+    assert shape(_config("qwen2_moe"))["qkv_bias"]
+    assert not shape(_config("qwen2_moe", qkv_bias=False))["qkv_bias"]
+    assert shape(_config("mixtral"))["rope_theta"] == 1e6
+    assert shape(_config("mistral"))["rope_theta"] == 1e4
+    assert shape(_config("mistral", rope_parameters={"rope_type": "default", "rope_theta": 5e5},
+                         partial_rotary_factor=0.5))["rope_theta"] == 5e5
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0}
+    fields = shape(_config("llama", rope_scaling=llama3,
+                           rope_parameters={"rope_type": "default", "rope_theta": 5e5}))
+    assert fields["rope_scaling"] == (8.0, 1.0, 4.0, 64)  # original length: the config's
+    assert fields["rope_theta"] == 1e4  # rope_scaling is the table read; its base is the file's
+
+
+@pytest.mark.parametrize("fields,message", [
+    (dict(family="llama", sliding_window=16), "sliding_window = 16 cannot be exported: "
+                                              "LlamaForCausalLM has no sliding window"),
+    (dict(family="mistral", qkv_bias=True), "qkv_bias = True cannot be exported as "
+                                            "MistralForCausalLM, whose q/k/v projections never"),
+    (dict(family="qwen2"), "qkv_bias = False cannot be exported as Qwen2ForCausalLM"),
+])
+def test_an_export_its_architecture_cannot_compute_is_refused_before_writing(tmp_path, fields,
+                                                                             message):
+    cfg = llama.LlamaConfig(vocab_size=256, n_layer=2, n_head=4, n_kv_head=2, d_model=64,
+                            d_mlp=128, max_seq_len=64, **fields)
+    read = _random_reader(cfg)
+    with pytest.raises(ValueError, match=message):
+        hf.save(tmp_path / "hf", cfg, read)
+    assert not list((tmp_path / "hf").iterdir())
+
+
+def _random_reader(cfg, seed=0):
+    """`read(path, layer)` giving random parameters of `cfg`'s shapes."""
+    rng = np.random.default_rng(seed)
+    shapes = jax.eval_shape(models.model_fns(cfg).init, jax.random.key(0))
+    return lambda path, layer: rng.standard_normal(
+        _leaf_shape(shapes, path)[0 if layer is None else 1:]).astype(np.float32)
+
