@@ -59,7 +59,17 @@ class Tensors:
         self.path = path
         if (path / INDEX).exists():
             weight_map = json.loads((path / INDEX).read_text())["weight_map"]
-            files = {file: export.SafetensorsFile(path / file) for file in set(weight_map.values())}
+            names = sorted(set(weight_map.values()))
+            # Every file the index names is looked for before any is opened:
+            # a download cut short is then one line naming what it lacks.
+            missing = [name for name in names if not (path / name).is_file()]
+            if missing:
+                which = (f"{missing[0]}, which is" if len(missing) == 1 else
+                         f"{', '.join(missing)} ({len(missing)} of its {len(names)} files), "
+                         "which are")
+                raise FileNotFoundError(f"{path / INDEX} names {which} missing from {path}: "
+                                        "copy or download every file the index names")
+            files = {name: export.SafetensorsFile(path / name) for name in names}
             self.files = {name: files[file] for name, file in weight_map.items()}
         else:
             single = export.SafetensorsFile(path / SINGLE)

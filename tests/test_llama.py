@@ -328,3 +328,24 @@ def _random_reader(cfg, seed=0):
     return lambda path, layer: rng.standard_normal(
         _leaf_shape(shapes, path)[0 if layer is None else 1:]).astype(np.float32)
 
+
+def test_a_missing_shard_is_named_before_any_shard_is_read(corpus, tmp_path):
+    """A directory whose index names files that are not there: the import
+    says which, in one line, before opening any shard (the first one here
+    is not even a safetensors file, and is not what the error is about)."""
+    cfg = llama.LlamaConfig(vocab_size=256, n_layer=2, n_head=4, n_kv_head=2, d_model=64,
+                            d_mlp=128, max_seq_len=64)
+    files = hf.save(tmp_path, cfg, _random_reader(cfg), max_shard_bytes=40_000)
+    assert len(files) >= 4 and (tmp_path / hf.INDEX).exists()
+    files[0].write_bytes(b"not a safetensors file")
+    files[2].unlink()
+    job = make_job(corpus, model=f"hf:{tmp_path}", mesh="fsdp=8")
+    with pytest.raises(FileNotFoundError) as e:
+        models.hf_loader(str(tmp_path), job)
+    assert str(e.value) == (f"{tmp_path / hf.INDEX} names {files[2].name}, which is missing "
+                            f"from {tmp_path}: copy or download every file the index names")
+    files[3].unlink()
+    with pytest.raises(FileNotFoundError, match=rf"names {files[2].name}, {files[3].name} "
+                                                rf"\(2 of its {len(files)} files\), which are "
+                                                rf"missing from {tmp_path}: "):
+        hf.Tensors(tmp_path)
