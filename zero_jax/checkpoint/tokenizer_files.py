@@ -8,6 +8,12 @@ SHA-256 the data was prepared with: a changed one is refused, never
 exported as the model's. Byte-level data has no tokenizer file; the export
 carries a note (TOKENIZER.md) saying how the model reads text instead.
 
+The special tokens' ids (config.json, generation_config.json) are those of
+the model whose tokenizer this is: a directory the run's weights came from
+holding the same tokenizer.json beside its config.json, else the
+tokenizer's own directory if it holds one. Without such a model, they are
+the data's end-of-document id and the tokens tokenizer_config.json names.
+
 A tokenizer_config.json without `tokenizer_class` gets PreTrainedTokenizerFast:
 without it, transformers picks the architecture's own class (GPT2Tokenizer
 for GPT-2), which rebuilds the pipeline from vocabulary and merges and can
@@ -31,6 +37,9 @@ CONFIG = "tokenizer_config.json"
 # Copied from beside tokenizer.json where present (generation_config.json is the model's).
 BESIDE = (CONFIG, "special_tokens_map.json", "vocab.json", "merges.txt")
 NOTE = "TOKENIZER.md"
+GENERATION = "generation_config.json"
+IDS = ("bos_token_id", "eos_token_id", "pad_token_id")  # what config.json says of the tokens
+BOOKKEEPING = ("_from_model_config", "transformers_version")  # a writer's, not the model's
 FAST = "PreTrainedTokenizerFast"  # loads tokenizer.json as it is, whatever the architecture
 SHORT = 12  # hex digits of a SHA-256 in the line printed
 
@@ -42,9 +51,15 @@ class Export:
     files: dict[str, bytes]
     line: str
     # What config.json says of the special tokens (hf.config_json): those of
-    # the model whose directory the tokenizer came from, the data's
-    # end-of-document id over its eos; {} where nothing is known.
+    # the model whose tokenizer this is (model_ids), else the data's
+    # end-of-document id and the tokenizer's own tokens; {} where nothing is known.
     token_ids: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # That model's generation_config.json (the writer's bookkeeping left
+    # out), the data's end of document added to its eos where missing; {}
+    # where there is none: generation_config.json is then made of token_ids.
+    generation: dict[str, Any] = dataclasses.field(default_factory=dict)
+    ids_from: Path | None = None  # the model directory `generation` is from
+    ids_why: str = ""  # where the ids come from, for the line saying which were written
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,7 +110,7 @@ def for_run(meta: dict[str, Any], model_dirs: list[str], given: str | None = Non
         other = bool(run.sha256) and run.sha256 != have
         whose = "as --tokenizer asked" + (
             f"; the data was prepared with SHA-256 {run.sha256[:SHORT]}..." if other else "")
-        return _copied(file, data, have, whose, None if other else run.eos_id)
+        return _copied(file, data, have, whose, None if other else run.eos_id, run, model_dirs)
     if run.name == tok_lib.BYTES:
         return _byte_note(run)
     candidates = ([(Path(run.name), "the data's")] if run.name else []) + [
@@ -107,9 +122,10 @@ def for_run(meta: dict[str, Any], model_dirs: list[str], given: str | None = Non
             have = hashlib.sha256(data).hexdigest()
             if run.sha256 and have != run.sha256:
                 raise ValueError(_changed(file, have, run))
-            return _copied(file, data, have, whose, run.eos_id)
+            return _copied(file, data, have, whose, run.eos_id, run, model_dirs)
     return Export({}, f"tokenizer: none exported ({_why_none(run, model_dirs)}); add one with "
-                      f"--tokenizer DIR (a directory holding {TOKENIZER}, or the file)")
+                      f"--tokenizer DIR (a directory holding {TOKENIZER}, or the file)",
+                  ids_why="no tokenizer to take them from")
 
 
 def _changed(file: Path, have: str, run: Recorded) -> str:
@@ -138,9 +154,11 @@ def _tokenizer_file(path: Path) -> Path | None:
     return file if file.is_file() else None
 
 
-def _copied(file: Path, data: bytes, sha256: str, whose: str, eos_id: int | None) -> Export:
+def _copied(file: Path, data: bytes, sha256: str, whose: str, eos_id: int | None,
+            run: Recorded, model_dirs: list[str]) -> Export:
     """tokenizer.json and the files beside it; a tokenizer_config.json made
-    or completed so that AutoTokenizer reads tokenizer.json as it is."""
+    or completed so that AutoTokenizer reads tokenizer.json as it is; the
+    special tokens' ids (model_ids)."""
     files = {TOKENIZER: data}
     files.update({name: (file.parent / name).read_bytes() for name in BESIDE
                   if (file.parent / name).is_file()})
@@ -157,19 +175,92 @@ def _copied(file: Path, data: bytes, sha256: str, whose: str, eos_id: int | None
         if config is not None and "tokenizer_class" not in config:
             files[CONFIG] = _json({"tokenizer_class": FAST, **config})
             line += f"; gave {CONFIG} tokenizer_class {FAST} (it had none)"
-    ids = {**_model_ids(file.parent), **({} if eos_id is None else {"eos_token_id": eos_id})}
-    return Export(files, line, ids)
+    home = _model_home(file, sha256, model_dirs)
+    if home is None:  # no model's ids: the data's end of document, the tokenizer's own tokens
+        tokens = _token_ids(_object(data) or {}, _object(files[CONFIG]) or {})
+        ids = {**tokens, **({} if eos_id is None else {"eos_token_id": eos_id})}
+        why = (("the data's end of document" if eos_id is not None else
+                f"{CONFIG}'s tokens") + f" (its tokenizer's directory {file.parent} holds no "
+               "model's config.json to take a model's ids from)")
+        return Export(files, line, ids, ids_why=why)
+    ids, generation = _model_ids(home), _generation(home)
+    if run.sha256 == sha256:
+        whose = "the model's own" if home in map(Path, model_dirs) else f"those of {home}"
+        why = f"{whose}, whose tokenizer the data was prepared with"
+    elif run.sha256:
+        why = (f"those of {home}, whose tokenizer --tokenizer gave; the data was prepared "
+               "with another")
+    else:
+        data = run.source or "not recorded"
+        why = (f"those of {home}, whose tokenizer this is; the data ({data}) names no "
+               "tokenizer to confirm them")
+    if eos_id is not None:
+        eos = generation.get("eos_token_id", ids.get("eos_token_id"))
+        theirs = eos if isinstance(eos, list) else [] if eos is None else [eos]
+        if not theirs:
+            ids = {**ids, "eos_token_id": eos_id}
+            why += "; eos the data's end of document, as the model names none"
+        elif eos_id not in theirs:
+            generation = {**generation, "eos_token_id": [*theirs, eos_id]}
+            why += (f"; the data's end of document, {eos_id}, is not among the model's: added "
+                    f"to {GENERATION}'s eos_token_id")
+    return Export(files, line, ids, generation, home if generation else None, why)
+
+
+def _model_home(file: Path, sha256: str, model_dirs: list[str]) -> Path | None:
+    """The directory of the model whose tokenizer `file` is: a directory the
+    run's weights came from holding the same tokenizer.json beside its
+    config.json, else the tokenizer's own directory if it holds a config.json."""
+    for d in map(Path, model_dirs):
+        theirs = d / TOKENIZER
+        if (d / "config.json").is_file() and theirs.is_file() and (
+                theirs == file or token_files.file_sha256(theirs) == sha256):
+            return d
+    return file.parent if (file.parent / "config.json").is_file() else None
 
 
 def _model_ids(directory: Path) -> dict[str, Any]:
-    """bos_token_id and eos_token_id of the model whose tokenizer is in
-    `directory` (its config.json, as Hugging Face writes it), where given."""
+    """The special tokens' ids of the model in `directory` (its config.json,
+    as Hugging Face writes it), where given."""
+    config = _read_json(directory / "config.json")
+    return {k: config[k] for k in IDS if config.get(k) is not None}
+
+
+def _generation(directory: Path) -> dict[str, Any]:
+    """The model's generation_config.json, less the writer's bookkeeping ({} where none)."""
+    return {k: v for k, v in _read_json(directory / GENERATION).items() if k not in BOOKKEEPING}
+
+
+def _read_json(path: Path) -> dict[str, Any]:
     try:
-        config = json.loads((directory / "config.json").read_text())
+        value = json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
-    keys = ("bos_token_id", "eos_token_id")
-    return {k: config[k] for k in keys if isinstance(config, dict) and config.get(k) is not None}
+    return value if isinstance(value, dict) else {}
+
+
+def _token_ids(tokenizer: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """The ids of the bos, eos and pad tokens tokenizer_config.json names, in
+    tokenizer.json's vocabulary."""
+    ids = _vocabulary(tokenizer)
+    out = {}
+    for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
+                      ("pad_token", "pad_token_id")):
+        text = config.get(name)
+        text = text.get("content") if isinstance(text, dict) else text
+        if isinstance(text, str) and text in ids:
+            out[key] = ids[text]
+    return out
+
+
+def _vocabulary(tokenizer: dict[str, Any]) -> dict[str, int]:
+    """Token text -> id: the model's vocabulary and the added tokens."""
+    vocab = tokenizer.get("model", {}).get("vocab")
+    if isinstance(vocab, list):  # Unigram: [piece, score] pairs, the id their place
+        vocab = {entry[0]: i for i, entry in enumerate(vocab) if isinstance(entry, list) and entry}
+    out = dict(vocab) if isinstance(vocab, dict) else {}
+    out.update({t.get("content", ""): t.get("id") for t in tokenizer.get("added_tokens", [])})
+    return out
 
 
 def eos_token(tokenizer: dict[str, Any], eos_id: int | None) -> str:
@@ -214,9 +305,12 @@ def _byte_note(run: Recorded) -> Export:
             '`list(text.encode("utf-8"))` gives a text\'s ids, and '
             '`bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")` the text '
             f"of ids.\n\nThe run read {run.source}.\n")
+    why = ("the byte-level data's end of document" if eos is not None else
+           f"the data, {run.source}, had no end-of-document id")
     return Export({NOTE: text.encode()},
                   f"tokenizer: none, the model reads UTF-8 bytes (ids 0-255, {said}); wrote "
-                  f"{NOTE} saying so", {} if eos is None else {"eos_token_id": eos})
+                  f"{NOTE} saying so", {} if eos is None else {"eos_token_id": eos},
+                  ids_why=why)
 
 
 def write(export: Export, out: Path) -> list[Path]:

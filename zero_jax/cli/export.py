@@ -20,7 +20,10 @@ files beside it) from `--tokenizer`, else from the tokenizer the run's data
 was prepared with (refused if that file's SHA-256 has changed since), else
 from the directory the weights came from (`--model hf:DIR`, `--init-from`),
 and says which in one line; for byte-level data, a TOKENIZER.md saying the
-model reads UTF-8 bytes (checkpoint/tokenizer_files.py).
+model reads UTF-8 bytes (checkpoint/tokenizer_files.py). The special tokens'
+ids are the model's own where the tokenizer is a model's (config.json and
+generation_config.json as that model's say them), else the data's end of
+document and the tokenizer's own tokens; one line says which and why.
 
 `--dtype bfloat16|float16|float32` is the dtype written; by default, the
 one the model was trained to hold (`default_dtype`): a float32-trained model
@@ -130,6 +133,28 @@ def tokenizer_for(args: argparse.Namespace, meta: dict) -> tokenizer_files.Expor
     return tokenizer_files.for_run(meta, dirs, args.tokenizer)
 
 
+def special_ids(cfg, tokenizer: tokenizer_files.Export | None) -> tuple[dict, dict, str]:
+    """(config.json's special tokens' ids, generation_config.json, the line
+    saying which were written and why) of a Hugging Face export. config.json
+    names the ids as hf.config_json writes them; generation_config.json is
+    the model's own where the tokenizer's model has one, else those ids."""
+    given = tokenizer.token_ids if tokenizer else {}
+    written = hf.config_json(cfg, token_ids=given)
+    ids = {k: written[k] for k in tokenizer_files.IDS if k in written}
+    generation = {**{k: v for k, v in ids.items() if v is not None},
+                  **(tokenizer.generation if tokenizer else {})}
+    known = ", ".join(f"{k} {v}" for k, v in ids.items() if v is not None)
+    home = tokenizer.ids_from if tokenizer else None
+    where = (f"in config.json, {tokenizer_files.GENERATION} as {home}'s" if home else
+             f"in config.json and {tokenizer_files.GENERATION}")
+    if not generation:
+        known, where = "none known", f"(null in config.json, no {tokenizer_files.GENERATION})"
+    why = tokenizer.ids_why if tokenizer else ""
+    if "bos_token_id" not in given and ids.get("bos_token_id") is not None:
+        why += "; bos is eos, as GPT-2 begins text with its end-of-text token"
+    return ids, generation, f"token ids: {known} {where}: {why}"
+
+
 class Staged:
     """Outputs written under temporary names beside their destinations (the
     same file system, so that a rename moves them), then renamed into place
@@ -227,6 +252,9 @@ def write(args: argparse.Namespace, reader: export.ParamReader, step: int,
                                          dtype["hf"], tokenizer.token_ids if tokenizer else None)]
             if tokenizer:
                 tokenizer_files.write(tokenizer, out)
+            generation = special_ids(cfg, tokenizer)[1]
+            if generation:
+                (out / tokenizer_files.GENERATION).write_text(json.dumps(generation, indent=1))
     except BaseException:  # a refusal, a full disk, an interrupt: nothing of this export stays
         staged.discard()
         raise
@@ -281,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         print(note)
     if tokenizer:
         print(tokenizer.line)
+        print(special_ids(models.config_from(reader.meta["model"]), tokenizer)[2])
     for line in narrowings(reader.stored_dtypes(), dtype, asked=bool(args.dtype)):
         print(line)
     if args.report_memory:
