@@ -5,7 +5,8 @@ The state comes from, in order: `--resume` (the newest complete checkpoint
 that verifies, falling back past corrupt ones), `--init-from` (parameters
 only, with a fresh optimizer), or a fresh initialisation. It is saved every
 `--checkpoint-every` steps, at the end, at `--stop-at`, and when the run is
-preempted (SIGTERM), after which the run exits cleanly.
+preempted (SIGTERM) or interrupted (Ctrl-C), after which the run exits cleanly
+(runtime/preempt.py).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from tqdm import tqdm
 from zero_jax.checkpoint import manager as ckpt_lib
 from zero_jax.data import corpus as data_lib
 from zero_jax import loop
-from zero_jax.runtime import distributed
+from zero_jax.runtime import distributed, preempt
 from zero_jax.checkpoint import export
 from zero_jax.checkpoint import stream
 from zero_jax.analysis import flops
@@ -33,7 +34,6 @@ from zero_jax.runtime import wandb_log
 from zero_jax.runtime.metrics import MetricsWriter, TensorBoardWriter, Writers
 from zero_jax.data import sampler
 from zero_jax.job import Job
-from zero_jax.runtime.preempt import Preemption
 from zero_jax.state import TrainState
 from zero_jax.runtime.watchdog import StepWatchdog
 from zero_jax.sharding.specs import is_spec, named_leaves
@@ -50,8 +50,9 @@ class InitFromError(ValueError):
 class Outcome:
     state: TrainState
     history: list[dict[str, Any]]
-    stopped: str = ""  # "preempted", "stop_at", or "" when all steps ran
+    stopped: str = ""  # "preempted", "interrupted", "stop_at", or "" when all steps ran
     resumed_from: int | None = None
+    line: str = ""  # an interrupted run's last line: where it stopped, which step restores
 
 
 def checkpoint_meta(job: Job, step: int, corpus: data_lib.TokenData | None = None
@@ -227,20 +228,19 @@ class StopAndSave:
                  checkpointer: ckpt_lib.Checkpointer | None, meta: dict[str, Any] | None = None):
         self.job, self.corpus, self.checkpointer = job, corpus, checkpointer
         self.meta = meta or {}  # more for each checkpoint's meta (the W&B group)
-        self.preemption = Preemption()
-        self.stopped = ""  # "preempted", "stop_at", or "" while running
+        self.preemption = preempt.Preemption()
+        self.stopped = ""  # "preempted", "interrupted", "stop_at", or "" while running
 
     def __call__(self, n: int, state: TrainState) -> bool:
         t = self.job.run.train
-        if self.preemption.requested(n):
-            self.stopped = "preempted"
-        elif n == t.stop_at:
-            self.stopped = "stop_at"
+        self.stopped = self.preemption.reason(n) or ("stop_at" if n == t.stop_at else "")
         if self.checkpointer is not None:
             if self.stopped or n == (t.stop_at or t.steps) or self.checkpointer.due(n):
                 self.checkpointer.save(n, self.job.layout.saved_form(state),
                                        {**checkpoint_meta(self.job, n, self.corpus), **self.meta})
             self.checkpointer.check()
+        # A stop asked for while this step was being saved: that save is the last.
+        self.stopped = self.stopped or self.preemption.now()
         return bool(self.stopped)
 
 
@@ -302,23 +302,57 @@ def writers(job: Job, start: int, group: str, lead: bool,
                                          group=group, start=start, tables=plan))
 
 
+def interrupted_line(prefix: str, directory: Path | None, abandoned: bool = False) -> str:
+    """An interrupted run's one line: `prefix`, with `abandoned` the saves
+    left uncommitted in `directory` (the checkpoint directory; None: there is
+    none), and the step a --resume restores."""
+    if directory is None:
+        return f"{prefix}; nothing was saved (no --checkpoint-dir)"
+    left = sorted({name.split(".")[0] for name in ckpt_lib.incomplete(directory)}, key=int)
+    dropped = (f", abandoning the save of step {', '.join(left)} (it never commits)"
+               if abandoned and left else "")
+    steps = ckpt_lib.complete_steps(directory)
+    if not steps:
+        return f"{prefix}{dropped}; no checkpoint in {directory} has committed: nothing to resume from"
+    return (f"{prefix}{dropped}; step {steps[-1]} is restorable from {directory / str(steps[-1])} "
+            "(--resume continues from it)")
+
+
 def train(job: Job, corpus: data_lib.TokenData, train_step, eval_step, *,
           loaders: list[ParamLoader] = (), progress: bool = True,
           log: Callable[[str], None] = print,
           throughput: flops.Throughput | None = None,
           plan: dict[str, Any] | None = None) -> Outcome:
     """The run of `job` on `corpus` with its compiled steps, from its initial
-    state (`initial_state`) to its last step, stop or preemption. `plan`
-    (summary.tables) is logged to W&B with the run."""
-    run, t, c, d = job.run, job.run.train, job.run.checkpoint, job.run.distributed
+    state (`initial_state`) to its last step, stop, preemption or Ctrl-C.
+    `plan` (summary.tables) is logged to W&B with the run."""
+    c, d = job.run.checkpoint, job.run.distributed
     # Save lines go above the progress bar, not through it.
     checkpointer = (ckpt_lib.Checkpointer(c, job.layout.names, writer=True,
                                           barrier_timeout_s=d.barrier_timeout_s,
                                           log=tqdm.write) if c.dir else None)
-    state, resumed = initial_state(job, checkpointer, loaders, log, corpus)
-    # Every process has its state before any starts stepping; bounded, so a
-    # process that died while restoring ends the run instead of holding it.
-    distributed.barrier("state ready", d.barrier_timeout_s)
+    directory = checkpointer.directory if checkpointer is not None else None
+    # Ctrl-C stops after the step in flight; a second one at once, saying
+    # which step is restorable (runtime/preempt.py).
+    with preempt.interrupts(lambda: interrupted_line("interrupted again: stopped at once",
+                                                     directory, abandoned=True)):
+        state, resumed = initial_state(job, checkpointer, loaders, log, corpus)
+        if jax.process_count() == 1 and preempt.interrupted():
+            return Outcome(state, [], "interrupted", resumed,
+                           interrupted_line("interrupted before training began", directory))
+        # Every process has its state before any starts stepping; bounded, so a
+        # process that died while restoring ends the run instead of holding it.
+        distributed.barrier("state ready", d.barrier_timeout_s)
+        return _train(job, corpus, train_step, eval_step, checkpointer, state, resumed,
+                      progress=progress, log=log, throughput=throughput, plan=plan)
+
+
+def _train(job: Job, corpus: data_lib.TokenData, train_step, eval_step,
+           checkpointer: ckpt_lib.Checkpointer | None, state: TrainState, resumed: int | None, *,
+           progress: bool, log: Callable[[str], None], throughput: flops.Throughput | None,
+           plan: dict[str, Any] | None) -> Outcome:
+    """`train` from its initial state on."""
+    run, t, d = job.run, job.run.train, job.run.distributed
     lead = jax.process_index() == 0  # one metrics file, W&B run and progress bar per run
     group = wandb_group(checkpointer, resumed) if t.wandb_project and lead else ""
     out = writers(job, resumed or 0, group, lead, plan)
@@ -345,7 +379,13 @@ def train(job: Job, corpus: data_lib.TokenData, train_step, eval_step, *,
         watchdog.close()
     if throughput is not None:
         throughput.check_peak(history)
-    stopped = after_step.stopped
+    # A Ctrl-C while the last save committed: the run ended, and says so.
+    stopped = after_step.stopped or after_step.preemption.now()
+    step = int(distributed.local(state.step))
+    if stopped == "interrupted":
+        directory = checkpointer.directory if checkpointer is not None else None
+        return Outcome(state, history, stopped, resumed,
+                       interrupted_line(f"interrupted: stopped after step {step}", directory))
     if stopped and checkpointer is not None:
-        log(f"{stopped}: saved step {int(distributed.local(state.step))} in {checkpointer.directory}")
+        log(f"{stopped}: saved step {step} in {checkpointer.directory}")
     return Outcome(state, history, stopped, resumed)

@@ -11,7 +11,9 @@ is also a key of the TOML run config (see --help).
 Exit status: 0 done (or preempted and saved), 2 bad input, 3 training halted
 (non-finite gradients), 4 a checkpoint could not be saved or restored, 5 a
 step ran far past the recent median (the watchdog), 6 processes disagree
-on the config or the compiled step.
+on the config or the compiled step, 130 interrupted (Ctrl-C: the step in
+flight ends and is saved, one line says which step is restorable; a second
+Ctrl-C exits at once).
 
 Under `zero-jax launch`, SLURM, Open MPI or on a TPU pod each process runs
 this same command; `jax.distributed` is set up from the environment.
@@ -23,6 +25,7 @@ import argparse
 import os
 import signal
 import sys
+from pathlib import Path
 
 import jax
 
@@ -33,7 +36,7 @@ from zero_jax.analysis import flops, hlo
 from zero_jax.analysis import memory, summary
 from zero_jax.checkpoint import manager as ckpt_lib
 from zero_jax.data import corpus as data_lib
-from zero_jax.runtime import cpu, distributed
+from zero_jax.runtime import cpu, distributed, preempt
 from zero_jax.sharding.mesh import MeshError
 from zero_jax.sharding.rules import ShardingError
 
@@ -134,13 +137,31 @@ def status_of(e: Exception) -> int:
     return next(code for kind, code in RUN_ERRORS.items() if isinstance(e, kind))
 
 
+def interrupted_early(cfg: config_lib.RunConfig) -> bool:
+    """Whether Ctrl-C came before training began; if so, its one line is said."""
+    if not preempt.interrupted():
+        return False
+    directory = Path(cfg.checkpoint.dir).absolute() if cfg.checkpoint.dir else None
+    print(run.interrupted_line("interrupted before training began", directory), file=sys.stderr)
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     # A size limit on files (disk quota) must fail the write, not kill the process.
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    # Ctrl-C sets a flag, read between the steps of start-up here and after
+    # every training step: no KeyboardInterrupt lands in JAX or orbax.
+    with preempt.interrupts():
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
     try:
         cfg, args, corpus, job, model_line = prepare(argv)
     except INPUT_ERRORS as e:
         return error(e, 2)
+    if interrupted_early(cfg):
+        return preempt.EXIT_INTERRUPTED
     if jax.process_index() == 0:
         print(run.start_line(job), flush=True)
     lowered, train_step, partitioned = compile_train_step(job)
@@ -151,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
                           cfg.distributed.barrier_timeout_s)
     except distributed.DistributedError as e:
         return error(e, 6)
+    if interrupted_early(cfg):
+        return preempt.EXIT_INTERRUPTED
     eval_step = job.compile_eval_step()
     throughput = flops.throughput(job)  # on CPU, the first run measures the peak (seconds)
     plan = None
@@ -159,11 +182,16 @@ def main(argv: list[str] | None = None) -> int:
         print(summary.describe(job, data_line(corpus), model_line, report=report), flush=True)
         print(flops.describe(throughput), flush=True)
         plan = summary.tables(job, data_line(corpus), model_line, report)  # for W&B
+    if interrupted_early(cfg):
+        return preempt.EXIT_INTERRUPTED
     try:
         outcome = run.train(job, corpus, train_step, eval_step, loaders=[models.hf_loader],
                             progress=not args.no_progress, throughput=throughput, plan=plan)
     except tuple(RUN_ERRORS) as e:
         return error(e, status_of(e))
+    if outcome.stopped == "interrupted":
+        print(outcome.line, file=sys.stderr)
+        return preempt.EXIT_INTERRUPTED
     if not outcome.history:
         print(f"nothing to do: the state is already at step {int(distributed.local(outcome.state.step))}")
         return 0
