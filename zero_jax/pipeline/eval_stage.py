@@ -54,7 +54,7 @@ class EvalStage(LocalStage):
             else:
                 out, part = self.infer_split(c.fwd, row, enters[t], leaves[t])
                 part = jnp.where(d == p - 1, part, 0.0)  # every stage has it: count it once
-            arrived = send(out, row.f_send, tables.pairs[0])
+            arrived = send(out, tables.routes[0])
             return EvalCarry(fwd=self.place(c.fwd.at[row.fwd_arrival].set(arrived)),
                              loss=c.loss + part)
 

@@ -13,9 +13,13 @@ W slot. A slot is taken when a value is written and given back when it is
 read, so a device reuses its slots, and each buffer is as large as the most
 slots one device holds at once.
 
-Sends go only where a message goes: each tick's senders are one of a few
-pair lists (`f_pairs`, `b_pairs`), and the loop sends over the tick's list only, so
-a device with nothing in flight sends nothing.
+Each tick's messages go over one of a few pair lists (`f_pairs`,
+`b_pairs`). The loop sends over their union (`Tables.routes`) at every tick,
+outside any conditional: a stage with no message sends a value its
+neighbour writes into the spare inbox slot. A send chosen per tick under a
+conditional is what jaxlib 0.11.2's XLA:CPU started early on some devices
+while others still ran the tick's earlier collectives, so they hung in
+different ones (docs/pipelines.md#collectives-in-one-order).
 """
 
 from __future__ import annotations
@@ -87,9 +91,21 @@ class Program:
         return out[0], out[1], out[2]
 
     def messages(self) -> int:
-        """Messages sent in the step (activations and gradients)."""
+        """Messages the schedule sends in a step (activations and gradients)."""
         return (sum(len(self.f_pairs[i]) for i in self.f_send)
                 + sum(len(self.b_pairs[i]) for i in self.b_send))
+
+    def routes(self) -> tuple[Pairs, Pairs]:
+        """Every pair a message goes over, activations' and gradients': a
+        permutation each, since a stage sends only to its next (activations)
+        or its previous (gradients)."""
+        return tuple(tuple(sorted({pair for pairs in lists for pair in pairs}))
+                     for lists in (self.f_pairs, self.b_pairs))
+
+    def transfers(self) -> int:
+        """What the loop sends in a step: over every route at every tick,
+        `messages()` of them carrying one."""
+        return self.f.shape[0] * sum(len(r) for r in self.routes())
 
 
 def kept_ticks(b: np.ndarray, b_whole: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -273,8 +289,6 @@ class Row(NamedTuple):
     bwd_arrival: jax.Array
     f_layers: jax.Array  # of the forward's chunk's slots, how many hold layers
     b_layers: jax.Array  # the same for the backward's (and its W's) chunk
-    f_send: jax.Array  # the tick's activation pair list (the same on every device)
-    b_send: jax.Array
 
 
 class Tables:
@@ -283,10 +297,9 @@ class Tables:
     def __init__(self, program: Program, counts: np.ndarray):
         self.ticks, self.p = program.f.shape
         self.slots = program.slots
-        self.pairs = program.f_pairs, program.b_pairs
+        self.routes = program.routes()
         self.kept = kept_ticks(program.b, program.b_whole, program.w)
         self.arrays = {k: jnp.asarray(getattr(program, k)) for k in Program.tables()}
-        self.sends = jnp.asarray(np.stack([program.f_send, program.b_send]))
         self.counts = jnp.asarray(counts)  # layers in each (device, local chunk)
 
     def runs(self) -> list[tuple[int, int, bool]]:
@@ -298,5 +311,4 @@ class Tables:
 
     def at(self, t: jax.Array, d: jax.Array) -> Row:
         e = {k: a[t, d] for k, a in self.arrays.items()}
-        return Row(**e, f_layers=self.counts[d, e["f_chunk"]], b_layers=self.counts[d, e["b_chunk"]],
-                   f_send=self.sends[0, t], b_send=self.sends[1, t])
+        return Row(**e, f_layers=self.counts[d, e["f_chunk"]], b_layers=self.counts[d, e["b_chunk"]])

@@ -165,8 +165,8 @@ def cost(s: Schedule, layers: Sequence[float], head: float = 0.0, embed: float =
     the embedding's backward on chunk 0. Where the backward is split, B
     costs `backward - weight` per layer and W `weight` (one product per
     matrix, from the inputs and output gradients B kept). A tick lasts as
-    long as its slowest device, then each of its two sends (`send` each)
-    that carries anything.
+    long as its slowest device, then its two sends (`send` each), which
+    run at every tick whether they carry a message or not (program.py).
 
     `shared_ends`: the tables are used in row blocks over `pipe`
     (executor.py), so every device does a p-th of the embedding's and the
@@ -197,8 +197,12 @@ def cost(s: Schedule, layers: Sequence[float], head: float = 0.0, embed: float =
         return (backward - weight * split) * layers[g] + own
 
     work = [[sum(of(d, a) for a in acts) for d, acts in enumerate(row)] for row in s.table]
-    sends = [send * (any(_sends(s, t, d, "F") for d in range(s.p))
-                     + any(_sends(s, t, d, "B") for d in range(s.p))) for t in range(s.ticks)]
+    # The loop sends over every route at every tick, carrying a message or
+    # not (program.py): a direction costs every tick if any tick uses it.
+    ticks_range = range(s.ticks)
+    directions = sum(any(_sends(s, t, d, kind) for t in ticks_range for d in range(s.p))
+                     for kind in ("F", "B"))
+    sends = [send * directions for _ in ticks_range]
     if shared_ends:
         for t, row in enumerate(s.table):
             parts = [ends(d, a) for d, acts in enumerate(row) for a in acts]

@@ -32,14 +32,10 @@ def chunks_of(stack: Any, v: int) -> Any:
     return jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), stack)
 
 
-def send(x: jax.Array, which: jax.Array, pairs) -> jax.Array:
-    """x sent over `pairs[which]` (a `ppermute` along `pipe`); zeros where
-    nothing comes, and nothing sent for the empty list."""
-    def over(pairs):
-        return lambda x: jax.lax.ppermute(x, "pipe", pairs) if pairs else jnp.zeros_like(x)
-    if len(pairs) == 1:
-        return jnp.zeros_like(x)
-    return jax.lax.switch(which, [over(p) for p in pairs], x)
+def send(x: jax.Array, pairs) -> jax.Array:
+    """x sent over `pairs` (a `ppermute` along `pipe`, every tick, never
+    under a conditional: program.py); zeros where nothing is routed."""
+    return jax.lax.ppermute(x, "pipe", pairs) if pairs else jnp.zeros_like(x)
 
 
 class LocalStage:

@@ -7,8 +7,9 @@ backward), each under `lax.cond` on its program row (program.py), so a part
 the device does not have costs nothing: it computes nothing and adds
 nothing to the accumulators. Each part writes its results into the carry
 itself and returns the message it sends (zeros if none). Then the sends:
-over the tick's pair list only (`send`), a collective every device runs
-alike since the list is the tick's.
+one activation forward and one gradient back over every route the
+schedule uses (`send`), at every tick and outside the conditionals, so
+every device runs them alike (program.py says why).
 
 A forward keeps only its chunk's input (the stash); the backward recomputes
 the chunk's forward from it (activation checkpointing at chunk
@@ -96,7 +97,7 @@ class TrainStage(LocalStage):
         per tick the microbatches that enter, leave and return
         (`Program.ends`), used with `rows`."""
         d = jax.lax.axis_index("pipe")
-        f_pairs, b_pairs = tables.pairs
+        f_routes, b_routes = tables.routes
         enters, leaves, returns = ends
 
         def tick(t, c, kept: bool):
@@ -125,8 +126,8 @@ class TrainStage(LocalStage):
                 keep = jax.tree.map(lambda buf, t: buf.at[row.b_keep].set(t), keep, taps)
                 keep = self.pin_keep(keep)
             c = c._replace(keep=keep)
-            fwd = c.fwd.at[row.fwd_arrival].set(send(y, row.f_send, f_pairs))
-            bwd = c.bwd.at[row.bwd_arrival].set(send(dx, row.b_send, b_pairs))
+            fwd = c.fwd.at[row.fwd_arrival].set(send(y, f_routes))
+            bwd = c.bwd.at[row.bwd_arrival].set(send(dx, b_routes))
             return c._replace(fwd=self.place(fwd), bwd=self.place(bwd))
 
         # A loop per run of ticks alike: where no device keeps taps for a
