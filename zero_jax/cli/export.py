@@ -289,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
         step = choose_step(directory, args.step)
         reader = export.ParamReader(directory / str(step))
         tokenizer = tokenizer_for(args, reader.meta)
+        if args.hf_dir:  # a model its architecture cannot express is refused before any write
+            hf.config_json(models.config_from(reader.meta["model"]))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
