@@ -98,22 +98,28 @@ def test_a_model_that_cannot_fit_is_refused_before_anything_is_allocated(tmp_pat
         pytest.skip(f"this host has {room[0] / 1e9:.0f} GB available: mixtral-8x7b's states fit")
     out, err = tmp_path / "out", tmp_path / "err"
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    # The run is started by a small Python that reports its children's peak
+    # resident memory: Linux keeps a process's peak across fork and exec, so
+    # a run started straight from this test process (gigabytes, late in a
+    # suite) would report this process's peak, not its own. A run that
+    # starts allocating instead is killed at the deadline.
+    measure = ("import resource, subprocess, sys\n"
+               "with open(sys.argv[1], 'w') as o, open(sys.argv[2], 'w') as e:\n"
+               "    try:\n"
+               "        rc = subprocess.run(sys.argv[3:], stdout=o, stderr=e, timeout=60).returncode\n"
+               "    except subprocess.TimeoutExpired:\n"
+               "        rc = 'killed-at-60s'\n"
+               "print(rc, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)\n")
     started = time.monotonic()
-    with out.open("w") as o, err.open("w") as e:
-        proc = subprocess.Popen([sys.executable, "scripts/train.py", "--model", "mixtral-8x7b",
-                                 "--steps", "1"], cwd=ROOT, env=env, stdout=o, stderr=e)
-        # wait4: this child's own peak, not every child's; a run that starts
-        # allocating instead is killed at the deadline.
-        while (waited := os.wait4(proc.pid, os.WNOHANG))[0] == 0:
-            if time.monotonic() - started > 60:
-                proc.kill()
-            time.sleep(0.05)
-        _, status, usage = waited
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    seconds, peak = time.monotonic() - started, usage.ru_maxrss * 1024
+    probe = subprocess.run([sys.executable, "-c", measure, str(out), str(err), sys.executable,
+                            "scripts/train.py", "--model", "mixtral-8x7b", "--steps", "1"],
+                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    seconds = time.monotonic() - started
+    returncode, peak_kib = probe.stdout.split()
+    peak = int(peak_kib) * 1024
     lines = err.read_text().splitlines()
     print(f"{seconds:.1f} s, peak resident {peak / 2**20:.0f} MiB: {lines}")
-    assert proc.returncode == 2 and len(lines) == 1, (lines, out.read_text())
+    assert returncode == "2" and len(lines) == 1, (returncode, lines, out.read_text())
     assert re.fullmatch(
         r"error: --model mixtral-8x7b \(46\.7B parameters\) does not fit this host: its model "
         r"states alone need 93\.4 GB per device \(params 23\.4 GB \+ grads 23\.4 GB \+ optimizer "
