@@ -166,3 +166,18 @@ def test_an_out_inside_the_hf_dir_is_refused(checkpoints, tmp_path, capsys):
                   str(tmp_path / "hf" / "m.safetensors")) == 2
     assert "inside --hf-dir" in error_line(capsys)
     assert list((tmp_path / "hf").iterdir()) == []
+
+
+def test_a_model_its_architecture_cannot_express_is_one_line(corpus, tmp_path, capsys):
+    """A Llama with a sliding window: LlamaForCausalLM has none (transformers
+    would attend to every position), so --hf-dir is refused in one line
+    before anything is written, and a .safetensors --out alone still works."""
+    job = make_job(corpus, model="llama-tiny", sliding_window=16)
+    ckpt = _save(job, job.init_state(), tmp_path / "ckpt")
+    hf = tmp_path / "hf"
+    capsys.readouterr()
+    assert export(ckpt, "--hf-dir", str(hf)) == 2
+    assert error_line(capsys).startswith(
+        "error: sliding_window = 16 cannot be exported: LlamaForCausalLM has no sliding window")
+    assert not hf.exists()
+    assert export(ckpt, "--out", str(tmp_path / "m.safetensors")) == 0
