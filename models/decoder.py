@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from zero_jax.analysis.flops import Op
 from zero_jax.hooks import Hooks
-from zero_jax.pipeline.executor import PipelineFns
+from zero_jax.pipeline.records import PipelineFns
 
 
 def scanned(block: type[nn.Module], cfg: Any, hooks: Hooks) -> nn.Module:

@@ -31,7 +31,7 @@ class ModelFns:
     # (rows, seq_len, dtype_bytes, remat, tensor, sequence_parallel) -> activation bytes per device
     activation_bytes: Callable[..., float] | None = None
     config: Any = None  # the model's frozen shape dataclass, recorded in checkpoints
-    pipeline: Any = None  # zero_jax.pipeline.PipelineFns, if the model can be pipelined
+    pipeline: Any = None  # zero_jax.pipeline.records.PipelineFns, if the model can be pipelined
     layers: int = 0  # length of the stacked layer dimension (what a pipeline splits)
     # top-level parameters `apply` gathers once per call and keeps until their
     # last use (Hooks.gathered), rather than once forward and once backward

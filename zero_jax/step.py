@@ -25,6 +25,7 @@ from zero_jax import offload as offload_lib
 from zero_jax import overlap as overlap_lib
 from zero_jax import rounding
 from zero_jax.pipeline import executor as pipeline_lib
+from zero_jax.pipeline.records import StageLayout
 from zero_jax.sharding import zero as zero_lib
 from zero_jax.sharding.specs import map_specs, without_axis
 from zero_jax.accumulate import accumulate, accumulate_partials, reduce_partials
@@ -243,7 +244,7 @@ def pipelined(layout: Layout, model: ModelFns, hooks: Hooks, sched: Schedule,
     outer_specs, stack_specs = fns.split(layout.specs.params)
     outer_acc, stack_acc = fns.split(accumulated)
     outer_compute, stack_compute = fns.split(layout.specs.compute)
-    where = pipeline_lib.StageLayout(
+    where = StageLayout(
         stack=stack_specs, stage_grads=_within_stage(stack_acc, (None,)),
         outer_grads=map_specs(_without_pipe, outer_acc),
         grad_dtype=layout.grad_dtype,
@@ -356,7 +357,7 @@ def jit_eval_step(layout: Layout, model: ModelFns, hooks: Hooks, sched: Schedule
     if sched is not None:
         fns = model.pipeline
         outer_specs, stack_specs = fns.split(layout.specs.params)
-        where = pipeline_lib.StageLayout(stack=stack_specs, stage_grads=None, outer_grads=None,
+        where = StageLayout(stack=stack_specs, stage_grads=None, outer_grads=None,
                                          grad_dtype=layout.grad_dtype, stages=layout.stages,
                                          outer=outer_specs, names=fns.split(layout.names)[0],
                                          row_blocks=row_blocks)

@@ -10,7 +10,7 @@ run on every stage at once, each on the rows it holds (`infer_split`).
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -18,10 +18,8 @@ import jax.numpy as jnp
 from zero_jax.hooks import RowSplit
 from zero_jax.loss import cross_entropy
 from zero_jax.pipeline.program import Row, Tables
+from zero_jax.pipeline.records import PipelineFns, StageLayout
 from zero_jax.pipeline.stage import LocalStage, send
-
-if TYPE_CHECKING:
-    from zero_jax.pipeline.executor import PipelineFns, StageLayout
 
 
 class EvalCarry(NamedTuple):

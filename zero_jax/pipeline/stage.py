@@ -9,16 +9,14 @@ actions from these; the loop itself is in executor.py.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
+from zero_jax.pipeline.records import PipelineFns, StageLayout
 from zero_jax.sharding.specs import map_specs
-
-if TYPE_CHECKING:
-    from zero_jax.pipeline.executor import PipelineFns, StageLayout
 
 
 def constrain(tree: Any, mesh, specs: Any) -> Any:

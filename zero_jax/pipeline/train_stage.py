@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -45,12 +45,10 @@ from jax.sharding import NamedSharding
 from zero_jax.hooks import RowSplit
 from zero_jax.loss import cross_entropy
 from zero_jax.pipeline.program import Row, Tables
+from zero_jax.pipeline.records import PipelineFns, StageLayout
 from zero_jax.pipeline.schedule import W_PER_TICK
 from zero_jax.pipeline.stage import LocalStage, send
 from zero_jax.pipeline.weight_grad import SplitBackward
-
-if TYPE_CHECKING:
-    from zero_jax.pipeline.executor import PipelineFns, StageLayout
 
 
 class Carry(NamedTuple):
