@@ -26,6 +26,12 @@ MODEL_TYPES = ("llama", "mistral", "qwen2", "mixtral", "qwen2_moe", "qwen3_moe")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "mixtral": "MixtralForCausalLM",
                  "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+# Whether each family's q, k and v projections have biases: "always" (Qwen2),
+# "flag" (Qwen2-MoE's `qkv_bias`, default true), or "never" (Mistral and
+# Mixtral whatever `attention_bias` says; Llama's and Qwen3-MoE's
+# `attention_bias` would bias o_proj too, which this model does not have).
+QKV_BIAS = {"llama": "never", "mistral": "never", "qwen2": "always", "mixtral": "never",
+            "qwen2_moe": "flag", "qwen3_moe": "never"}
 # A mixture of experts' tensors in layer i: the router, and expert j's
 # (gate, up, down) matrices, as torch Linear weights (out, in).
 EXPERTS = {"mixtral": ("block_sparse_moe.gate.weight",
@@ -95,14 +101,11 @@ def shape_from(hf: dict, where: str = "config.json") -> dict:
 
 
 def _qkv_bias(hf: dict, kind: str, where: str) -> bool:
-    """Whether q, k and v have biases. Qwen2 always has them and Qwen2-MoE
-    unless `qkv_bias` is false; Mistral and Mixtral never, whatever
-    `attention_bias` says. Llama's and Qwen3-MoE's `attention_bias` biases
-    o_proj too, which this model does not have."""
-    if kind == "qwen2":
-        return True
-    if kind == "qwen2_moe":
-        return bool(hf.get("qkv_bias", True))
+    """Whether q, k and v have biases, by the family's rule (QKV_BIAS);
+    an `attention_bias` that would bias o_proj too is refused."""
+    rule = QKV_BIAS[kind]
+    if rule != "never":
+        return rule == "always" or bool(hf.get("qkv_bias", True))
     if kind in ("llama", "qwen3_moe") and hf.get("attention_bias"):
         raise ValueError(f"{where}: attention_bias = True is not supported: it gives "
                          f"{ARCHITECTURES[kind]} an o_proj bias beside the q/k/v ones, and this "
@@ -199,9 +202,7 @@ def exportable(cfg: LlamaConfig) -> None:
         raise ValueError(f"sliding_window = {cfg.sliding_window} cannot be exported: {arch} has "
                          "no sliding window (transformers ignores the key) and would attend to "
                          "every position; train without it, or as a Mistral")
-    # Qwen2 always has q/k/v biases; Llama's and Qwen3-MoE's attention_bias
-    # would bias o_proj too, and Mistral and Mixtral have none.
-    biased = {"qwen2": True, "qwen2_moe": cfg.qkv_bias}.get(cfg.family, False)
+    biased = {"always": True, "flag": cfg.qkv_bias, "never": False}[QKV_BIAS[cfg.family]]
     if cfg.qkv_bias != biased:
         raise ValueError(f"qkv_bias = {cfg.qkv_bias} cannot be exported as {arch}, whose q/k/v "
                          f"projections {'always' if biased else 'never'} have biases")

@@ -54,12 +54,17 @@ def error_line(capsys) -> str:
     return lines[0]
 
 
-def test_an_existing_out_is_refused_and_left_as_it_was(checkpoints, tmp_path, capsys):
-    plain, big = checkpoints
+def previous_out(plain: Path, tmp_path: Path, capsys) -> tuple[Path, bytes]:
+    """A good export already at --out, and its bytes."""
     out = tmp_path / "m.safetensors"
     assert export(plain, "--out", str(out)) == 0
-    before = out.read_bytes()
     capsys.readouterr()
+    return out, out.read_bytes()
+
+
+def test_an_existing_out_is_refused_and_left_as_it_was(checkpoints, tmp_path, capsys):
+    plain, big = checkpoints
+    out, before = previous_out(plain, tmp_path, capsys)
     for flags in ([], ["--dtype", "float16"]):  # the float16 refusal used to delete it first
         assert export(big, "--out", str(out), *flags) == 2
         assert error_line(capsys) == (
@@ -71,10 +76,7 @@ def test_an_existing_out_is_refused_and_left_as_it_was(checkpoints, tmp_path, ca
 
 def test_a_float16_refusal_under_overwrite_leaves_the_previous_out(checkpoints, tmp_path, capsys):
     plain, big = checkpoints
-    out = tmp_path / "m.safetensors"
-    assert export(plain, "--out", str(out)) == 0
-    before = out.read_bytes()
-    capsys.readouterr()
+    out, before = previous_out(plain, tmp_path, capsys)
     assert export(big, "--out", str(out), "--dtype", "float16", "--overwrite") == 2
     line = error_line(capsys)
     assert line.startswith("error: wte: values up to 1e+05 do not fit in float16"), line
