@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from zero_jax.model import ModelFns
+from zero_jax.model.contract import ModelFns
 
 from models import decoder, gpt, hf, llama
 

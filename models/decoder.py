@@ -12,9 +12,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from zero_jax.analysis.flops import Op
-from zero_jax.hooks import Hooks
-from zero_jax.pipeline.records import PipelineFns
+from zero_jax.model.contract import Op, PipelineFns
+from zero_jax.model.hooks import Hooks
 
 
 def scanned(block: type[nn.Module], cfg: Any, hooks: Hooks) -> nn.Module:
@@ -32,7 +31,7 @@ def scanned(block: type[nn.Module], cfg: Any, hooks: Hooks) -> nn.Module:
 
 def block_ops(seq_len: int, d_model: int, heads: int, head_dim: int, qkv_features: int,
               mlp: list[Op]) -> list[Op]:
-    """One pre-norm block as flops.Op's, named as the blocks name their
+    """One pre-norm block as contract.Op's, named as the blocks name their
     activations: norm, q/k/v projections (`qkv_features` outputs per token),
     attention, output projection and residual, norm ("norm_2", what `mlp`'s
     first ops read), then `mlp`, whose last matmul feeds the residual only."""

@@ -1,7 +1,7 @@
 """GPT-2 style decoder in Flax: learned positions, pre-LayerNorm, GELU MLP,
 tied embeddings, causal attention; the blocks are one scanned, stacked layer.
 
-The model names logical axes only; `Hooks` (zero_jax.hooks) turn them into
+The model names logical axes only; `Hooks` (zero_jax.model.hooks) turn them into
 sharding constraints. Tensor names carry their shapes: B batch, T sequence,
 D model width, H heads, Q head size, F MLP width, V vocabulary, L layers.
 """
@@ -17,10 +17,9 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from models import decoder, layers
-from zero_jax.analysis.flops import Op
-from zero_jax.hooks import Hooks
-from zero_jax.model import ModelFns
-from zero_jax.remat import Remat
+from zero_jax.model.hooks import Hooks
+from zero_jax.model.contract import ModelFns, Op
+from zero_jax.model.remat import Remat
 
 
 class ActivationParts(NamedTuple):
@@ -81,7 +80,7 @@ class GPTConfig:
 
     def block_ops(self, seq_len: int) -> list[Op]:
         """One block as the tensors `Block` computes, named as it names them
-        (flops.Op): what a remat policy recomputes."""
+        (contract.Op): what a remat policy recomputes."""
         D, F, H, Q = self.d_model, self.d_mlp, self.n_head, self.head_dim
         return decoder.block_ops(seq_len, D, H, Q, qkv_features=3 * H * Q, mlp=[
             Op("fc", "mlp_hidden", 2 * D * F, ("norm_2",), dot=True),

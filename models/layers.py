@@ -2,7 +2,7 @@
 embeddings, attention, and how a parameter is declared.
 
 What the backward pass keeps is decided by the remat policy over the named
-activations (zero_jax.remat); norm and activation internals are unnamed and
+activations (zero_jax.model.remat); norm and activation internals are unnamed and
 so recomputed. Softmax has its own backward rule that needs only its output,
 in the compute dtype, so the scores before it are never kept either.
 """

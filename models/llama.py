@@ -5,7 +5,7 @@ Face's half-rotation layout), SwiGLU MLP or a mixture of SwiGLU experts
 option), q/k/v biases for Qwen2, q/k norms for Qwen3, and no other biases;
 the blocks are one scanned, stacked layer.
 
-The model names logical axes only; `Hooks` (zero_jax.hooks) turn them into
+The model names logical axes only; `Hooks` (zero_jax.model.hooks) turn them into
 sharding constraints, exactly as for the GPT (models/gpt.py), so every ZeRO
 stage, tensor and sequence parallelism, pipelines and remat apply unchanged.
 Key/value heads have their own logical axis, `kv_heads`: split over `tensor`
@@ -27,10 +27,9 @@ import jax.numpy as jnp
 from models import decoder, layers, moe
 from models.gpt import ActivationParts
 from models.llama_presets import PRESETS
-from zero_jax.analysis.flops import Op
-from zero_jax.hooks import Hooks
-from zero_jax.model import ModelFns
-from zero_jax.remat import Remat
+from zero_jax.model.hooks import Hooks
+from zero_jax.model.contract import ModelFns, Op
+from zero_jax.model.remat import Remat
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,7 +142,7 @@ class LlamaConfig:
 
     def block_ops(self, seq_len: int) -> list[Op]:
         """One block as the tensors `Block` computes, named as it names them
-        (flops.Op): what a remat policy recomputes."""
+        (contract.Op): what a remat policy recomputes."""
         D, H, K, Q = self.d_model, self.n_head, self.n_kv_head, self.q_dim
         # A mixture of experts computes its k experts (and shared ones) per token.
         F = self.active_mlp

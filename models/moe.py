@@ -41,7 +41,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from models import layers
-from zero_jax.hooks import Hooks
+from zero_jax.model.hooks import Hooks
 
 
 class Routing(NamedTuple):

@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 import jax  # noqa: E402
 
 import models  # noqa: E402
-from zero_jax import flags
+from zero_jax.config import flags
 from zero_jax import config as config_lib, job as job_lib  # noqa: E402
 from zero_jax.runtime import cpu
 from zero_jax.analysis import hlo

@@ -23,7 +23,7 @@ import jax
 import numpy as np
 
 import models
-from zero_jax import flags
+from zero_jax.config import flags
 from zero_jax import job as job_lib
 from zero_jax.runtime import cpu
 from zero_jax.data import corpus as data_lib

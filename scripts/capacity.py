@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import models  # noqa: E402
 from zero_jax import config as config_lib  # noqa: E402
-from zero_jax.planner import devices as hardware
+from zero_jax.runtime import device_kinds
 from zero_jax.planner import choices as layouts, cost as planner
 
 VOCAB = 50257
@@ -55,7 +55,7 @@ def flat(layers: int, stage: int, offload: str, grads: str) -> tuple[dict, layou
     return out, choice
 
 
-def estimate(device: hardware.Device, layers: int, stage: int, offload: str,
+def estimate(device: device_kinds.Device, layers: int, stage: int, offload: str,
              grads: str) -> planner.Estimate:
     run_flat, choice = flat(layers, stage, offload, grads)
     build = models.for_run(config_lib.build(None, run_flat).model, VOCAB)[0]
@@ -63,7 +63,7 @@ def estimate(device: hardware.Device, layers: int, stage: int, offload: str,
     return planner.estimate(job, choice, layouts.Cluster(device, 1, 1))
 
 
-def largest(device: hardware.Device, offload: str, stage: int,
+def largest(device: device_kinds.Device, offload: str, stage: int,
             grads: str) -> tuple[int, planner.Estimate]:
     """The most layers that fit (fitting is monotone in the layer count)."""
     def fits(n):
@@ -79,7 +79,7 @@ def largest(device: hardware.Device, offload: str, stage: int,
     return lo, estimate(device, lo, stage, offload, grads)
 
 
-def row(kind: str, device: hardware.Device, mode: str, grads: str) -> dict:
+def row(kind: str, device: device_kinds.Device, mode: str, grads: str) -> dict:
     offload, stages = MODES[mode]
     layers, est, stage = max((largest(device, offload, s, grads) + (s,) for s in stages),
                              key=lambda t: t[0])
@@ -108,7 +108,7 @@ def main(argv=None) -> int:
     rows = []
     for kind in args.devices.split(","):
         try:
-            device = hardware.load(kind)
+            device = device_kinds.load(kind)
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2

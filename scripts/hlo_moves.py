@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from zero_jax import flags  # noqa: E402
+from zero_jax.config import flags  # noqa: E402
 from zero_jax.analysis import moves  # noqa: E402
 from zero_jax.runtime import cpu  # noqa: E402
 

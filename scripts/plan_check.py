@@ -20,7 +20,7 @@ import jax
 
 import models
 from zero_jax.runtime import cpu
-from zero_jax.planner import devices as hardware
+from zero_jax.runtime import device_kinds
 from zero_jax.analysis import memory
 from zero_jax.planner import choices as layouts, cost as planner
 from zero_jax import job as job_lib, config as config_lib
@@ -74,7 +74,7 @@ def main(argv=None) -> int:
                         help="check the first N layouts of the list (default: all %(default)s)")
     cpu.add_devices_flag(parser, default_help="XLA_FLAGS's, else 8")
     args = cpu.parse_args(parser, argv, default=8)
-    cluster = layouts.Cluster(hardware.load("a100-80gb"), 1, 8)
+    cluster = layouts.Cluster(device_kinds.load("a100-80gb"), 1, 8)
     rows = []
     print(f"{'layout':<58}{'seq':>6}{'analytic MB':>13}{'compiled MB':>13}{'error':>8}"
           f"{'state exact':>13}")

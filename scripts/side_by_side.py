@@ -42,7 +42,8 @@ def worker(args, flag_args: list[str]) -> int:
     import jax
 
     import models
-    from zero_jax import flags, job as job_lib
+    from zero_jax.config import flags
+    from zero_jax import job as job_lib
     from zero_jax.data import corpus as data_lib
 
     parser = argparse.ArgumentParser()

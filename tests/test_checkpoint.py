@@ -23,7 +23,8 @@ from zero_jax.checkpoint import export
 from zero_jax.cli import export as export_cli
 from zero_jax.checkpoint import integrity
 from zero_jax.data import sampler
-from zero_jax import master as master_lib, state as state_lib
+from zero_jax.precision import master as master_lib
+from zero_jax.train import state as state_lib
 
 
 def _steps(job, corpus, state, first, last):

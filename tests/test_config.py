@@ -5,7 +5,7 @@ import pytest
 
 import models
 from tests.helpers import make_job
-from zero_jax import flags
+from zero_jax.config import flags
 from zero_jax import config as config_lib, job as job_lib, run as run_lib
 from zero_jax.sharding.mesh import MeshError
 from zero_jax.sharding.rules import ShardingError

@@ -5,7 +5,7 @@ import jax
 import numpy as np
 
 from models import gpt
-from zero_jax.hooks import Hooks
+from zero_jax.model.hooks import Hooks
 
 
 def _init(name, vocab):

@@ -9,7 +9,8 @@ import pytest
 
 import models
 from tests.helpers import host, initial_state, make_job, train
-from zero_jax import config as config_lib, job as job_lib, master
+from zero_jax import config as config_lib, job as job_lib
+from zero_jax.precision import master
 from zero_jax.analysis import memory
 
 BF16 = dict(precision="bf16")

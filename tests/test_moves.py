@@ -119,6 +119,6 @@ def test_no_zeros_of_the_scores_shape_and_no_transposed_activation_for_weight_gr
 
 def test_no_rounding_copies_of_what_the_backward_keeps(step_moves):
     """remat rounds each kept float32 activation to float32, a no-op that
-    XLA:CPU ran as a copy of it (zero_jax/rounding.py removes them)."""
+    XLA:CPU ran as a copy of it (zero_jax/precision/rounding.py removes them)."""
     _, found = step_moves
     assert not [m for m in found if m.op_name.endswith("reduce_precision")]

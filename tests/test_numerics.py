@@ -33,7 +33,7 @@ import numpy as np
 import pytest
 
 from tests.helpers import assert_close, first_step, host, make_job, train
-from zero_jax import accumulate, step as step_lib
+from zero_jax.train import accumulate, step as step_lib
 from zero_jax.data import corpus as data_lib
 
 MESHES = {

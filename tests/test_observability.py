@@ -16,7 +16,7 @@ import pytest
 import models
 from zero_jax import config as config_lib, job as job_lib
 from zero_jax.analysis import cpu_peak, flops
-from zero_jax.remat import Remat
+from zero_jax.model.remat import Remat
 
 FULL = os.environ.get("ZERO_JAX_FULL_GRID") == "1"
 

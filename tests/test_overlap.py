@@ -1,5 +1,5 @@
 """ZeRO-3's per-layer collectives sit inside the layer scan, where XLA:GPU's
-collective pipeliner can overlap them with compute (zero_jax/overlap.py),
+collective pipeliner can overlap them with compute (zero_jax/sharding/overlap.py),
 and the step carries the options that ask for it."""
 
 import jax
@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import pytest
 
 from tests.helpers import compile_step, make_job
-from zero_jax import overlap, step
+from zero_jax.sharding import overlap
+from zero_jax.train import step
 from zero_jax.runtime import xla_options
 from zero_jax.analysis import hlo
 

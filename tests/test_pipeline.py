@@ -336,7 +336,7 @@ def test_split_backward_leaves_the_weights_to_w_and_w_runs_no_forward():
     per matrix from what B kept (vmapped over the chunk's layers) and
     nothing of the forward: no softmax, no GELU."""
     import flax.linen as nn
-    from zero_jax.hooks import Hooks
+    from zero_jax.model.hooks import Hooks
     from zero_jax.pipeline.weight_grad import SplitBackward
     fns = make_job(data_lib.load("stdlib"), **COMMON, mesh="fsdp=1",
                    devices=jax.devices()[:1]).model

@@ -16,7 +16,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from tests.helpers import assert_close, host, make_job, train
-from zero_jax import param_use
+from zero_jax.model import param_use
 
 COMMON = dict(seq_len=16, batch_size=16, n_layer=4, microbatches=4)
 

@@ -5,7 +5,7 @@ import pytest
 
 import models
 from zero_jax import config as config_lib, job as job_lib
-from zero_jax.analysis import summary
+from zero_jax.report import summary
 from zero_jax.sharding.specs import named_leaves
 
 

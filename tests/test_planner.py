@@ -13,23 +13,23 @@ import pytest
 
 import models
 from zero_jax import config as config_lib, job as job_lib
-from zero_jax.planner import devices as hardware
+from zero_jax.runtime import device_kinds
 from zero_jax.analysis import memory
 from zero_jax.planner import choices as layouts, cost as planner
 
 ROOT = Path(__file__).resolve().parent.parent
-A100 = layouts.Cluster(hardware.load("a100-80gb"), 48, 8)
+A100 = layouts.Cluster(device_kinds.load("a100-80gb"), 48, 8)
 BASE = {"model.name": "gpt-tiny", "model.vocab_size": 256, "precision.policy": "fp32",
         "data.seq_len": 32, "train.batch_size": 16}
 
 
 def test_every_device_kind_loads_with_its_numbers():
     for kind in ("a100-40gb", "a100-80gb", "h100-80gb", "h200-141gb", "tpu-v5p"):
-        d = hardware.load(kind)
+        d = device_kinds.load(kind)
         assert d.hbm_bytes > 30e9 and d.peak_flops > 1e14 and 0 < d.matmul_efficiency < 1
         assert d.intra_node_bw > d.inter_node_bw
     with pytest.raises(ValueError, match="choose from"):
-        hardware.load("a99")
+        device_kinds.load("a99")
 
 
 def test_bloom_layout_is_enumerated_with_tensor_inside_a_node():
@@ -109,7 +109,7 @@ def test_offload_layouts_move_states_to_the_host_within_its_memory():
     assert {c.offload for c in found if c.zero == 0} == {""}
     assert {c.offload for c in found if c.zero == 3 and c.pipe == 1} == {"", "opt", "opt+params"}
     assert {c.offload for c in found if c.zero == 3 and c.pipe > 1} == {"", "opt"}
-    tpu = layouts.Cluster(hardware.load("tpu-v5p"), 2, 4)
+    tpu = layouts.Cluster(device_kinds.load("tpu-v5p"), 2, 4)
     assert {c.offload for c in layouts.choices(build(1).config, tpu, 16)} == {""}
 
     plain, off = (layouts.Choice(1, 1, 8, 2, "full", 2, 1, offload=o) for o in ("", "opt"))
@@ -141,7 +141,7 @@ def test_a_layout_fits_only_with_the_reserve_beside_its_estimate():
     room = (A100.device.hbm_bytes - est.peak_bytes) / 1e9
     tight = layouts.Cluster(A100.device, 1, 8, reserve_gb=room * 1.01)
     assert not planner.estimate(job, choice, tight).fits
-    small = layouts.Cluster(hardware.load("a100-40gb"), 1, 8)
+    small = layouts.Cluster(device_kinds.load("a100-40gb"), 1, 8)
     assert small.reserve_bytes == max(0.10 * small.device.hbm_bytes, 4e9)
     out = subprocess.run(
         [sys.executable, "scripts/plan.py", "--model", "gpt-tiny", "--cluster", "a100-80gb",
@@ -186,7 +186,7 @@ def test_a_mixture_of_experts_is_planned_over_expert_axes():
     (there and back per forward pass and backward, each device's block for
     all of its copies times e, (e - 1) / e over the link), and its model
     FLOPs count the 12.9B parameters a token computes with."""
-    h100 = layouts.Cluster(hardware.load("h100-80gb"), 8, 8)
+    h100 = layouts.Cluster(device_kinds.load("h100-80gb"), 8, 8)
     build = models.for_run(config_lib.ModelConfig(name="mixtral-8x7b"), 32000)[0]
     cfg = build(1).config
     found = layouts.choices(cfg, h100, 512, stages=(3,), remats=("full",), micros=(1,))
@@ -216,7 +216,7 @@ def test_long_sequences_are_planned_over_context():
     probabilities kept) and its step charges the ring's K/V blocks (per
     layer and microbatch 2 (c - 1) x 2 forward passes + 2 (c - 1) + 2c, of
     one device's K, bf16)."""
-    h100 = layouts.Cluster(hardware.load("h100-80gb"), 8, 8)
+    h100 = layouts.Cluster(device_kinds.load("h100-80gb"), 8, 8)
     build = models.for_run(config_lib.ModelConfig(name="llama-3.1-8b"), 128256)[0]
     cfg = build(1).config
     found = layouts.choices(cfg, h100, 64, stages=(3,), remats=("full",), micros=(1,),

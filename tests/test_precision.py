@@ -13,7 +13,7 @@ from tests.helpers import host, make_job
 from zero_jax import config as config_lib, job as job_lib, loop
 from zero_jax.data import corpus as data_lib
 from zero_jax.analysis import memory
-from zero_jax import loss_scale as ls
+from zero_jax.precision import loss_scale as ls
 
 CFG = ls.LossScaleConfig(enabled=True, initial_scale_power=10, window=3, hysteresis=2,
                          min_scale=4.0)

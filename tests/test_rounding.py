@@ -1,4 +1,4 @@
-"""The rounding no-ops remat adds (zero_jax/rounding.py): float32 ones go,
+"""The rounding no-ops remat adds (zero_jax/precision/rounding.py): float32 ones go,
 16-bit ones stay, and the gradients are bitwise what they were."""
 
 import jax
@@ -7,7 +7,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.extend import core
 
-from zero_jax import rounding
+from zero_jax.precision import rounding
 
 
 def _roundings(fn, *args) -> list[tuple[str, int, int]]:

@@ -11,7 +11,7 @@ import models
 from zero_jax import config as config_lib
 from zero_jax.planner import cost, search
 from zero_jax.planner.choices import Choice, Cluster, choices
-from zero_jax.planner import devices as hardware
+from zero_jax.runtime import device_kinds
 
 BASE = {"model.name": "gpt-tiny", "model.vocab_size": 256, "precision.policy": "fp32",
         "data.seq_len": 32, "train.batch_size": 16, "activations.remat": "full"}
@@ -21,7 +21,7 @@ NARROW = {"stages": (1, 3), "remats": ("full",), "micros": (2,), "offloads": (""
 @pytest.fixture(scope="module")
 def problem():
     build = models.for_run(config_lib.ModelConfig(name="gpt-tiny"), 256)[0]
-    cluster = Cluster(hardware.load("a100-80gb"), 1, 8)
+    cluster = Cluster(device_kinds.load("a100-80gb"), 1, 8)
     return search.Problem(BASE, build, cluster, 256)
 
 

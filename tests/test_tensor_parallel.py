@@ -117,7 +117,7 @@ def test_zero3_gathers_parameters_in_bf16(corpus):
     """
     job = make_job(corpus, mesh="fsdp=4,tensor=2", layout="fsdp_tp", zero_stage=3,
                    precision="bf16")
-    from zero_jax import step
+    from zero_jax.train import step
     fn = step.jit_train_step(job.layout, job.model, job.hooks, job.tx, job.lr, 1, job.scale_cfg)
     text = hlo.partitioned_text(fn.lower(job.layout.abstract, job.abstract_batch))
     mesh = job.layout.mesh

@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from tests.helpers import assert_close, host, make_job, train
-from zero_jax import state as state_lib
+from zero_jax.train import state as state_lib
 from zero_jax.sharding import zero
 
 SNAPSHOT = Path(__file__).parent / "snapshots" / "state_specs_gpt_tiny_fsdp8.json"

@@ -17,7 +17,9 @@ import jax.numpy as jnp
 import optax
 
 from zero_jax import config as config_lib
-from zero_jax import loss_scale, master, optim, precision, remat, state, step
+from zero_jax.precision import loss_scale, master, policies
+from zero_jax.train import optim, state, step
+from zero_jax.model import remat
 from zero_jax.analysis import hlo
 from zero_jax.analysis import memory
 from zero_jax.sharding import rules
@@ -27,9 +29,10 @@ from zero_jax.pipeline import executor as pipeline_executor
 from zero_jax.pipeline import schedule as sched_lib
 from zero_jax.pipeline.cut import Stages, balanced
 from zero_jax.sharding import zero as zero_lib
+from zero_jax.checkpoint import sources
 from zero_jax.context import split as context_split
-from zero_jax.hooks import Hooks
-from zero_jax.model import ModelFns
+from zero_jax.model.hooks import Hooks
+from zero_jax.model.contract import ModelFns
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +42,7 @@ class Job:
     layout: state.Layout
     tx: optax.GradientTransformation
     lr: optax.Schedule
-    policy: precision.Policy
+    policy: policies.Policy
     hooks: Hooks
     scale_cfg: loss_scale.LossScaleConfig
     schedule: sched_lib.Schedule | None = None  # the pipeline schedule, with a pipe axis
@@ -182,9 +185,9 @@ def mesh_config(run: config_lib.RunConfig) -> mesh_lib.MeshConfig:
     return cfg
 
 
-def precision_policy(run: config_lib.RunConfig, platform: str) -> precision.Policy:
+def precision_policy(run: config_lib.RunConfig, platform: str) -> policies.Policy:
     p = run.precision
-    return precision.resolve(p.policy, platform, params=p.param_dtype, compute=p.compute_dtype,
+    return policies.resolve(p.policy, platform, params=p.param_dtype, compute=p.compute_dtype,
                              grads=p.grad_dtype, opt_state=p.opt_state_dtype)
 
 
@@ -199,7 +202,8 @@ def prepare_on(run: config_lib.RunConfig, build_model: Callable[[int], ModelFns]
                shape: mesh_lib.MeshShape) -> Job:
     """`prepare` on a given mesh: a device Mesh, or a jax.sharding.AbstractMesh
     of any size (shapes and shardings only: what a planner needs)."""
-    config_lib.validate(run, shape)
+    config_lib.validate(run, {a: shape.sizes[a] for a in mesh_lib.DATA_AXES})
+    sources.check_init_from(run.checkpoint.init_from)
     model = build_model(run.model.vocab_multiple)
     if model.max_seq_len is not None and run.data.seq_len > model.max_seq_len:
         raise config_lib.ConfigError(
@@ -223,7 +227,7 @@ def prepare_on(run: config_lib.RunConfig, build_model: Callable[[int], ModelFns]
     except ValueError as e:
         raise config_lib.ConfigError(str(e)) from None
     lr = optim.schedule(run.optim, run.train.steps)
-    tx = precision.with_state_dtype(optim.optimizer(run.optim, lr, model.decay_mask),
+    tx = policies.with_state_dtype(optim.optimizer(run.optim, lr, model.decay_mask),
                                     policy.dtype("opt_state"))
     if state.needs_master(zero_stage, policy.dtype("params"), policy.dtype("compute")):
         tx = master.wrap(tx)
@@ -235,13 +239,13 @@ def prepare_on(run: config_lib.RunConfig, build_model: Callable[[int], ModelFns]
     hooks = Hooks(mesh, axis_rules, policy.compute, policy.grads, remat_policy, stored,
                   host_params=run.offload.params, attention=attention,
                   scan_layers=run.model.scan_layers,
-                  context=context_split.of_run(run, model, shape.sizes, attention,
+                  context=context_split.of_run(run, getattr(model.config, "n_head", 0), shape.sizes, attention,
                                         pipelined=schedule is not None))
     return Job(run, model, layout, tx, lr, policy, hooks, loss_scale_config(run, policy),
                schedule, notes)
 
 
-def loss_scale_config(run: config_lib.RunConfig, policy: precision.Policy
+def loss_scale_config(run: config_lib.RunConfig, policy: policies.Policy
                       ) -> loss_scale.LossScaleConfig:
     """DeepSpeed's loss-scaling knobs from [precision]; scaling is on where the policy needs it."""
     p = run.precision

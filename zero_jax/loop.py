@@ -23,7 +23,7 @@ from zero_jax.runtime.distributed import local
 from zero_jax.analysis.flops import Throughput
 from zero_jax.runtime.metrics import MetricsWriter, TensorBoardWriter, Writers
 from zero_jax.runtime.trace import Tracer
-from zero_jax.state import TrainState
+from zero_jax.train.state import TrainState
 from zero_jax.runtime.watchdog import StepWatchdog
 
 

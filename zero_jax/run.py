@@ -34,7 +34,7 @@ from zero_jax.runtime import wandb_log
 from zero_jax.runtime.metrics import MetricsWriter, TensorBoardWriter, Writers
 from zero_jax.data import sampler
 from zero_jax.job import Job
-from zero_jax.state import TrainState
+from zero_jax.train.state import TrainState
 from zero_jax.runtime.watchdog import StepWatchdog
 from zero_jax.sharding.specs import is_spec, named_leaves
 

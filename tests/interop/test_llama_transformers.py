@@ -27,7 +27,7 @@ transformers = pytest.importorskip("transformers", reason="make test-interop ins
 
 from tests.helpers import host, initial_state, make_job  # noqa: E402
 from tests.interop.roundtrip import exported, imported, logits  # noqa: E402
-from zero_jax import generate  # noqa: E402
+from tests import generate  # noqa: E402
 from zero_jax.checkpoint import export  # noqa: E402
 SHAPE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,

@@ -22,7 +22,7 @@ torch = pytest.importorskip("torch", reason="make test-interop installs torch")
 transformers = pytest.importorskip("transformers", reason="make test-interop installs transformers")
 
 from tests.interop.roundtrip import exported, imported, logits  # noqa: E402
-from zero_jax import generate  # noqa: E402
+from tests import generate  # noqa: E402
 SHAPE = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64, num_experts_per_tok=2,
              initializer_range=0.2)  # wide enough that greedy text and routing vary

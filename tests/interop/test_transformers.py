@@ -19,7 +19,7 @@ import models  # noqa: E402
 from tests.helpers import host, make_job, train  # noqa: E402
 from zero_jax import run  # noqa: E402
 from zero_jax.checkpoint import manager as ckpt_lib
-from zero_jax.hooks import Hooks  # noqa: E402
+from zero_jax.model.hooks import Hooks  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 

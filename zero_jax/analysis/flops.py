@@ -26,30 +26,8 @@ import jax.numpy as jnp
 from zero_jax.analysis import cpu_peak as cpu_peak_lib
 from zero_jax.runtime import cpu
 from zero_jax.runtime import distributed
-from zero_jax.planner.devices import for_device_kind
-
-
-@dataclasses.dataclass(frozen=True)
-class Op:
-    """One tensor a block computes, per token.
-
-    `name`: its checkpoint name (what remat policies select), None if
-    unnamed. `flops`: forward FLOPs per token to compute it from its
-    `inputs`. `needs`: the tensors its own backward reads (default: its
-    inputs; a residual add needs none; a softmax its own output, "self").
-    "x" is the block's input, always kept.
-    """
-
-    key: str
-    name: str | None
-    flops: float
-    inputs: tuple[str, ...]
-    dot: bool = False  # a matrix product (what dots_saveable keeps)
-    needs: tuple[str, ...] | None = None
-
-    def backward_reads(self) -> tuple[str, ...]:
-        needs = self.inputs if self.needs is None else self.needs
-        return tuple(self.key if n == "self" else n for n in needs)
+from zero_jax.model.contract import Op
+from zero_jax.runtime.device_kinds import for_device_kind
 
 
 def recomputed(ops: Sequence[Op], kept: Callable[[Op], bool]) -> float:

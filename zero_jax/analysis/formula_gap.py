@@ -18,7 +18,7 @@ from collections import defaultdict
 from zero_jax.analysis import memory
 from zero_jax.sharding import zero as zero_lib
 from zero_jax.sharding.specs import entry_axes, named_leaves, spec_leaves
-from zero_jax.state import Layout
+from zero_jax.train.state import Layout
 
 
 def _axes(spec) -> set[str]:

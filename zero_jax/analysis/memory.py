@@ -26,12 +26,12 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from zero_jax import offload as offload_lib
+from zero_jax.sharding import offload as offload_lib
 from zero_jax.analysis.traffic import CollectiveReport
 from zero_jax.runtime import procmem
 from zero_jax.sharding import zero as zero_lib
 from zero_jax.sharding.specs import bytes_per_device, shard_elements, spec_leaves
-from zero_jax.state import Layout
+from zero_jax.train.state import Layout
 
 STATES = ("params", "grads", "opt_state")  # the keys of every {state: bytes} figure here
 

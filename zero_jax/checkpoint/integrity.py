@@ -21,7 +21,7 @@ import numpy as np
 
 from zero_jax.runtime.distributed import local
 from zero_jax.sharding.specs import named_leaves
-from zero_jax.offload import HOST
+from zero_jax.sharding.offload import HOST
 
 _UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 # The second sum's constants: an element's index is mixed into its word by

@@ -22,7 +22,6 @@ silently).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import shutil
 import time
@@ -33,8 +32,9 @@ import jax
 import orbax.checkpoint as ocp
 
 from zero_jax.checkpoint import integrity
+from zero_jax.config.sections import CheckpointConfig
 from zero_jax.sharding.specs import map_specs, path_name
-from zero_jax.state import TrainState, saved_form
+from zero_jax.train.state import TrainState, saved_form
 
 COMMIT_MARKER = "commit_success.txt"
 FORMAT = 1  # bumped when the layout of `meta` changes
@@ -101,16 +101,6 @@ def compare(target: dict[str, Any], saved: dict[str, dict[str, Any]]) -> list[st
                 problems.append(f"{item}.{p}: dtype {hd} saved, {wd} in the model")
     return problems
 
-
-@dataclasses.dataclass(frozen=True)
-class CheckpointConfig:
-    dir: str = ""  # directory of the run's checkpoints ("": none)
-    every: int = 0  # save every N steps (0: only at the end and on preemption)
-    keep_last: int = 3  # keep the newest K complete checkpoints
-    keep_every: int = 0  # also keep every step divisible by M (0: none)
-    resume: bool = False  # continue from the newest complete checkpoint in dir
-    init_from: str = ""  # start from these parameters: a checkpoint dir, .safetensors, or HF dir
-    async_save: bool = True  # commit in the background while training continues
 
 def read_meta(step_dir: Path) -> dict[str, Any]:
     """A step's meta item, which lists its arrays; a committed step without a

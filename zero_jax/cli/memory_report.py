@@ -30,12 +30,13 @@ import tomllib
 import jax
 
 import models
-from zero_jax import flags
-from zero_jax import config as config_lib, job as job_lib, remat
+from zero_jax.config import flags
+from zero_jax import config as config_lib, job as job_lib
+from zero_jax.model import remat
 from zero_jax.runtime import cpu
 from zero_jax.data import corpus as data_lib
 from zero_jax.analysis import memory
-from zero_jax.analysis import summary
+from zero_jax.report import summary
 from zero_jax.sharding.mesh import MeshError
 from zero_jax.sharding.rules import ShardingError
 

@@ -54,10 +54,12 @@ from pathlib import Path
 from tqdm import tqdm
 
 import models
-from zero_jax import config as config_lib, job as job_lib, precision, remat
+from zero_jax import config as config_lib, job as job_lib
+from zero_jax.precision import policies
+from zero_jax.model import remat
 from zero_jax.planner import configs, cost, search
 from zero_jax.planner.choices import Cluster, choices, mesh_shapes
-from zero_jax.planner import devices as hardware
+from zero_jax.runtime import device_kinds
 
 GPT2_VOCAB = 50257  # the vocabulary of a model that names none (a GPT preset)
 # Exit status of a plan in which no layout fits (2: a bad input).
@@ -65,7 +67,7 @@ NOTHING_FITS = 3
 
 
 def parse(argv):
-    kinds = ", ".join(sorted(f.stem for f in hardware.DIRECTORY.glob("*.toml")))
+    kinds = ", ".join(sorted(f.stem for f in device_kinds.DIRECTORY.glob("*.toml")))
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True,
                    help="a preset in models/ (gpt-tiny ... bloom-176b, llama-3-8b ...) or hf:DIR")
@@ -160,7 +162,7 @@ def names(flag: str, text: str, known) -> tuple[str, ...]:
 
 def cluster_of(args) -> Cluster:
     try:
-        device = hardware.load(args.cluster)
+        device = device_kinds.load(args.cluster)
     except ValueError as e:
         raise ValueError(f"--cluster {args.cluster}: {e}") from None
     if args.reserve_gb is not None and not 0 <= args.reserve_gb * 1e9 < device.hbm_bytes:
@@ -187,7 +189,7 @@ def problem_of(args) -> tuple[search.Problem, str, dict]:
     cluster = cluster_of(args)
     base = base_config(args)
     run = config_lib.build(None, base)
-    precision.resolve(args.precision, "gpu")  # each layout's job would refuse it, unsaid
+    policies.resolve(args.precision, "gpu")  # each layout's job would refuse it, unsaid
     vocab = vocab_of(args)
     build, model_line = models.for_run(run.model, vocab)
     return search.Problem(base, build, cluster, vocab), model_line, layout_options(args)
@@ -245,7 +247,7 @@ def cpu_wider(policy: str) -> str:
     """How a layout compiled here holds more than on a GPU (cost.against_compiled):
     its 16-bit floats computed in float32, and XLA's attention writing out the
     scores where the GPU runs cuDNN's fused kernel; "" where neither."""
-    p = precision.resolve(policy, "gpu")
+    p = policies.resolve(policy, "gpu")
     narrow = next((NARROW[d] for d in (p.compute, p.grads, p.params) if d in NARROW), None)
     parts = [narrow] if narrow else []
     if job_lib.attention_implementation("auto", "gpu", p.compute) == "cudnn":

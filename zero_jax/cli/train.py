@@ -30,10 +30,11 @@ from pathlib import Path
 import jax
 
 import models
-from zero_jax import flags
+from zero_jax.config import flags
 from zero_jax import config as config_lib, job as job_lib, loop, run
 from zero_jax.analysis import flops, hlo
-from zero_jax.analysis import memory, summary
+from zero_jax.analysis import memory
+from zero_jax.report import summary
 from zero_jax.checkpoint import manager as ckpt_lib
 from zero_jax.data import corpus as data_lib
 from zero_jax.runtime import cpu, distributed, preempt

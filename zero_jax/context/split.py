@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from zero_jax import config as config_lib
 from zero_jax.context.layout import Context
-from zero_jax.model import ModelFns
 
 
 def choose(strategy: str, heads: int, tensor: int, context: int, pipelined: bool,
@@ -33,15 +32,14 @@ RING_IN_PIPELINE = ("a stage runs its forward on its own, and the ring's collect
                     "would wait for every stage's devices")
 
 
-def of_run(run: config_lib.RunConfig, model: ModelFns, sizes: dict[str, int], attention: str,
+def of_run(run: config_lib.RunConfig, heads: int, sizes: dict[str, int], attention: str,
            pipelined: bool) -> Context | None:
     """How attention crosses a `context` axis (zero_jax/context), checked
-    against the sequence and the heads; None without one."""
+    against the sequence and the model's `heads` (0: unknown); None without one."""
     c = sizes.get("context", 1)
     if c == 1:
         return None
-    cfg, T, t = model.config, run.data.seq_len, sizes["tensor"]
-    heads = getattr(cfg, "n_head", 0)
+    T, t = run.data.seq_len, sizes["tensor"]
     if T % (2 * c):
         raise config_lib.ConfigError(
             f"--seq-len {T} with context={c}: the balanced layout cuts each sequence into 2 x "

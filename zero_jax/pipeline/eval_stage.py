@@ -15,10 +15,11 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from zero_jax.hooks import RowSplit
-from zero_jax.loss import cross_entropy
+from zero_jax.model.hooks import RowSplit
+from zero_jax.model.loss import cross_entropy
 from zero_jax.pipeline.program import Row, Tables
-from zero_jax.pipeline.records import PipelineFns, StageLayout
+from zero_jax.model.contract import PipelineFns
+from zero_jax.pipeline.records import StageLayout
 from zero_jax.pipeline.stage import LocalStage, send
 
 

@@ -40,13 +40,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
-from zero_jax.accumulate import split_microbatches
+from zero_jax.data.microbatches import split_microbatches
 from zero_jax.context import layout as context_layout
-from zero_jax.hooks import RowSplit
-from zero_jax.param_use import psum
+from zero_jax.model.hooks import RowSplit
+from zero_jax.model.param_use import psum
 from zero_jax.pipeline.eval_stage import EvalStage
 from zero_jax.pipeline.program import Program, Tables
-from zero_jax.pipeline.records import PipelineFns, StageLayout
+from zero_jax.model.contract import PipelineFns
+from zero_jax.pipeline.records import StageLayout
 from zero_jax.pipeline.schedule import Schedule
 from zero_jax.pipeline.stage import chunks_of, constrain
 from zero_jax.pipeline.train_stage import TrainStage

@@ -1,36 +1,14 @@
-"""What a pipeline's loop needs from the model (`PipelineFns`) and from the
-layout (`StageLayout`): records, below everything that runs the loop
-(executor.py, the stages), so each imports them without importing the
-executor, and a model names them without importing any of it."""
+"""What a pipeline's loop needs from the layout (`StageLayout`): a record,
+below everything that runs the loop (executor.py, the stages), so each
+imports it without importing the executor. What it needs from the model,
+`PipelineFns`, is part of the model's contract (model/contract.py)."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
-
-import jax
+from typing import Any
 
 from zero_jax.pipeline.cut import Stages
-
-
-@dataclasses.dataclass(frozen=True)
-class PipelineFns:
-    """A model cut for pipelining: embedding, any run of stacked layers, head."""
-
-    split: Callable[[Any], tuple[Any, Any]]  # params -> (outer params, stacked layers)
-    merge: Callable[[Any, Any], Any]  # (outer, stacked) -> params
-    embed: Callable[[Any, jax.Array, Any], jax.Array]  # (outer, tokens B x T, hooks) -> x
-    # (stacked slice, x, hooks) -> (x, per-layer statistics: the layers'
-    # scan outputs, None for a dense model)
-    stage: Callable[[Any, jax.Array, Any], tuple[jax.Array, Any]]
-    head: Callable[[Any, jax.Array, Any], jax.Array]  # (outer, x, hooks) -> logits
-    # embed only reads table rows through hooks.lookup, and head's logits run
-    # over the rows of a table: both can run on row blocks (hooks.RowSplit)
-    vocab_parallel: bool = False
-    # A mixture of experts: (a stage's statistics over its n layers, its
-    # rows' weights (B,)) -> (its part of the router losses' term in the
-    # training loss, their metrics): n / L of the model's mean over layers
-    penalty: Callable[[Any, jax.Array], tuple[jax.Array, dict]] | None = None
 
 
 @dataclasses.dataclass(frozen=True)

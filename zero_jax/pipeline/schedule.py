@@ -42,9 +42,10 @@ from __future__ import annotations
 import dataclasses
 import typing
 from collections import deque
-from typing import Literal, NamedTuple, Sequence
+from typing import NamedTuple, Sequence
 
-ScheduleName = Literal["gpipe", "1f1b", "interleaved", "zb-h1"]
+from zero_jax.config.sections import ScheduleName
+
 SCHEDULES: tuple[str, ...] = typing.get_args(ScheduleName)
 SPLIT_BACKWARD = frozenset({"zb-h1"})  # schedules whose backward leaves W for later
 W_PER_TICK = 2  # weight gradients a device may run in one tick

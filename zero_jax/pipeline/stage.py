@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from zero_jax.pipeline.records import PipelineFns, StageLayout
+from zero_jax.model.contract import PipelineFns
+from zero_jax.pipeline.records import StageLayout
 from zero_jax.sharding.specs import map_specs
 
 

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from zero_jax.param_use import Tapped
+from zero_jax.model.param_use import Tapped
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,7 +18,7 @@ from jax.sharding import AbstractMesh, AxisType
 
 from zero_jax import config as config_lib, job as job_lib
 from zero_jax.pipeline import schedule as sched_lib
-from zero_jax.planner.devices import Device
+from zero_jax.runtime.device_kinds import Device
 from zero_jax.sharding import mesh as mesh_lib
 
 

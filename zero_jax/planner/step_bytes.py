@@ -28,7 +28,8 @@ import dataclasses
 import jax
 import numpy as np
 
-from zero_jax import job as job_lib, remat as remat_lib
+from zero_jax import job as job_lib
+from zero_jax.model import remat as remat_lib
 from zero_jax.analysis import memory
 from zero_jax.pipeline import weight_grad
 from zero_jax.planner.choices import Choice, pipeline_schedule

@@ -15,7 +15,6 @@ programs would hang in a collective, while the store answers or times out.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
@@ -23,6 +22,8 @@ from typing import Any
 
 import jax
 import numpy as np
+
+from zero_jax.config.sections import DistributedConfig
 
 ENV_COORDINATOR = "ZERO_JAX_COORDINATOR"
 ENV_NUM_PROCESSES = "ZERO_JAX_NUM_PROCESSES"
@@ -37,16 +38,6 @@ _CLUSTERS = {
 }
 
 
-@dataclasses.dataclass(frozen=True)
-class DistributedConfig:
-    coordinator: str = ""  # host:port of process 0 ("": the launcher's or the cluster's)
-    num_processes: int = 0  # with coordinator (0: from the environment)
-    process_id: int = -1  # with coordinator (-1: from the environment)
-    heartbeat_timeout_s: int = 100  # a process silent this long is dead; the run ends
-    barrier_timeout_s: int = 300  # start-up and every barrier give up after this
-    watchdog_warn: float = 5.0  # report a step taking this many times the recent median
-    watchdog_stop: float = 50.0  # stop the run past this many times (0: never)
-    watchdog_min_s: float = 30.0  # never report a step shorter than this
 
 
 class DistributedError(RuntimeError):

@@ -10,31 +10,13 @@ ui.perfetto.dev).
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import jax
 
+from zero_jax.config.sections import Window
 
-@dataclasses.dataclass(frozen=True)
-class Window:
-    first: int  # first traced step (1-based, as in the metrics)
-    stop: int  # first step after the trace
 
-    @classmethod
-    def parse(cls, text: str) -> "Window | None":
-        """"A:B" -> the window; "" -> None. Raises ValueError naming the flag."""
-        if not text:
-            return None
-        try:
-            a, b = (int(part) for part in text.split(":"))
-        except ValueError:
-            raise ValueError(f"--profile-steps {text!r}: expected A:B, two step numbers, e.g. "
-                             "5:8 traces steps 5, 6 and 7") from None
-        if not 1 <= a < b:
-            raise ValueError(f"--profile-steps {text}: need 1 <= A < B (A:B traces steps A to "
-                             "B - 1, numbered from 1 as in the metrics file)")
-        return cls(a, b)
 
 
 class Tracer:

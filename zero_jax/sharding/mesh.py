@@ -31,6 +31,7 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
+from zero_jax.config.load import MESHES
 from zero_jax.runtime import cpu
 
 # Outermost to innermost: the innermost axis gets the closest devices, so the
@@ -48,15 +49,6 @@ DATA_AXES: tuple[str, ...] = ("data", "fsdp", "expert")
 ZERO_AXES: tuple[str, ...] = DATA_AXES + ("context",)
 
 
-def _meshes_dir() -> Path:
-    """The mesh configs: the copy a (non-editable) install puts inside the
-    package, else meshes/ beside the package in a source tree."""
-    package = Path(__file__).resolve().parent.parent
-    installed = package / "meshes"
-    return installed if installed.is_dir() else package.parent / "meshes"
-
-
-MESHES = _meshes_dir()  # <name>.toml per mesh; devices/<kind>.toml per accelerator kind
 
 
 class MeshError(ValueError):

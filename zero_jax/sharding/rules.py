@@ -152,7 +152,7 @@ PRESETS: dict[str, Preset] = {
 
 
 def preset(name: str, mesh_sizes: Mapping[str, int]) -> Preset:
-    """A layout preset by name (config.py checks the name); "auto" is fsdp, or
+    """A layout preset by name (the config checks the name); "auto" is fsdp, or
     fsdp_tp when the mesh has a tensor axis."""
     if name == "auto":
         name = "fsdp_tp" if mesh_sizes.get("tensor", 1) > 1 else "fsdp"

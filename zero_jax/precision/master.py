@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from zero_jax.hooks import Gathered, Hooks
+from zero_jax.model.hooks import Gathered, Hooks
 
 
 class MasterState(NamedTuple):

@@ -38,12 +38,12 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from zero_jax import param_use
+from zero_jax.model import param_use
 from zero_jax.context import attention as context_attention
 from zero_jax.context import layout as context_layout
 from zero_jax.context.layout import Context
-from zero_jax.param_use import ManualRows, Tapped, Use, block_rows, inside_only, psum, put
-from zero_jax.remat import DOT, WEIGHT, Remat
+from zero_jax.model.param_use import ManualRows, Tapped, Use, block_rows, inside_only, psum, put
+from zero_jax.model.remat import DOT, WEIGHT, Remat
 from zero_jax.sharding.rules import AxisRules
 from zero_jax.sharding.specs import entry_axes
 from zero_jax.sharding.zero import Placement

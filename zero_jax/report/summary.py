@@ -12,8 +12,9 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from zero_jax import step
-from zero_jax.analysis import formula_gap, pipeline_summary
+from zero_jax.train import step
+from zero_jax.analysis import formula_gap
+from zero_jax.report import pipeline_summary
 from zero_jax.analysis.memory import STATES, MemoryReport
 from zero_jax.job import Job
 from zero_jax.sharding import zero as zero_lib

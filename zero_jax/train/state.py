@@ -19,13 +19,13 @@ import optax
 from flax.core import meta
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from zero_jax import loss_scale as loss_scale_lib
-from zero_jax import master as master_lib
-from zero_jax import offload as offload_lib
-from zero_jax import precision as precision_lib
+from zero_jax.precision import loss_scale as loss_scale_lib
+from zero_jax.precision import master as master_lib
+from zero_jax.sharding import offload as offload_lib
+from zero_jax.precision import policies
 from zero_jax.sharding import zero as zero_lib
 from zero_jax.sharding.mesh import DATA_AXES, MeshShape
-from zero_jax.model import ModelFns
+from zero_jax.model.contract import ModelFns
 from zero_jax.sharding.rules import AxisRules
 from zero_jax.sharding.specs import entries, entry_axes, map_specs, path_name
 from zero_jax.pipeline.cut import Stages
@@ -204,7 +204,7 @@ class Layout:
 
 
 def init_params(model: ModelFns, key: jax.Array, param_dtype) -> Any:
-    return precision_lib.cast_tree(nn.unbox(model.init(key)), param_dtype)
+    return policies.cast_tree(nn.unbox(model.init(key)), param_dtype)
 
 
 def needs_master(zero_stage: int, param_dtype, compute_dtype) -> bool:

@@ -9,7 +9,7 @@ import dataclasses
 import tomllib
 from pathlib import Path
 
-from zero_jax.sharding.mesh import MESHES
+from zero_jax.config.load import MESHES
 
 DIRECTORY = MESHES / "devices"
 

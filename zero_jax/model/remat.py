@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from typing import Literal
 
 import jax
 
-PolicyName = Literal["none", "full", "dots_saveable", "save_names", "offload"]
+from zero_jax.config.sections import PolicyName
+
 POLICIES: tuple[str, ...] = typing.get_args(PolicyName)
 WEIGHT = "weight"  # the name Hooks.weight gives a parameter at its point of use
 DOT = "dot"  # the name Hooks.dense gives a matrix product's output

@@ -19,7 +19,7 @@ abstract state.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +27,6 @@ import optax
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
-PresetName = Literal["auto", "fp32", "bf16", "fp16"]  # --precision; auto: by platform
 # name -> (params, compute, grads, opt_state)
 PRESETS: dict[str, tuple[str, str, str, str]] = {
     "fp32": ("float32", "float32", "float32", "float32"),

@@ -28,19 +28,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from zero_jax.data.microbatches import split_microbatches
 from zero_jax.sharding.specs import entries, entry_axes, spec_leaves
-
-def split_microbatches(batch: Any, microbatches: int) -> Any:
-    """(B, ...) -> (m, B/m, ...) for each array of `batch`, microbatch j
-    holding rows j, j + m, j + 2m, ...
-
-    Strided rows keep each microbatch spread evenly over every data shard:
-    a device holding a contiguous block of B/N rows holds B/(N m) rows of each
-    microbatch, so the split moves no data between devices.
-    """
-    return jax.tree.map(
-        lambda x: x.reshape(x.shape[0] // microbatches, microbatches, *x.shape[1:]).swapaxes(0, 1),
-        batch)
 
 
 def accumulate(value_and_grad: Callable[[Any, Any], tuple[jax.Array, Any]],

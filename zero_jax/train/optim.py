@@ -1,5 +1,5 @@
 """Optimizer and learning-rate schedule from a frozen config (its values
-are checked where every run config's are, in config.py).
+are checked where every run config's are, in config/load.py).
 
 Any optax GradientTransformation works with the ZeRO layouts (sharding/zero.py derives
 the optimizer-state shardings from the state's structure); this file only
@@ -8,28 +8,12 @@ builds the common ones from flags.
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Literal
+from typing import Any
 
 import optax
 
-Optimizer = Literal["adamw", "sgd", "adafactor"]
-Decay = Literal["cosine", "linear", "constant"]
+from zero_jax.config.sections import OptimConfig
 
-
-@dataclasses.dataclass(frozen=True)
-class OptimConfig:
-    name: Optimizer = "adamw"  # adamw | sgd (with momentum) | adafactor
-    lr: float = 3e-3  # peak learning rate
-    warmup_steps: int = 50  # linear warm-up from 0 to lr
-    decay: Decay = "cosine"  # after warm-up: cosine | linear | constant
-    min_lr_ratio: float = 0.1  # final learning rate as a fraction of lr
-    weight_decay: float = 0.1  # decoupled; only where the model's decay mask says
-    b1: float = 0.9  # Adam first-moment decay
-    b2: float = 0.95  # Adam second-moment decay
-    eps: float = 1e-8  # Adam epsilon
-    momentum: float = 0.9  # SGD momentum
-    clip_norm: float = 1.0  # clip gradients to this global norm; 0 turns clipping off
 
 
 def schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:

@@ -19,24 +19,24 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from zero_jax import loss_scale as loss_scale_lib
-from zero_jax import master as master_lib
-from zero_jax import offload as offload_lib
-from zero_jax import overlap as overlap_lib
-from zero_jax import rounding
+from zero_jax.precision import loss_scale as loss_scale_lib
+from zero_jax.precision import master as master_lib
+from zero_jax.sharding import offload as offload_lib
+from zero_jax.sharding import overlap as overlap_lib
+from zero_jax.precision import rounding
 from zero_jax.pipeline import executor as pipeline_lib
 from zero_jax.pipeline.records import StageLayout
 from zero_jax.sharding import zero as zero_lib
 from zero_jax.sharding.specs import map_specs, without_axis
-from zero_jax.accumulate import accumulate, accumulate_partials, reduce_partials
+from zero_jax.train.accumulate import accumulate, accumulate_partials, reduce_partials
 from zero_jax.context import layout as context_layout
-from zero_jax.hooks import Hooks
-from zero_jax.loss import cross_entropy, expert_load_ratio
-from zero_jax.model import ModelFns
+from zero_jax.model.hooks import Hooks
+from zero_jax.model.loss import cross_entropy, expert_load_ratio
+from zero_jax.model.contract import ModelFns
 from zero_jax.pipeline import schedule as sched_lib
 from zero_jax.pipeline.schedule import Schedule
 from zero_jax.runtime import xla_options
-from zero_jax.state import Layout, TrainState
+from zero_jax.train.state import Layout, TrainState
 
 
 def weighted(batch: Any) -> dict[str, jax.Array]:

@@ -1,7 +1,7 @@
 """Every run-config field as a command-line flag: `--batch-size` for
 [train] batch_size (config.flag_of names them), its help read from the
 comment beside the field, its type from the field's, so that the dataclasses
-in config.py are the one place a field is described."""
+in sections.py are the one place a field is described."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ import io
 import textwrap
 import tokenize
 
-from zero_jax.config import SECTIONS, ConfigError, RunConfig, build, field_type, flag_of
+from zero_jax.config.load import build, field_type, flag_of
+from zero_jax.config.sections import SECTIONS, ConfigError, RunConfig
 
 
 @functools.cache

@@ -6,28 +6,25 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from zero_jax.checkpoint import export
-from zero_jax.checkpoint.manager import complete_steps
 
 
 class PathError(ValueError):
     """A path given to a run that it cannot read or write; the message names the flag."""
 
 
+# What --init-from takes; checkpoint/sources.py reads inside it.
+INIT_FROM = ("give a checkpoint directory (zero-jax train --checkpoint-dir), a .safetensors "
+             "file or a Hugging Face model directory")
+
+
 def _check_init_from(path: Path) -> None:
-    """--init-from names one of the three sources its loaders read (their
-    own errors then say what inside it is wrong)."""
-    what = ("give a checkpoint directory (train.py --checkpoint-dir), a .safetensors file or a "
-            "Hugging Face model directory")
+    """--init-from names a file or directory of a kind its loaders read
+    (checkpoint/sources.py then looks inside, and their own errors say what
+    inside it is wrong)."""
     if not path.exists():
-        raise PathError(f"--init-from {path}: no such file or directory; {what}")
+        raise PathError(f"--init-from {path}: no such file or directory; {INIT_FROM}")
     if path.is_file() and path.suffix != ".safetensors":
-        raise PathError(f"--init-from {path}: a file, but not .safetensors; {what}")
-    if path.is_file():
-        export.read_header(path)  # a damaged file is named now, not after compiling
-    if path.is_dir() and not (complete_steps(path) or (path / "config.json").exists()):
-        raise PathError(f"--init-from {path}: holds no complete checkpoint and no Hugging "
-                        f"Face config.json; {what}")
+        raise PathError(f"--init-from {path}: a file, but not .safetensors; {INIT_FROM}")
 
 
 def check(run) -> None:
