@@ -53,7 +53,7 @@ def shape(path: Path) -> tuple[str, dict]:
 
 class Tensors:
     """The tensors of a directory by name, each read from its file on demand
-    (zero_jax.export.SafetensorsFile: no memory map)."""
+    (zero_jax.checkpoint.export.SafetensorsFile: no memory map)."""
 
     def __init__(self, path: Path):
         self.path = path

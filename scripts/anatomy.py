@@ -39,7 +39,7 @@ from zero_jax.config import flags
 from zero_jax import config as config_lib, job as job_lib  # noqa: E402
 from zero_jax.runtime import cpu
 from zero_jax.analysis import hlo
-from zero_jax.data import corpus as data_lib
+from zero_jax.data import corpus as corpus_lib
 
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "collective-permute", "all-to-all")
 # Model ops, by their JAX op_name (first match wins). The layer stack is a
@@ -198,7 +198,7 @@ def main(argv=None) -> int:
     try:
         cfg, args = parse(argv)
         cpu.simulate(args.devices)
-        corpus = data_lib.load(cfg.data.source)
+        corpus = corpus_lib.load(cfg.data.source)
         build, _ = models.for_run(cfg.model, corpus.vocab_size)
         job = job_lib.prepare(cfg, build)
     except (config_lib.ConfigError, ValueError, FileNotFoundError) as e:
@@ -210,7 +210,7 @@ def main(argv=None) -> int:
     state = job.init_state()
 
     def batch(i):
-        return data_lib.global_batch(corpus, "train", cfg.data.seq_len, t.batch_size, t.seed,
+        return corpus_lib.global_batch(corpus, "train", cfg.data.seq_len, t.batch_size, t.seed,
                                      step=i, sharding=job.layout.batch_sharding)
 
     for i in range(2):  # warm-up

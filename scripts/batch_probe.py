@@ -26,7 +26,7 @@ import models
 from zero_jax.config import flags
 from zero_jax import job as job_lib
 from zero_jax.runtime import cpu
-from zero_jax.data import corpus as data_lib
+from zero_jax.data import corpus as corpus_lib
 from zero_jax.runtime import distributed
 
 
@@ -42,14 +42,14 @@ def main(argv=None) -> int:
         cfg = flags.from_args(args, args.config)
         cpu.simulate(args.devices)  # both before anything asks JAX for devices
         distributed.initialize(cfg.distributed)
-        corpus = data_lib.load(cfg.data.source)
+        corpus = corpus_lib.load(cfg.data.source)
         job = job_lib.prepare(cfg, models.for_run(cfg.model, corpus.vocab_size)[0])
     except (ValueError, FileNotFoundError, distributed.DistributedError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     t, out = cfg.train, {}
     for step in (int(s) for s in args.steps_to_probe.split(",")):
-        batch = data_lib.global_batch(corpus, "train", cfg.data.seq_len, t.batch_size, t.seed,
+        batch = corpus_lib.global_batch(corpus, "train", cfg.data.seq_len, t.batch_size, t.seed,
                                       step, job.layout.batch_sharding, cfg.data.segment_ids)
         for name, array in batch.items():
             for shard in array.addressable_shards:

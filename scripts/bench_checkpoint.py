@@ -24,7 +24,7 @@ from zero_jax.checkpoint import manager as ckpt_lib
 from zero_jax import config as config_lib, job as job_lib, run
 from zero_jax.runtime import cpu
 import bench_flags
-from zero_jax.data import corpus as data_lib
+from zero_jax.data import corpus as corpus_lib
 
 
 def main(argv=None) -> int:
@@ -34,12 +34,12 @@ def main(argv=None) -> int:
     cpu.add_devices_flag(parser)
     args = cpu.parse_args(parser, argv)
 
-    corpus = data_lib.load("stdlib")
+    corpus = corpus_lib.load("stdlib")
     cfg = config_lib.build(None, {"model.name": args.model, "parallel.mesh": args.mesh,
                                   "data.seq_len": args.seq_len, "train.batch_size": args.batch_size})
     job = job_lib.prepare(cfg, models.builder(args.model, corpus.vocab_size))
     step_fn = job.compile_train_step()
-    batch = functools.partial(data_lib.global_batch, corpus, "train", args.seq_len, args.batch_size, 0,
+    batch = functools.partial(corpus_lib.global_batch, corpus, "train", args.seq_len, args.batch_size, 0,
                               sharding=job.layout.batch_sharding)
     state = job.init_state()
     i = 0

@@ -30,7 +30,7 @@ import models
 from zero_jax import config as config_lib, job as job_lib
 from zero_jax.runtime import cpu
 import bench_flags
-from zero_jax.data import corpus as data_lib
+from zero_jax.data import corpus as corpus_lib
 from zero_jax.analysis import memory
 from timing import interleaved_medians
 
@@ -50,7 +50,7 @@ def main(argv=None) -> int:
     cpu.add_devices_flag(parser)
     args = cpu.parse_args(parser, argv)
 
-    corpus = data_lib.load("stdlib")
+    corpus = corpus_lib.load("stdlib")
     runs, failed = {}, {}
     for name in args.variants.split(","):
         cfg = config_lib.build(None, {
@@ -66,7 +66,7 @@ def main(argv=None) -> int:
         except Exception as e:  # noqa: BLE001 - refused, or out of device memory: reported
             failed[name] = str(e).splitlines()[0][:160]
             continue
-        batch = functools.partial(data_lib.global_batch, corpus, "train", args.seq_len,
+        batch = functools.partial(corpus_lib.global_batch, corpus, "train", args.seq_len,
                                   args.batch_size, 0, sharding=job.layout.batch_sharding)
         runs[name] = {"step": compiled, "state": state, "batch": batch,
                       "bytes": memory.by_memory_kind(job.layout),

@@ -36,7 +36,7 @@ from zero_jax import config as config_lib, job as job_lib
 from zero_jax.cli import launch
 from zero_jax.pipeline import schedule as sched_lib
 from zero_jax.runtime import cpu, distributed
-from zero_jax.data import corpus as data_lib
+from zero_jax.data import corpus as corpus_lib
 from zero_jax.sharding import mesh as mesh_lib
 from zero_jax.pipeline.schedule import SCHEDULES
 from timing import interleaved_medians
@@ -59,7 +59,7 @@ def prepare(args, corpus, mesh: str, schedule: str, devices=None) -> job_lib.Job
 
 
 def _run(job: job_lib.Job, corpus, args, mesh: str) -> dict:
-    batch = functools.partial(data_lib.global_batch, corpus, "train", args.seq_len,
+    batch = functools.partial(corpus_lib.global_batch, corpus, "train", args.seq_len,
                               args.batch_size, 0, sharding=job.layout.batch_sharding)
     return {"mesh": mesh, "step": job.compile_train_step(), "state": job.init_state(),
             "batch": batch}
@@ -71,7 +71,7 @@ def pinned(args, argv: list[str]) -> int:
         return launch.main(["-n", "2", "--devices-per-process", "1", "--pin-cores", "--",
                             __file__, *argv])
     distributed.initialize(config_lib.DistributedConfig())
-    corpus = data_lib.load("stdlib")
+    corpus = corpus_lib.load("stdlib")
     schedules = args.schedules.split(",")
     jobs = {name: prepare(args, corpus, "pipe=2", name) for name in schedules}
     runs = {"one device": _run(prepare(args, corpus, "fsdp=1", "1f1b", jax.local_devices()[:1]),
@@ -148,7 +148,7 @@ def main(argv=None) -> int:
         parser.error(f"--schedules {args.schedules}: unknown {sorted(unknown)}; choose from "
                      f"{', '.join(SCHEDULES)}")
 
-    corpus = data_lib.load("stdlib")
+    corpus = corpus_lib.load("stdlib")
     variants = {"no pipeline": (_without_pipe(args.mesh), "1f1b")}
     variants.update({name: (args.mesh, name) for name in schedules})
     # Every variant checked before any compiles, the given mesh first, so

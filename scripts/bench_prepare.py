@@ -41,9 +41,9 @@ SCRIPTS = ROOT / "scripts"
 
 
 def write_text(out: Path, megabytes: float, file_mb: float = 0.25) -> int:
-    from zero_jax.data import corpus as data_lib
+    from zero_jax.data import corpus as corpus_lib
 
-    corpus = bytes(data_lib.stdlib_corpus().train[0].tokens)
+    corpus = bytes(corpus_lib.stdlib_corpus().train[0].tokens)
     total, i = int(megabytes * 1e6), 0
     out.mkdir(parents=True)
     written = 0
@@ -158,12 +158,12 @@ def main(argv=None) -> int:
 
 def check_ids(data_dir: Path, text_bytes: int) -> dict:
     """The time of train.py's id check over the prepared corpus."""
-    from zero_jax.data import corpus as data_lib  # JAX, imported after the runs above
+    from zero_jax.data import corpus as corpus_lib  # JAX, imported after the runs above
 
-    data = data_lib.load(str(data_dir))
+    data = corpus_lib.load(str(data_dir))
     tokens = data.tokens("train") + data.tokens("val")
     started = time.perf_counter()
-    data_lib.check(data, data.vocab_size, 128)
+    corpus_lib.check(data, data.vocab_size, 128)
     check_s = time.perf_counter() - started
     ids_bytes = tokens * data.train[0].tokens.dtype.itemsize
     return {"tokens": tokens, "bytes_per_token": round(text_bytes / tokens, 3),

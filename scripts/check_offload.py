@@ -25,7 +25,7 @@ import models
 from zero_jax import config as config_lib, job as job_lib
 from zero_jax.runtime import cpu
 import bench_flags
-from zero_jax.data import corpus as data_lib
+from zero_jax.data import corpus as corpus_lib
 from zero_jax.analysis import memory
 
 
@@ -35,7 +35,7 @@ def main(argv=None) -> int:
                     seq_len=128, batch_size=16)
     cpu.add_devices_flag(parser)
     args = cpu.parse_args(parser, argv)
-    corpus = data_lib.load("stdlib")
+    corpus = corpus_lib.load("stdlib")
     variants = {"save_names": dict(remat="save_names"), "remat offload": dict(remat="offload"),
                 "optimizer offload": dict(remat="save_names", optimizer=True)}
     rows = {}

@@ -46,10 +46,10 @@ def compiled_text(args) -> str:
     cpu.simulate(args.devices)
     import models
     from zero_jax import job as job_lib
-    from zero_jax.data import corpus as data_lib
+    from zero_jax.data import corpus as corpus_lib
 
     cfg = flags.from_args(args, args.config)
-    build, _ = models.for_run(cfg.model, data_lib.load(cfg.data.source).vocab_size)
+    build, _ = models.for_run(cfg.model, corpus_lib.load(cfg.data.source).vocab_size)
     return job_lib.prepare(cfg, build).lower_train_step().compile().as_text()
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from zero_jax.data import corpus as data_lib
+from zero_jax.data import corpus as corpus_lib
 
 EOS = "<|endoftext|>"
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
@@ -26,7 +26,7 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }
 
 
 def train(vocab_size: int, sample_bytes: int, chat: bool) -> Tokenizer:
-    corpus = data_lib.stdlib_corpus().train[0].tokens[:sample_bytes]
+    corpus = corpus_lib.stdlib_corpus().train[0].tokens[:sample_bytes]
     text = bytes(corpus).decode("utf-8", errors="replace")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -21,7 +21,7 @@ import numpy as np
 import models
 from zero_jax import config as config_lib, job as job_lib
 from zero_jax.runtime import cpu
-from zero_jax.data import corpus as data_lib
+from zero_jax.data import corpus as corpus_lib
 
 MESHES = ("fsdp=8", "data=2,fsdp=4", "fsdp=4,tensor=2", "pipe=2,fsdp=4")
 LAYOUTS = {"fsdp=4,tensor=2": "fsdp_tp"}
@@ -33,7 +33,7 @@ def losses(corpus, flat: dict, steps: int, devices=None) -> np.ndarray:
     step = job.compile_train_step()
     state, out = job.init_state(), []
     for i in range(steps):
-        batch = data_lib.global_batch(corpus, "train", 32, 32, run.train.seed, step=i,
+        batch = corpus_lib.global_batch(corpus, "train", 32, 32, run.train.seed, step=i,
                                       sharding=job.layout.batch_sharding)
         state, metrics = step(state, batch)
         out.append(float(metrics["loss"]))  # waits: one step in flight
@@ -50,7 +50,7 @@ def main(argv=None) -> int:
                         help="steps per run, their losses compared (default: %(default)s)")
     cpu.add_devices_flag(parser, default_help="XLA_FLAGS's, else 8")
     args = cpu.parse_args(parser, argv, default=8)
-    corpus = data_lib.load("stdlib")
+    corpus = corpus_lib.load("stdlib")
     policy = {"precision.policy": args.precision}
     if args.grad_dtype:
         policy["precision.grad_dtype"] = args.grad_dtype

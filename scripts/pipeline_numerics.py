@@ -31,7 +31,7 @@ import numpy as np
 import models
 from zero_jax import config as config_lib, job as job_lib
 from zero_jax.runtime import cpu
-from zero_jax.data import corpus as data_lib
+from zero_jax.data import corpus as corpus_lib
 
 MESHES = {"pipe=2,fsdp=4": {}, "pipe=2,fsdp=2,tensor=2": {"parallel.layout": "fsdp_tp_sp"},
           "pipe=4,data=2": {}}
@@ -46,7 +46,7 @@ def _job(corpus, devices=None, **flat):
 
 
 def _batch(corpus, job, step):
-    return data_lib.global_batch(corpus, "train", 16, 32, 0, step=step,
+    return corpus_lib.global_batch(corpus, "train", 16, 32, 0, step=step,
                                  sharding=job.layout.batch_sharding)
 
 
@@ -107,7 +107,7 @@ def main(argv=None) -> int:
                              "one step's loss and gradients)")
     cpu.add_devices_flag(parser, default_help="XLA_FLAGS's, else 8")
     args = cpu.parse_args(parser, argv, default=8)
-    corpus = data_lib.load("stdlib")
+    corpus = corpus_lib.load("stdlib")
     if args.steps:
         return _trained(corpus, args)
     ref_loss, ref_grads = loss_and_grads(corpus, jax.devices()[:1], **{"parallel.mesh": "fsdp=1"})

@@ -44,19 +44,19 @@ def worker(args, flag_args: list[str]) -> int:
     import models
     from zero_jax.config import flags
     from zero_jax import job as job_lib
-    from zero_jax.data import corpus as data_lib
+    from zero_jax.data import corpus as corpus_lib
 
     parser = argparse.ArgumentParser()
     flags.add_flags(parser)
     cfg = flags.from_args(parser.parse_args(
         ["--model", "gpt-tiny", "--batch-size", str(args.batch_size), "--seq-len",
          str(args.seq_len), "--eval-every", "0", *flag_args]), None)
-    corpus = data_lib.load(cfg.data.source)
+    corpus = corpus_lib.load(cfg.data.source)
     build, _ = models.for_run(cfg.model, corpus.vocab_size)
     job = job_lib.prepare(cfg, build)
     step = job.compile_train_step()
     state = job.init_state()
-    batches = [data_lib.global_batch(corpus, "train", cfg.data.seq_len, cfg.train.batch_size,
+    batches = [corpus_lib.global_batch(corpus, "train", cfg.data.seq_len, cfg.train.batch_size,
                                      cfg.train.seed, step=i, sharding=job.layout.batch_sharding)
                for i in range(4)]
     times = []

@@ -33,7 +33,7 @@ import tempfile  # noqa: E402
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-from zero_jax.data import corpus as data_lib  # noqa: E402
+from zero_jax.data import corpus as corpus_lib  # noqa: E402
 
 # Identical programs (the same reference run in several modules, a script run
 # three times by one test) compile once per session: the workers of one run
@@ -53,7 +53,7 @@ jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 @pytest.fixture(scope="session")
 def corpus():
-    return data_lib.stdlib_corpus()
+    return corpus_lib.stdlib_corpus()
 
 
 @pytest.fixture(scope="session", autouse=True)

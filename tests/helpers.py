@@ -12,7 +12,7 @@ import numpy as np
 
 import models
 from zero_jax import config as config_lib, job as job_lib
-from zero_jax.data import corpus as data_lib
+from zero_jax.data import corpus as corpus_lib
 
 
 def make_job(corpus, *, devices=None, **overrides):
@@ -61,7 +61,7 @@ def initial_state(job):
 def first_step(job, corpus):
     """Loss and gradients of the job's first batch from its initial state."""
     t = job.run.train
-    batch = data_lib.global_batch(corpus, "train", job.run.data.seq_len, t.batch_size, t.seed,
+    batch = corpus_lib.global_batch(corpus, "train", job.run.data.seq_len, t.batch_size, t.seed,
                                   step=0, sharding=job.layout.batch_sharding)
     return job.jit_loss_and_grads()(initial_state(job).params, batch)
 
@@ -71,7 +71,7 @@ def train(job, corpus, steps=None):
     step_fn = compile_step(job)
     state = initial_state(job)
     t = job.run.train
-    batch = functools.partial(data_lib.global_batch, corpus, "train", job.run.data.seq_len,
+    batch = functools.partial(corpus_lib.global_batch, corpus, "train", job.run.data.seq_len,
                               t.batch_size, t.seed, sharding=job.layout.batch_sharding)
     losses = []
     for i in range(steps or t.steps):

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from tests.helpers import first_step, host, make_job
-from zero_jax.data import corpus as data_lib
+from zero_jax.data import corpus as corpus_lib
 from zero_jax.pipeline.schedule import SCHEDULES
 
 MICROBATCHES = range(1, 9)
@@ -42,7 +42,7 @@ def main(argv: list[str]) -> None:
     walk = [(s, m) for s in SCHEDULES for m in MICROBATCHES]
     if only:
         walk = [(s, int(m)) for s, m in (c.split(":") for c in only)]
-    corpus = data_lib.stdlib_corpus()
+    corpus = corpus_lib.stdlib_corpus()
     reference = {}
     for schedule, m in walk:
         batch = rows(m)

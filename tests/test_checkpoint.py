@@ -18,7 +18,7 @@ from safetensors import safe_open
 from tests.helpers import host, initial_state, make_job
 from zero_jax.checkpoint import manager as ckpt_lib
 from zero_jax import run
-from zero_jax.data import corpus as data_lib
+from zero_jax.data import corpus as corpus_lib
 from zero_jax.checkpoint import export
 from zero_jax.cli import export as export_cli
 from zero_jax.checkpoint import integrity
@@ -31,7 +31,7 @@ def _steps(job, corpus, state, first, last):
     """Train from step `first` to `last`, one step in flight; returns losses and state."""
     step_fn = job.compile_train_step()
     t = job.run.train
-    batch = functools.partial(data_lib.global_batch, corpus, "train", job.run.data.seq_len,
+    batch = functools.partial(corpus_lib.global_batch, corpus, "train", job.run.data.seq_len,
                               t.batch_size, t.seed, sharding=job.layout.batch_sharding)
     losses = []
     for i in range(first, last):

@@ -23,7 +23,7 @@ from tests.helpers import assert_close, compile_step, host, initial_state, make_
 from zero_jax import config as config_lib
 from zero_jax.analysis import hlo, traffic
 from zero_jax.context import layout, ring, split
-from zero_jax.data import corpus as data_lib
+from zero_jax.data import corpus as corpus_lib
 
 FULL = bool(os.environ.get("ZERO_JAX_FULL_GRID"))
 RTOL = 1e-5
@@ -59,7 +59,7 @@ def _train(job, corpus):
     t, d = job.run.train, job.run.data
     losses = []
     for i in range(t.steps):
-        batch = data_lib.global_batch(corpus, "train", d.seq_len, t.batch_size, t.seed, step=i,
+        batch = corpus_lib.global_batch(corpus, "train", d.seq_len, t.batch_size, t.seed, step=i,
                                       sharding=job.layout.batch_sharding, segments=d.segment_ids)
         state, metrics = step_fn(state, batch)
         losses.append(float(metrics["loss"]))

@@ -18,7 +18,7 @@ from zero_jax import run
 from zero_jax.checkpoint import manager as ckpt_lib
 from zero_jax.cli import export as export_cli
 from zero_jax.cli import prepare_data
-from zero_jax.data import corpus as data_lib
+from zero_jax.data import corpus as corpus_lib
 
 ROOT = Path(__file__).resolve().parent.parent
 FAST = "PreTrainedTokenizerFast"
@@ -55,7 +55,7 @@ def prepared(tmp: Path, tokenizer: str = "bytes") -> Path:
 def checkpoint(tmp: Path, source: str, corpus=None, **overrides) -> Path:
     """gpt-tiny's initial state, saved as a run on `source` saves it (data and tokenizer
     recorded)."""
-    corpus = corpus or data_lib.load(source)
+    corpus = corpus or corpus_lib.load(source)
     job = make_job(corpus, data=source, **overrides)
     c = ckpt_lib.Checkpointer(ckpt_lib.CheckpointConfig(dir=str(tmp / "ckpt")), job.layout.names,
                               writer=True)

@@ -10,14 +10,14 @@ import numpy as np
 
 from tests.helpers import initial_state, make_job
 from zero_jax import loop
-from zero_jax.data import corpus as data_lib
+from zero_jax.data import corpus as corpus_lib
 from zero_jax.runtime import trace
 from zero_jax.runtime.watchdog import StepWatchdog
 
 
 def _setup(corpus, steps):
     job = make_job(corpus, seq_len=8, batch_size=8, steps=steps, zero_stage=3)
-    batch = functools.partial(data_lib.global_batch, corpus, "train", 8, 8, 0,
+    batch = functools.partial(corpus_lib.global_batch, corpus, "train", 8, 8, 0,
                               sharding=job.layout.batch_sharding)
     return job, job.compile_train_step(), lambda s: batch(step=s)
 

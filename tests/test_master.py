@@ -78,8 +78,8 @@ def test_a_skipped_step_leaves_master_moments_and_working_copy_bitwise(corpus):
     state = initial_state(job)
     before = host(state)
     t = job.run.train
-    from zero_jax.data import corpus as data_lib
-    batch = data_lib.global_batch(corpus, "train", job.run.data.seq_len, t.batch_size, t.seed,
+    from zero_jax.data import corpus as corpus_lib
+    batch = corpus_lib.global_batch(corpus, "train", job.run.data.seq_len, t.batch_size, t.seed,
                                   step=0, sharding=job.layout.batch_sharding)
     state, m = job.compile_train_step()(state, batch)
     assert bool(m["skipped"])

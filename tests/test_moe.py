@@ -21,7 +21,7 @@ from models import moe
 from tests.helpers import assert_close, compile_step, host, initial_state, make_job
 from zero_jax import config as config_lib
 from zero_jax.analysis import hlo, traffic
-from zero_jax.data import corpus as data_lib
+from zero_jax.data import corpus as corpus_lib
 
 FULL = bool(os.environ.get("ZERO_JAX_FULL_GRID"))
 RTOL = 1e-5
@@ -58,7 +58,7 @@ def _train(job, corpus):
     t = job.run.train
     records = []
     for i in range(t.steps):
-        batch = data_lib.global_batch(corpus, "train", job.run.data.seq_len, t.batch_size,
+        batch = corpus_lib.global_batch(corpus, "train", job.run.data.seq_len, t.batch_size,
                                       t.seed, step=i, sharding=job.layout.batch_sharding)
         state, metrics = step_fn(state, batch)
         records.append({k: np.asarray(metrics[k]) for k in

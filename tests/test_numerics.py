@@ -34,7 +34,7 @@ import pytest
 
 from tests.helpers import assert_close, first_step, host, make_job, train
 from zero_jax.train import accumulate, step as step_lib
-from zero_jax.data import corpus as data_lib
+from zero_jax.data import corpus as corpus_lib
 
 MESHES = {
     "fsdp=8": {},
@@ -109,7 +109,7 @@ def test_four_microbatches_equal_one_whole_batch(corpus, stage):
     job = make_job(corpus, mesh="data=2,fsdp=4", zero_stage=stage, batch_size=32)
     layout = job.layout
     state = job.init_state()
-    raw = data_lib.global_batch(corpus, "train", 32, 32, 0, 0, layout.batch_sharding)
+    raw = corpus_lib.global_batch(corpus, "train", 32, 32, 0, 0, layout.batch_sharding)
     batch = step_lib.weighted(raw)
     loss_fn = lambda p, b: step_lib.lm_loss(job.model, job.hooks, p, b)[0]
     grads_sharding = layout.named(layout.specs.grads)

@@ -21,7 +21,7 @@ import pytest
 from tests.helpers import assert_close, compile_step, host, initial_state, make_job, train
 from zero_jax import config as config_lib, run
 from zero_jax.checkpoint import manager as ckpt_lib
-from zero_jax.data import corpus as data_lib
+from zero_jax.data import corpus as corpus_lib
 from zero_jax.analysis import memory
 
 GRID = list(itertools.product(("fsdp=8", "data=2,fsdp=4"), (1, 2, 3)))
@@ -37,7 +37,7 @@ def _steps(job, corpus, state, first, last):
     is in host memory where the job offloads it; returns losses and state."""
     step_fn = compile_step(job)
     t = job.run.train
-    batch = functools.partial(data_lib.global_batch, corpus, "train", job.run.data.seq_len,
+    batch = functools.partial(corpus_lib.global_batch, corpus, "train", job.run.data.seq_len,
                               t.batch_size, t.seed, sharding=job.layout.batch_sharding)
     opt_kind = "pinned_host" if job.run.offload.optimizer else "device"
     params_kind = "pinned_host" if job.run.offload.params else "device"

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from tests.helpers import assert_close, compile_step, first_step, host, initial_state, make_job, train
-from zero_jax.data import corpus as data_lib
+from zero_jax.data import corpus as corpus_lib
 from zero_jax.analysis import hlo
 
 COMMON = dict(seq_len=16, batch_size=32, n_layer=8)
@@ -296,7 +296,7 @@ def test_evaluation_runs_the_forwards_where_the_layers_are(corpus, schedule):
     job = make_job(corpus, **shape, mesh="pipe=4,fsdp=2", pipeline_schedule=schedule,
                    virtual_stages=2 if schedule == "interleaved" else 0, microbatches=4, zero_stage=3)
     ref = make_job(corpus, **shape, mesh="fsdp=1", devices=jax.devices()[:1])
-    batch = lambda j: data_lib.global_batch(corpus, "val", 16, 32, 0, step=0,
+    batch = lambda j: corpus_lib.global_batch(corpus, "val", 16, 32, 0, step=0,
                                             sharding=j.layout.batch_sharding)
     compiled = job.compile_eval_step()
     loss = float(compiled(initial_state(job).params, batch(job)))
@@ -338,7 +338,7 @@ def test_split_backward_leaves_the_weights_to_w_and_w_runs_no_forward():
     import flax.linen as nn
     from zero_jax.model.hooks import Hooks
     from zero_jax.pipeline.weight_grad import SplitBackward
-    fns = make_job(data_lib.load("stdlib"), **COMMON, mesh="fsdp=1",
+    fns = make_job(corpus_lib.load("stdlib"), **COMMON, mesh="fsdp=1",
                    devices=jax.devices()[:1]).model
     stack = nn.unbox(fns.init(jax.random.key(0)))["blocks"]
     chunk = jax.tree.map(lambda a: a[:2], stack)

@@ -11,7 +11,7 @@ import pytest
 
 from tests.helpers import assert_close, host, initial_state, make_job
 from zero_jax.analysis import hlo
-from zero_jax.data import corpus as data_lib
+from zero_jax.data import corpus as corpus_lib
 
 SHAPE = dict(seq_len=16, batch_size=32, n_layer=8)
 D_MODEL = 192  # gpt-tiny's
@@ -29,7 +29,7 @@ CASES = {
 def _loss_and_grads(job, corpus):
     """The first batch's loss and gradients, and the compiled program's text."""
     t = job.run.train
-    batch = data_lib.global_batch(corpus, "train", job.run.data.seq_len, t.batch_size, t.seed,
+    batch = corpus_lib.global_batch(corpus, "train", job.run.data.seq_len, t.batch_size, t.seed,
                                   step=0, sharding=job.layout.batch_sharding)
     params = initial_state(job).params
     compiled = job.jit_loss_and_grads().lower(params, batch).compile()

@@ -11,37 +11,37 @@ import pytest
 import models
 from tests.helpers import host, make_job
 from zero_jax import config as config_lib, job as job_lib, loop
-from zero_jax.data import corpus as data_lib
+from zero_jax.data import corpus as corpus_lib
 from zero_jax.analysis import memory
-from zero_jax.precision import loss_scale as ls
+from zero_jax.precision import loss_scale as loss_scale_lib
 
-CFG = ls.LossScaleConfig(enabled=True, initial_scale_power=10, window=3, hysteresis=2,
+CFG = loss_scale_lib.LossScaleConfig(enabled=True, initial_scale_power=10, window=3, hysteresis=2,
                          min_scale=4.0)
 FINITE, OVERFLOW = jnp.array(True), jnp.array(False)
 
 
 def test_loss_scale_follows_deepspeed_rules():
-    s = ls.init(CFG)
+    s = loss_scale_lib.init(CFG)
     assert float(s.scale) == 1024.0
-    s = ls.update(CFG, s, OVERFLOW)  # hysteresis 2: the first overflow is tolerated
+    s = loss_scale_lib.update(CFG, s, OVERFLOW)  # hysteresis 2: the first overflow is tolerated
     assert float(s.scale) == 1024.0 and int(s.skipped) == 1 and int(s.consecutive) == 1
-    s = ls.update(CFG, s, OVERFLOW)  # the second halves
+    s = loss_scale_lib.update(CFG, s, OVERFLOW)  # the second halves
     assert float(s.scale) == 512.0 and int(s.consecutive) == 2
-    s = ls.update(CFG, s, OVERFLOW)  # and every further one while hysteresis is spent
+    s = loss_scale_lib.update(CFG, s, OVERFLOW)  # and every further one while hysteresis is spent
     assert float(s.scale) == 256.0
     for _ in range(2):
-        s = ls.update(CFG, s, FINITE)
+        s = loss_scale_lib.update(CFG, s, FINITE)
     assert float(s.scale) == 256.0 and int(s.consecutive) == 0
-    s = ls.update(CFG, s, FINITE)  # window = 3 finite steps: double, hysteresis restored
+    s = loss_scale_lib.update(CFG, s, FINITE)  # window = 3 finite steps: double, hysteresis restored
     assert float(s.scale) == 512.0 and int(s.hysteresis) == 2 and int(s.skipped) == 3
     for _ in range(10):
-        s = ls.update(CFG, s, OVERFLOW)
+        s = loss_scale_lib.update(CFG, s, OVERFLOW)
     assert float(s.scale) == 4.0  # never below min_scale
 
 
 def test_without_scaling_only_skips_are_counted():
-    cfg = ls.LossScaleConfig(enabled=False)
-    s = ls.update(cfg, ls.init(cfg), OVERFLOW)
+    cfg = loss_scale_lib.LossScaleConfig(enabled=False)
+    s = loss_scale_lib.update(cfg, loss_scale_lib.init(cfg), OVERFLOW)
     assert float(s.scale) == 1.0 and int(s.skipped) == 1
 
 
@@ -52,7 +52,7 @@ def _fp16_job(corpus, **kw):
 
 def _batches(job, corpus):
     t = job.run.train
-    return functools.partial(data_lib.global_batch, corpus, "train", job.run.data.seq_len,
+    return functools.partial(corpus_lib.global_batch, corpus, "train", job.run.data.seq_len,
                              t.batch_size, t.seed, sharding=job.layout.batch_sharding)
 
 

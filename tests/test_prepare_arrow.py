@@ -18,7 +18,7 @@ import pytest
 
 from zero_jax.cli import prepare_data
 from zero_jax.data import arrow
-from zero_jax.data import corpus as data_lib
+from zero_jax.data import corpus as corpus_lib
 
 ROOT = Path(__file__).resolve().parent.parent
 # Documents of many lengths, with lines, non-ASCII text and an empty one.
@@ -141,7 +141,7 @@ def test_rows_are_numbered_across_row_groups_for_the_split(tmp_path):
     as a JSON line's does, not from each row group or batch."""
     d = parquet_files(tmp_path / "pq", [{"text": t} for t in DOCS])
     prepare("--input", f"{d}/*.parquet", "--out", tmp_path / "out", "--val-fraction", 0.3)
-    data = data_lib.load(str(tmp_path / "out"))
+    data = corpus_lib.load(str(tmp_path / "out"))
     expected = [DOCS[i] for k, rows in enumerate(np.array_split(np.arange(len(DOCS)), 3))
                 for n, i in enumerate(rows, 1)
                 if zlib.crc32(f"part-{k:05d}.parquet\0{n}".encode()) < 0.3 * 2 ** 32 or i == 0]

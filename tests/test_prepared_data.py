@@ -18,7 +18,7 @@ import pytest
 from tests.helpers import assert_close, initial_state, make_job, train
 from zero_jax import loop, run
 from zero_jax.cli import prepare_data
-from zero_jax.data import corpus as data_lib
+from zero_jax.data import corpus as corpus_lib
 from zero_jax.data import prepare as prepare_lib
 from zero_jax.data import sampler
 from zero_jax.data import token_files as shards
@@ -108,7 +108,7 @@ def test_text_documents_become_shards_with_end_of_document_tokens(text_data, tex
     assert meta["vocab_size"] == 257 and meta["dtype"] == "<u2" and meta["eos_id"] == 256
     docs = {s: meta["splits"][s]["documents"] for s in ("train", "val")}
     assert docs["train"] + docs["val"] == 150 and docs["val"] >= 5
-    data = data_lib.load(str(text_data))
+    data = corpus_lib.load(str(text_data))
     tokens = np.asarray(data.train[0].tokens)
     assert (tokens == 256).sum() == docs["train"] == len(data.train[0].docs)
     starts = data.train[0].docs
@@ -132,7 +132,7 @@ def test_the_library_call_writes_what_the_command_writes(text_data, texts, tmp_p
     meta = json.loads((text_data / "meta.json").read_text())
     assert {s: c["tokens"] for s, c in counts.items()} == {
         s: meta["splits"][s]["tokens"] for s in ("train", "val")}
-    ours, theirs = data_lib.load(str(job.out)), data_lib.load(str(text_data))
+    ours, theirs = corpus_lib.load(str(job.out)), corpus_lib.load(str(text_data))
     for split in ("train", "val"):
         np.testing.assert_array_equal(np.concatenate([s.tokens for s in ours.split(split)]),
                                       np.concatenate([s.tokens for s in theirs.split(split)]))
@@ -142,7 +142,7 @@ def test_worker_processes_write_the_same_shards(texts, bpe, tmp_path):
     common = ("--input", f"{texts}/0[0-3]*.txt", "--tokenizer", bpe, "--val-fraction", 0.1)
     prepare(*common, "--out", tmp_path / "one", "--workers", 1)
     prepare(*common, "--out", tmp_path / "two", "--workers", 2, "--shard-tokens", 50_000)
-    one, two = data_lib.load(str(tmp_path / "one")), data_lib.load(str(tmp_path / "two"))
+    one, two = corpus_lib.load(str(tmp_path / "one")), corpus_lib.load(str(tmp_path / "two"))
     assert len(two.train) > 1 and one.vocab_size == 512  # cut into shards at document ends
     for split in ("train", "val"):
         np.testing.assert_array_equal(np.concatenate([s.tokens for s in one.split(split)]),
@@ -161,7 +161,7 @@ def test_chat_data_masks_all_but_the_assistant(chat_file, bpe, tmp_path):
             "--val-fraction", 0.1, "--workers", 1)
     prepare("--format", "chat", "--input", chat_file, "--tokenizer", bpe,
             "--out", tmp_path / "chatml", "--val-fraction", 0.1, "--workers", 2)
-    plain = data_lib.load(str(tmp_path / "plain"))
+    plain = corpus_lib.load(str(tmp_path / "plain"))
     assert plain.masked and plain.meta["tokenizer"]["chat_template"] == "plain"
     ids, mask = _masked_text(plain)
     text = bytes(ids[ids < 256].astype(np.uint8)).decode()
@@ -173,7 +173,7 @@ def test_chat_data_masks_all_but_the_assistant(chat_file, bpe, tmp_path):
     assert (learned == 256).sum() == plain.documents("train") + ("Goodbye." in text)
     assert "What is" not in bytes(learned[learned < 256].astype(np.uint8)).decode()
 
-    chatml = data_lib.load(str(tmp_path / "chatml"))
+    chatml = corpus_lib.load(str(tmp_path / "chatml"))
     assert chatml.meta["tokenizer"]["chat_template"] == "model's"
     tok = Tokenizer.from_file(str(bpe / "tokenizer.json"))
     ids, mask = _masked_text(chatml)
@@ -197,11 +197,11 @@ def test_large_vocabulary_is_stored_in_uint32_and_trains(tmp_path):
     counts = {s: x.close() for s, x in w.items()}
     shards.write_meta(tmp_path, {"vocab_size": vocab, "dtype": "<u4", "eos_id": vocab - 1,
                                  "splits": counts})
-    data = data_lib.load(str(tmp_path))
+    data = corpus_lib.load(str(tmp_path))
     assert data.train[0].tokens.dtype == np.uint32 and int(data.train[0].tokens.max()) > 1 << 16
     job = make_job(data, model="llama-tiny", seq_len=16, batch_size=8, steps=3, d_model=64)
     assert job.model.config.vocab_size == vocab
-    data_lib.check(data, vocab, 16)
+    corpus_lib.check(data, vocab, 16)
     losses, _ = train(job, data)
     assert np.isfinite(losses).all() and losses[0] == pytest.approx(np.log(vocab), rel=0.05)
 
@@ -242,26 +242,26 @@ def test_damaged_data_is_refused_naming_the_file(text_data, tmp_path, how, messa
     shutil.copytree(text_data, root)
     _corrupt(root, how)
     with pytest.raises(shards.DataError, match=message):
-        data_lib.load(str(root))
+        corpus_lib.load(str(root))
 
 
 def test_data_that_does_not_fit_the_model_is_refused(texts, text_data, bpe, tmp_path):
-    data = data_lib.load(str(text_data))
+    data = corpus_lib.load(str(text_data))
     with pytest.raises(shards.DataError,
                        match="its tokenizer has 257 ids, the model's vocabulary 200"):
-        data_lib.check(data, 200, 16)
+        corpus_lib.check(data, 200, 16)
     with pytest.raises(shards.DataError, match="a sequence needs seq_len \\+ 1 = 1000001"):
-        data_lib.check(data, 257, 1_000_000)
+        corpus_lib.check(data, 257, 1_000_000)
     prepare("--input", f"{texts}/00*.txt", "--tokenizer", bpe,
             "--out", tmp_path / "bpe", "--val-fraction", 0.2, "--workers", 1)
-    tokenized = data_lib.load(str(tmp_path / "bpe"))
+    tokenized = corpus_lib.load(str(tmp_path / "bpe"))
     other = tmp_path / "model"
     other.mkdir()
     (other / "tokenizer.json").write_text((bpe / "tokenizer.json").read_text().replace("<|im_end|>",
                                                                                        "<|end|>"))
     with pytest.raises(shards.DataError, match=f"not with {other}/tokenizer.json"):
-        data_lib.check(tokenized, 512, 16, [str(other)])
-    data_lib.check(tokenized, 512, 16, [str(bpe)])  # the same tokenizer passes
+        corpus_lib.check(tokenized, 512, 16, [str(other)])
+    corpus_lib.check(tokenized, 512, 16, [str(bpe)])  # the same tokenizer passes
 
 
 def test_an_id_outside_the_vocabulary_stops_the_run_before_any_step(text_data, tmp_path):
@@ -272,7 +272,7 @@ def test_an_id_outside_the_vocabulary_stops_the_run_before_any_step(text_data, t
     ids[1234] = 300  # vocabulary 257
     ids.tofile(shard)
     with pytest.raises(shards.DataError, match="val-00000.tokens: token offset 1,234 is id 300"):
-        data_lib.check(data_lib.load(str(root)), 257, 16)
+        corpus_lib.check(corpus_lib.load(str(root)), 257, 16)
     p = subprocess.run([sys.executable, "scripts/train.py", "--data", str(root), "--seq-len", "16",
                         "--steps", "2", "--no-progress"], cwd=ROOT, capture_output=True, text=True,
                        env={**ENV, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"},
@@ -288,9 +288,9 @@ def test_an_id_outside_the_vocabulary_stops_the_run_before_any_step(text_data, t
 def test_flat_files_are_still_written_and_read(texts, text_data, tmp_path):
     out = tmp_path / "tokens.bin"
     prepare("--format", "flat", "--input", f"{texts}/*.txt", "--out", out, "--workers", 1)
-    flat = data_lib.load(str(out))
+    flat = corpus_lib.load(str(out))
     assert flat.vocab_size == 257
-    prepared = data_lib.load(str(text_data))
+    prepared = corpus_lib.load(str(text_data))
     assert flat.tokens("train") + flat.tokens("val") == \
         prepared.tokens("train") + prepared.tokens("val")
 
@@ -316,11 +316,11 @@ def test_every_layout_and_process_count_reads_the_same_batches(sft, tmp_path):
     """fsdp=8 in one process; data=2,fsdp=4 over 2 processes x 4 devices and
     over 4 x 2, with the data axis inside each process and fsdp across
     them, so that a process's rows are not contiguous in the batch."""
-    data = data_lib.load(str(sft))
+    data = corpus_lib.load(str(sft))
     job = make_job(data, mesh="fsdp=8", seq_len=16, batch_size=16)
     expected = {}
     for step in (0, 7):
-        batch = data_lib.global_batch(data, "train", 16, 16, 0, step, job.layout.batch_sharding,
+        batch = corpus_lib.global_batch(data, "train", 16, 16, 0, step, job.layout.batch_sharding,
                                       segments=True)
         for name, array in batch.items():
             expected[(name, step)] = np.asarray(array)
@@ -389,7 +389,7 @@ def test_masked_loss_is_the_same_for_any_microbatching_and_layout(corpus):
 
 
 def test_resume_at_step_7_of_15_is_bitwise_the_straight_run(sft, tmp_path):
-    data = data_lib.load(str(sft))
+    data = corpus_lib.load(str(sft))
     common = dict(data=str(sft), seq_len=16, batch_size=8, steps=15, eval_every=0,
                   eval_batches=1)
     straight = make_job(data, **common)
@@ -413,7 +413,7 @@ def test_segment_ids_make_packed_documents_independent(sft, model):
     """With segment ids a row of two packed documents gives each document
     the logits it has alone (attention within it, positions from 0), and a
     sharded step gives one device's loss and gradients."""
-    data = data_lib.load(str(sft))
+    data = corpus_lib.load(str(sft))
     one = make_job(data, model=model, mesh="fsdp=1", devices=jax.devices()[:1], seq_len=32,
                    batch_size=8, segment_ids=True, zero_stage=0)
     params = initial_state(one).params
@@ -430,7 +430,7 @@ def test_segment_ids_make_packed_documents_independent(sft, model):
     # The sharded step, with documents from the data's boundaries.
     sharded = make_job(data, model=model, mesh="fsdp=8", seq_len=32, batch_size=8,
                        segment_ids=True, zero_stage=3)
-    batches = [data_lib.global_batch(data, "train", 32, 8, 0, 3, j.layout.batch_sharding, True)
+    batches = [corpus_lib.global_batch(data, "train", 32, 8, 0, 3, j.layout.batch_sharding, True)
                for j in (one, sharded)]
     tokens, seg = np.asarray(batches[0]["tokens"]), np.asarray(batches[0]["segment_ids"])
     assert (seg.max(axis=1) > 0).any()  # documents end inside rows

@@ -260,12 +260,12 @@ def check_combination(run: config_lib.RunConfig, zero_stage: int, shape: mesh_li
     """Options that each work but not together with the stage or a pipeline."""
     check_grad_reduce(run.parallel.grad_reduce, zero_stage)
     pipe = shape.sizes["pipe"]
-    if run.offload.optimizer and zero_stage < 1:
+    if run.offload.optimizer and not zero_lib.stage(zero_stage).opt_state:
         raise config_lib.ConfigError(
             f"[offload] optimizer = true with --zero-stage {zero_stage}: the optimizer state is "
             "replicated at stage 0, so every device would keep a whole copy in host memory and "
             "update it there; use --zero-stage 1 or more to offload each device's shard")
-    if run.offload.params and zero_stage != 3:
+    if run.offload.params and not zero_lib.stage(zero_stage).params:
         raise config_lib.ConfigError(
             f"[offload] params = true with --zero-stage {zero_stage}: only ZeRO-3 gathers each "
             "layer's parameters where they are used, so only there can they be fetched from host "
@@ -347,7 +347,7 @@ def resolve_grad_reduce(choice: str, zero_stage: int) -> str:
     gradient layout). "auto": once per step, except at ZeRO-3, where reducing
     each microbatch is what keeps the accumulator at 1/N of the gradients."""
     if choice == "auto":
-        return "microbatch" if zero_stage == 3 else "step"
+        return "microbatch" if zero_lib.stage(zero_stage).grads and zero_lib.stage(zero_stage).params else "step"
     return choice
 
 

@@ -1,5 +1,5 @@
 """A training run end to end: where the state comes from, when it is saved,
-and how the run stops. `scripts/train.py` is a thin command line over this.
+and how the run stops. `zero-jax train` (cli/train.py) is the command line over this.
 
 The state comes from, in order: `--resume` (the newest complete checkpoint
 that verifies, falling back past corrupt ones), `--init-from` (parameters
@@ -22,7 +22,7 @@ import numpy as np
 from tqdm import tqdm
 
 from zero_jax.checkpoint import manager as ckpt_lib
-from zero_jax.data import corpus as data_lib
+from zero_jax.data import corpus as corpus_lib
 from zero_jax import loop
 from zero_jax.runtime import distributed, preempt
 from zero_jax.checkpoint import export
@@ -55,7 +55,7 @@ class Outcome:
     line: str = ""  # an interrupted run's last line: where it stopped, which step restores
 
 
-def checkpoint_meta(job: Job, step: int, corpus: data_lib.TokenData | None = None
+def checkpoint_meta(job: Job, step: int, corpus: corpus_lib.TokenData | None = None
                     ) -> dict[str, Any]:
     """What a checkpoint records beside the arrays (with `corpus`, what the
     data was: its token counts and tokenizer)."""
@@ -78,7 +78,7 @@ def checkpoint_meta(job: Job, step: int, corpus: data_lib.TokenData | None = Non
     }
 
 
-def data_meta(job: Job, step: int, corpus: data_lib.TokenData | None) -> dict[str, Any]:
+def data_meta(job: Job, step: int, corpus: corpus_lib.TokenData | None) -> dict[str, Any]:
     """Where the data stands: batches are a pure function of (seed, split,
     step) in sampler.ORDER, so the position is the step."""
     run, t = job.run, job.run.train
@@ -158,7 +158,7 @@ def place(tree: Any, job: Job, log: Callable[[str], None] = print) -> Any:
 
 def initial_state(job: Job, checkpointer: ckpt_lib.Checkpointer | None,
                   loaders: list[ParamLoader], log: Callable[[str], None],
-                  corpus: data_lib.TokenData | None = None) -> tuple[TrainState, int | None]:
+                  corpus: corpus_lib.TokenData | None = None) -> tuple[TrainState, int | None]:
     c = job.run.checkpoint
     if c.resume:
         restored = checkpointer.restore_latest(job.layout.targets, log)
@@ -224,7 +224,7 @@ class StopAndSave:
     and --stop-at, saves when the run stops, at its last step and every
     --checkpoint-every steps, and says whether to stop."""
 
-    def __init__(self, job: Job, corpus: data_lib.TokenData,
+    def __init__(self, job: Job, corpus: corpus_lib.TokenData,
                  checkpointer: ckpt_lib.Checkpointer | None, meta: dict[str, Any] | None = None):
         self.job, self.corpus, self.checkpointer = job, corpus, checkpointer
         self.meta = meta or {}  # more for each checkpoint's meta (the W&B group)
@@ -244,18 +244,18 @@ class StopAndSave:
         return bool(self.stopped)
 
 
-def batches(job: Job, corpus: data_lib.TokenData, split: str) -> Callable[[int], Any]:
+def batches(job: Job, corpus: corpus_lib.TokenData, split: str) -> Callable[[int], Any]:
     """`step -> the global batch of `split` at that step`, in the job's batch sharding."""
     run, t = job.run, job.run.train
-    return functools.partial(data_lib.global_batch, corpus, split, run.data.seq_len,
+    return functools.partial(corpus_lib.global_batch, corpus, split, run.data.seq_len,
                              t.batch_size, t.seed, sharding=job.layout.batch_sharding,
                              segments=run.data.segment_ids)
 
 
-def validation(job: Job, corpus: data_lib.TokenData, eval_step) -> Callable[[Any], float]:
+def validation(job: Job, corpus: corpus_lib.TokenData, eval_step) -> Callable[[Any], float]:
     """`params -> validation loss` over --eval-batches batches."""
     t = job.run.train
-    targets = functools.partial(data_lib.targets, corpus, "val", job.run.data.seq_len,
+    targets = functools.partial(corpus_lib.targets, corpus, "val", job.run.data.seq_len,
                                 t.batch_size, t.seed)
     val_batch = batches(job, corpus, "val")
 
@@ -318,7 +318,7 @@ def interrupted_line(prefix: str, directory: Path | None, abandoned: bool = Fals
             "(--resume continues from it)")
 
 
-def train(job: Job, corpus: data_lib.TokenData, train_step, eval_step, *,
+def train(job: Job, corpus: corpus_lib.TokenData, train_step, eval_step, *,
           loaders: list[ParamLoader] = (), progress: bool = True,
           log: Callable[[str], None] = print,
           throughput: flops.Throughput | None = None,
@@ -347,7 +347,7 @@ def train(job: Job, corpus: data_lib.TokenData, train_step, eval_step, *,
                       progress=progress, log=log, throughput=throughput, plan=plan)
 
 
-def _train(job: Job, corpus: data_lib.TokenData, train_step, eval_step,
+def _train(job: Job, corpus: corpus_lib.TokenData, train_step, eval_step,
            checkpointer: ckpt_lib.Checkpointer | None, state: TrainState, resumed: int | None, *,
            progress: bool, log: Callable[[str], None], throughput: flops.Throughput | None,
            plan: dict[str, Any] | None) -> Outcome:

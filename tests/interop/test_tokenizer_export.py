@@ -18,7 +18,7 @@ from tests.test_export_tokenizer import make_tokenizer, prepared  # noqa: E402
 from zero_jax import run  # noqa: E402
 from zero_jax.checkpoint import manager as ckpt_lib  # noqa: E402
 from zero_jax.cli import export as export_cli  # noqa: E402
-from zero_jax.data import corpus as data_lib  # noqa: E402
+from zero_jax.data import corpus as corpus_lib  # noqa: E402
 from zero_jax.data import tokenizers as tok_lib  # noqa: E402
 
 SAMPLE = "def f(x):\n    return x + 12345  # héllo, wörld 🙂\n\n\tend<|endoftext|>"
@@ -30,7 +30,7 @@ def trained(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bpe")
     tok = make_tokenizer(tmp / "tok")
     data = prepared(tmp, str(tok))
-    corpus = data_lib.load(str(data))
+    corpus = corpus_lib.load(str(data))
     job = make_job(corpus, data=str(data), steps=2, batch_size=8)
     _, state = train(job, corpus)
     c = ckpt_lib.Checkpointer(ckpt_lib.CheckpointConfig(dir=str(tmp / "ckpt")), job.layout.names,
@@ -54,7 +54,7 @@ def test_auto_tokenizer_of_the_export_gives_our_ids(trained, tmp_path):
     meta = json.loads((data / "meta.json").read_text())
     assert theirs.eos_token_id == meta["eos_id"]
     # The first training document, tokenized by transformers, is what the run read.
-    shard = data_lib.load(str(data)).train[0]
+    shard = corpus_lib.load(str(data)).train[0]
     end = shard.docs[1] if len(shard.docs) > 1 else len(shard.tokens)
     first = np.asarray(shard.tokens[:end]).tolist()
     text = theirs.decode(first[:-1])

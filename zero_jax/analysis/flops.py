@@ -92,7 +92,7 @@ def device_peak(device: jax.Device, compute_dtype: str, sharing: int | None = No
 
 
 def processes_on_this_host() -> int:
-    """Processes sharing this host's cores: all of a scripts/launch.py run
+    """Processes sharing this host's cores: all of a `zero-jax launch` run
     (it starts them on one machine and says so in each), else this one."""
     if os.environ.get(cpu.ENV_LAUNCHED):
         return int(os.environ.get(distributed.ENV_NUM_PROCESSES, "1"))

@@ -255,7 +255,7 @@ def check_fits(layout: Layout, what: str, processes_here: int = 1,
     Read from the abstract layout only: nothing is compiled or allocated.
     The devices of this process share the host's memory on the CPU backend;
     elsewhere the host holds what is offloaded. `processes_here`: processes
-    of this run on this host (several under scripts/launch.py), each with
+    of this run on this host (several under zero-jax launch), each with
     as many devices as this one."""
     if isinstance(layout.mesh, jax.sharding.AbstractMesh) or os.environ.get(ENV_NO_FIT_CHECK) == "1":
         return
@@ -297,16 +297,16 @@ def _does_not_fit(layout: Layout, what: str, split: dict[str, dict[str, int]], p
              + (f"{_size(room[0])} available ({room[1]})" if room else "an unknown amount free"))
     fixes = []
     if device_short:
-        if not layout.host_opt and layout.zero_stage >= 1 and split["device"]["opt_state"]:
+        if not layout.host_opt and zero_lib.stage(layout.zero_stage).opt_state and split["device"]["opt_state"]:
             fixes.append(f"--offload-optimizer (moves {_size(split['device']['opt_state'])} per "
                          "device to host memory)")
         if not layout.host_params and split["device"]["params"]:
             fixes.append("--offload-params (with --zero-stage 3)")
-    if layout.zero_stage < 3:
+    if not zero_lib.stage(layout.zero_stage).params:
         fixes.append("--zero-stage 3 (shards every state)")
     if device_short:
         fixes.append("more devices to shard over")
-    elif room and layout.zero_stage == 3:
+    elif room and zero_lib.stage(layout.zero_stage).params:
         fixes.append(f"about {math.ceil(host_need / max(room[0], 1))} hosts like this one to "
                      "shard over")
     else:

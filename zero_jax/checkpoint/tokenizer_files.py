@@ -28,7 +28,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from zero_jax.data import corpus as data_lib
+from zero_jax.data import corpus as corpus_lib
 from zero_jax.data import token_files
 from zero_jax.data import tokenizers as tok_lib
 
@@ -77,7 +77,7 @@ def recorded(meta: dict[str, Any]) -> Recorded:
     checkpoint records, else the one its data directory's meta.json names."""
     source = meta.get("data", {}).get("source") or meta.get("run", {}).get("data", {}).get(
         "source", "")
-    if source == data_lib.STDLIB:  # read as bytes, without end-of-document tokens
+    if source == corpus_lib.STDLIB:  # read as bytes, without end-of-document tokens
         return Recorded(source, tok_lib.BYTES, "", None)
     data = _data_meta(source)
     tok = meta.get("data", {}).get("tokenizer") or data.get("tokenizer") or {}
@@ -289,7 +289,7 @@ def _json(value: dict[str, Any]) -> bytes:
 
 def _byte_note(run: Recorded) -> Export:
     """TOKENIZER.md for a model that reads UTF-8 bytes."""
-    if run.source == data_lib.STDLIB:
+    if run.source == corpus_lib.STDLIB:
         eos = None
     else:  # prepared byte-level data: 256, unless its meta.json says otherwise
         eos = tok_lib.resolve(tok_lib.BYTES).eos_id if run.eos_id is None else run.eos_id

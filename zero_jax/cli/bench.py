@@ -5,18 +5,18 @@
     zero-jax bench --suite cpu --cases 'gpt-tiny/dp2-*' --steps 5 --json-out b.json
     zero-jax bench --suite gpu-1 --dry-run      # the gpu-1 selection on CPU, tiny models
 
-(`python scripts/bench.py ...` is the same command.) Each case is a run
-config (model, mesh, ZeRO stage, precision, remat, offload) prepared as
-`zero-jax train` prepares it (zero_jax/bench/suites.py). Its train step is
-compiled ahead of time (timed: lower + compile), its bytes per device read
-from the compiled program's memory_analysis(), its state initialised, and
-then it runs --warmup and --steps steps on one synthetic batch, waiting for
-each (zero_jax/bench/measure.py). Reported: tokens/s and model and hardware
+Each case is a run config (model, mesh, ZeRO stage, precision, remat,
+offload) prepared as `zero-jax train` prepares it
+(zero_jax/bench/suites.py). Its train step is compiled ahead of time (timed:
+lower + compile), its bytes per device read from the compiled program's
+memory_analysis(), its state initialised, and then it runs --warmup and
+--steps steps on one synthetic batch, waiting for each
+(zero_jax/bench/measure.py). Reported: tokens/s and model and hardware
 FLOP/s per device, MFU and HFU at the median step time (the peak and its
 source), the step times' median, quartiles and range, the compile time and
 the compiled bytes per device. A case that fails (refused by the config
-checks, out of memory) is recorded with its error and the suite goes on.
-The table is printed as cases finish, and --json-out is rewritten after each.
+checks, out of memory) is recorded with its error and the suite goes on. The
+table is printed as cases finish, and --json-out is rewritten after each.
 
 --suite gpu-1 climbs ladders of models, smallest first, once per offload mode
 (none; the optimizer state in host memory; and at ZeRO-3 the parameters too).

@@ -4,12 +4,11 @@
     zero-jax export --checkpoint-dir ckpt --hf-dir hf-export   # Hugging Face layout
     zero-jax export --checkpoint-dir ckpt --step 200 --out m.safetensors --report-memory
 
-(`python scripts/export.py ...` is the same command.) Reads one array (one
-layer of a stacked array) at a time straight from the checkpoint's storage
-and writes it out before reading the next, so host memory stays near the
-largest such piece, whatever the model's size. Every array is verified
-against the checksum saved with it. Import the files back with
-`zero-jax train --init-from`.
+Reads one array (one layer of a stacked array) at a time straight from the
+checkpoint's storage and writes it out before reading the next, so host
+memory stays near the largest such piece, whatever the model's size. Every
+array is verified against the checksum saved with it. Import the files back
+with `zero-jax train --init-from`.
 
 `--hf-dir` writes what `save_pretrained` writes for the model's architecture
 (GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM):

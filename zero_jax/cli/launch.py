@@ -1,7 +1,6 @@
 """Start N processes of a JAX program on this machine, as a cluster would.
 
     zero-jax launch -n 2 --devices-per-process 4 -- zero-jax train --mesh fsdp=8
-    python scripts/launch.py -n 2 --devices-per-process 4 -- scripts/train.py --mesh fsdp=8
 
 The program after `--` is a `.py` script (run by this interpreter), `zero-jax`
 (this installation's command, run as `python -m zero_jax` by this

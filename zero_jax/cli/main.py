@@ -4,11 +4,11 @@
     zero-jax train --help
     python -m zero_jax train --devices 8     # the same, by module
 
-Each subcommand is a module of zero_jax/cli/ with a `main(argv) -> int`;
-scripts/<module>.py in a source tree is the same command by path. `--help`
-lists the subcommands with the first line of each module's docstring, read
-from its file without importing it (the modules import JAX, which takes
-seconds to start).
+Each subcommand is a module of zero_jax/cli/ with a `main(argv) -> int`
+(in a source tree each also has a two-line shim in the scripts folder).
+`--help` lists the subcommands with the first line of each module's
+docstring, read from its file without importing it (the modules import JAX,
+which takes seconds to start).
 """
 
 from __future__ import annotations

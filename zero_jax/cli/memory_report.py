@@ -7,16 +7,15 @@
         --zero-stage 1 --precision bf16 --n-layer 72 --seq-len 2048 --batch-size 2048 --microbatches 128
     zero-jax memory --model gpt-small --seq-len 1024 --batch-size 8 --remat-table
 
-(`python scripts/memory_report.py ...` is the same command.) Reports (a)
-the ZeRO formula, (b) the bytes of the actual shardings of
+Reports (a) the ZeRO formula, (b) the bytes of the actual shardings of
 parameters, gradients and optimizer state, and (c) the compiled train step's
-`memory_analysis()`, under the run's tensor parallelism and precision policy,
-with the activation bytes (the model's estimate for the remat policy, and the
-compiled temporaries) beside them; and the collective bytes per device per
-step, measured from the compiled program beside the ZeRO paper's volumes.
-Only abstract shapes are used, so the model may be far larger than this
-machine; the CPU is simulated with as many devices as the mesh needs (or
---devices).
+`memory_analysis()`, under the run's tensor parallelism and precision
+policy, with the activation bytes (the model's estimate for the remat
+policy, and the compiled temporaries) beside them; and the collective bytes
+per device per step, measured from the compiled program beside the ZeRO
+paper's volumes. Only abstract shapes are used, so the model may be far
+larger than this machine; the CPU is simulated with as many devices as the
+mesh needs (or --devices).
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ from zero_jax.config import flags
 from zero_jax import config as config_lib, job as job_lib
 from zero_jax.model import remat
 from zero_jax.runtime import cpu
-from zero_jax.data import corpus as data_lib
+from zero_jax.data import corpus as corpus_lib
 from zero_jax.analysis import memory
 from zero_jax.report import summary
 from zero_jax.sharding.mesh import MeshError
@@ -128,7 +127,7 @@ def data_vocab(run) -> int:
     """The data's vocabulary, read only when the model names none."""
     if run.model.vocab_size or models.preset_vocab(run.model.name):
         return 0
-    return data_lib.load(run.data.source).vocab_size
+    return corpus_lib.load(run.data.source).vocab_size
 
 
 def remat_jobs(run, vocab: int) -> dict:

@@ -4,20 +4,20 @@
         --gpus-per-node 8 --global-batch 2048 --seq-len 2048 [--json] [--top 10] \\
         [--write-config DIR] [--include 'PP=12 TP=4 DP=8 ZeRO-1 full mb=2']
 
-(`python scripts/plan.py ...` is the same command.) Every layout that
-divides the model and the cluster (zero_jax/planner/choices.py) is estimated
-from abstract shapes: model-state bytes exact from the shardings, a step's
-temporaries and its time analytic. Layouts that cannot fit are pruned; of
-the rest, the top of the ranking (and any `--include`d) are compiled on
-simulated CPU devices in worker processes, each with the cluster's device
-count, cached by config hash (zero_jax/planner/search.py), re-ranking after
-each batch until the top `--top` that fit are compiled or `--compile`
-layouts have been: the compiled memory is shown beside the estimate, with
-which bounds which, and the program's collective bytes replace the analytic
-traffic. XLA:CPU widens bf16 temporaries to float32, so compiled
-temporaries are an upper bound of a GPU's; fitting is decided on the
-estimate. XLA:CPU compiles at most 2048 devices in one process: larger
-clusters are planned from the estimates alone.
+Every layout that divides the model and the cluster
+(zero_jax/planner/choices.py) is estimated from abstract shapes: model-state
+bytes exact from the shardings, a step's temporaries and its time analytic.
+Layouts that cannot fit are pruned; of the rest, the top of the ranking (and
+any `--include`d) are compiled on simulated CPU devices in worker processes,
+each with the cluster's device count, cached by config hash
+(zero_jax/planner/search.py), re-ranking after each batch until the top
+`--top` that fit are compiled or `--compile` layouts have been: the compiled
+memory is shown beside the estimate, with which bounds which, and the
+program's collective bytes replace the analytic traffic. XLA:CPU widens bf16
+temporaries to float32, so compiled temporaries are an upper bound of a
+GPU's; fitting is decided on the estimate. XLA:CPU compiles at most 2048
+devices in one process: larger clusters are planned from the estimates
+alone.
 
 Time: the executed FLOPs at peak x the device's matmul efficiency (a
 pipeline: its schedule's cost, idle ticks and sends included), plus what

@@ -8,18 +8,17 @@
     zero-jax prepare-data --format flat --input 'corpus/*.txt' --out tokens.bin
     zero-jax train --data data/ ...
 
-(`python scripts/prepare_data.py ...` is the same command.) Inputs
-(--input, repeatable, globs allowed) are read as a stream: with --format
-text each text file is one document (read a megabyte at a time, cut at line
-ends), and each line of a .jsonl file is one document (its --text-field);
---format jsonl reads every other input as JSON lines. Parquet (.parquet) and Arrow
-(.arrow) files, and directories written by `datasets` save_to_disk, are
-read a record batch at a time, each row one record: its --text-field
-column, or with --format chat its chat columns (pyarrow, the data extra).
---format chat reads records of {"prompt", "response"} or
-{"messages": [{"role", "content"}, ...]},
-renders them with the tokenizer directory's chat template (or the plain one,
-see zero_jax/data/tokenizers.py) and writes a loss mask: training counts the
+Inputs (--input, repeatable, globs allowed) are read as a stream: with
+--format text each text file is one document (read a megabyte at a time, cut
+at line ends), and each line of a .jsonl file is one document (its
+--text-field); --format jsonl reads every other input as JSON lines. Parquet
+(.parquet) and Arrow (.arrow) files, and directories written by `datasets`
+save_to_disk, are read a record batch at a time, each row one record: its
+--text-field column, or with --format chat its chat columns (pyarrow, the
+data extra). --format chat reads records of {"prompt", "response"} or
+{"messages": [{"role", "content"}, ...]}, renders them with the tokenizer
+directory's chat template (or the plain one, see
+zero_jax/data/tokenizers.py) and writes a loss mask: training counts the
 assistant's tokens only. --format flat writes one flat uint16 file and its
 `.json` sidecar, the format read before prepared directories.
 

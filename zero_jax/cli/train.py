@@ -5,15 +5,14 @@
     zero-jax train --checkpoint-dir ckpt --checkpoint-every 100 [--resume]
     zero-jax train --config run.toml --metrics-out metrics.jsonl
 
-(`python scripts/train.py ...` is the same command.) Prints the resolved
-plan, then trains with a progress bar and periodic validation. Every flag
-is also a key of the TOML run config (see --help).
+Prints the resolved plan, then trains with a progress bar and periodic
+validation. Every flag is also a key of the TOML run config (see --help).
 Exit status: 0 done (or preempted and saved), 2 bad input, 3 training halted
 (non-finite gradients), 4 a checkpoint could not be saved or restored, 5 a
-step ran far past the recent median (the watchdog), 6 processes disagree
-on the config or the compiled step, 130 interrupted (Ctrl-C: the step in
-flight ends and is saved, one line says which step is restorable; a second
-Ctrl-C exits at once).
+step ran far past the recent median (the watchdog), 6 processes disagree on
+the config or the compiled step, 130 interrupted (Ctrl-C: the step in flight
+ends and is saved, one line says which step is restorable; a second Ctrl-C
+exits at once).
 
 Under `zero-jax launch`, SLURM, Open MPI or on a TPU pod each process runs
 this same command; `jax.distributed` is set up from the environment.
@@ -36,7 +35,7 @@ from zero_jax.analysis import flops, hlo
 from zero_jax.analysis import memory
 from zero_jax.report import summary
 from zero_jax.checkpoint import manager as ckpt_lib
-from zero_jax.data import corpus as data_lib
+from zero_jax.data import corpus as corpus_lib
 from zero_jax.runtime import cpu, distributed, preempt
 from zero_jax.sharding.mesh import MeshError
 from zero_jax.sharding.rules import ShardingError
@@ -73,12 +72,12 @@ def prepare(argv: list[str] | None):
     # Both before anything asks JAX for devices.
     cpu.simulate(args.devices)
     distributed.initialize(cfg.distributed)
-    corpus = data_lib.load(cfg.data.source)
+    corpus = corpus_lib.load(cfg.data.source)
     build, model_line = models.for_run(cfg.model, corpus.vocab_size)
     job = job_lib.prepare(cfg, build)
     # Bad data and weights of another shape stop here, before anything compiles.
     models.check_init_from(cfg.checkpoint.init_from, job)
-    data_lib.check(corpus, job.model.config.vocab_size, cfg.data.seq_len,
+    corpus_lib.check(corpus, job.model.config.vocab_size, cfg.data.seq_len,
                    models.weight_dirs(cfg.model.name, cfg.checkpoint.init_from))
     # A model that cannot fit stops here, before a compile that could take
     # minutes and an initialisation that would fill the host.
@@ -88,7 +87,7 @@ def prepare(argv: list[str] | None):
 
 def processes_here(cfg: config_lib.RunConfig) -> int:
     """This run's processes on this machine: every one when their coordinator
-    is a loopback address (scripts/launch.py starts them all here), else one
+    is a loopback address (zero-jax launch starts them all here), else one
     (one process per host, as on a cluster)."""
     coordinator = cfg.distributed.coordinator or os.environ.get(distributed.ENV_COORDINATOR, "")
     host = coordinator.rpartition(":")[0].strip("[]")

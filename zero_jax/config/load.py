@@ -188,7 +188,7 @@ def build(file: str | None = None, overrides: dict[str, Any] | None = None) -> R
     run = RunConfig(**{s: _section(s, cls, tables[s]) for s, cls in SECTIONS.items()})
     if run.data.source == DATA_PLACEHOLDER:
         raise ConfigError(f"{file}: [data] source is still the plan's placeholder; set it to a "
-                          "directory scripts/prepare_data.py wrote (or give --data DIR; "
+                          "directory zero-jax prepare-data wrote (or give --data DIR; "
                           "--data stdlib for the byte-level demo corpus)")
     return run
 

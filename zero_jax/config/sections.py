@@ -53,7 +53,7 @@ class ConfigError(ValueError):
 
 # The [data] source of a config the planner wrote (planner/configs.py): the
 # plan knows the sequence length, not where the user's tokens are.
-DATA_PLACEHOLDER = "SET ME: a directory scripts/prepare_data.py wrote"
+DATA_PLACEHOLDER = "SET ME: a directory zero-jax prepare-data wrote"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,7 +136,7 @@ class ActivationConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    source: str = "stdlib"  # "stdlib" (byte-level Python source), a scripts/prepare_data.py directory, or a flat uint16 file
+    source: str = "stdlib"  # "stdlib" (byte-level Python source), a directory zero-jax prepare-data wrote, or a flat uint16 file
     seq_len: int = 128  # tokens per row fed to the model
     segment_ids: bool = False  # attend within each document only; positions restart at each
 

@@ -5,7 +5,7 @@ Three sources, one shape (a split is a list of `token_files.Shard`):
 - "stdlib": real text every machine has, the Python standard library's own
   source files, read at run time as bytes (vocabulary 256), with about 5%
   of the files held out for validation;
-- a directory written by scripts/prepare_data.py (token_files.py): token shards
+- a directory written by `zero-jax prepare-data` (token_files.py): token shards
   memory-mapped, documents split between train and validation, and for
   instruction data a loss mask beside the tokens;
 - a flat file of uint16 ids (with an optional `<file>.json` sidecar holding
@@ -114,7 +114,7 @@ def token_file(path: str | Path, val_fraction: float = 0.05) -> TokenData:
 
 
 def prepared(root: str | Path) -> TokenData:
-    """A directory written by scripts/prepare_data.py, every shard checked
+    """A directory written by `zero-jax prepare-data`, every shard checked
     against its meta.json (sizes only: ids are checked by `check`)."""
     root = Path(root)
     meta = read_meta(root)

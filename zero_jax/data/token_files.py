@@ -1,4 +1,4 @@
-"""The on-disk format of a prepared corpus (scripts/prepare_data.py writes
+"""The on-disk format of a prepared corpus (`zero-jax prepare-data` writes
 it, corpus.py reads it): a directory of token shards and one `meta.json`.
 
     DATA_DIR/meta.json              what follows, written last
@@ -114,7 +114,7 @@ def read_meta(root: Path) -> dict[str, Any]:
         meta = json.loads(path.read_text())
     except FileNotFoundError:
         raise DataError(f"--data {root}: no {META}; a directory written by "
-                        "scripts/prepare_data.py has one (an interrupted one does not)") from None
+                        "zero-jax prepare-data writes one (an interrupted one does not)") from None
     except json.JSONDecodeError as e:
         raise DataError(f"--data {path}: not valid JSON ({e}); prepare the data again") from None
     if meta.get("format") != FORMAT:

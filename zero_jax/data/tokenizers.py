@@ -1,4 +1,4 @@
-"""Tokenizers for prepared data (scripts/prepare_data.py): the byte-level
+"""Tokenizers for prepared data (`zero-jax prepare-data`): the byte-level
 default and Hugging Face `tokenizers` files, an end-of-document token after
 every document, and conversations rendered with a loss mask on the
 assistant's tokens.

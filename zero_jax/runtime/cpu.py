@@ -8,7 +8,7 @@ GPU or TPU host the accelerators stay what a mesh is built from.
 
 Which count a process gets, first match wins:
 
-1. under scripts/launch.py, its `--devices-per-process` (the launcher
+1. under `zero-jax launch`, its `--devices-per-process` (the launcher
    decides each process's share: a process that took another count would
    build a global mesh its peers do not have);
 2. `--devices N` (memory_report.py, which only compiles, takes the mesh's
@@ -40,7 +40,7 @@ def add_devices_flag(parser: argparse.ArgumentParser,
                      default_help: str = "XLA_FLAGS's, else 1") -> None:
     parser.add_argument(
         "--devices", type=int, metavar="N",
-        help=f"simulate N CPU devices (default: {default_help}; under scripts/launch.py "
+        help=f"simulate N CPU devices (default: {default_help}; under zero-jax launch "
              "its --devices-per-process wins); no effect on GPU or TPU devices")
 
 
@@ -87,7 +87,7 @@ def simulate(n: int | None, default: int | None = None) -> int | None:
     host_allocator.keep_freed_memory()
     launched = os.environ.get(ENV_LAUNCHED)
     if launched and n is not None and n != int(launched):
-        print(f"note: --devices {n} ignored: scripts/launch.py gives this process "
+        print(f"note: --devices {n} ignored: zero-jax launch gives this process "
               f"{launched} (--devices-per-process)", file=sys.stderr)
     count = wanted(n, default)
     if count is None:
@@ -101,7 +101,7 @@ def simulate(n: int | None, default: int | None = None) -> int | None:
         if have != count:
             raise DevicesError(
                 f"--devices {count}: JAX's backend has already started with {have} CPU "
-                f"device(s), and the count is fixed then; call zero_jax.cpu.simulate({count}) "
+                f"device(s), and the count is fixed then; call zero_jax.runtime.cpu.simulate({count}) "
                 "before anything asks JAX for devices, or start Python with "
                 f"XLA_FLAGS={_XLA_COUNT}{count}") from None
     return count
@@ -110,5 +110,5 @@ def simulate(n: int | None, default: int | None = None) -> int | None:
 def fix_hint(needed: int, environ=os.environ) -> str:
     """How to give this process `needed` devices on a CPU, for error messages."""
     if environ.get(ENV_LAUNCHED):
-        return f"under scripts/launch.py, make -n times --devices-per-process equal {needed}"
+        return f"under zero-jax launch, make -n times --devices-per-process equal {needed}"
     return f"on a CPU, simulate them with --devices {needed} (or XLA_FLAGS={_XLA_COUNT}{needed})"

@@ -1,7 +1,7 @@
 """Several processes on JAX's own runtime: start-up, barriers, agreement.
 
 `initialize` sets up `jax.distributed` from explicit settings (flags, or the
-ZERO_JAX_* variables `scripts/launch.py` gives each process), else from a
+ZERO_JAX_* variables `zero-jax launch` gives each process), else from a
 cluster JAX detects (SLURM, Open MPI, Kubernetes, Cloud TPU), and does
 nothing for a single process. Every wait on other processes here has a
 timeout: a barrier that waits forever is how one dead rank holds a whole
@@ -55,7 +55,7 @@ def settings(cfg: DistributedConfig, environ=os.environ) -> dict[str, Any] | Non
         if n < 1 or not 0 <= i < n:
             raise DistributedError(
                 f"coordinator {coordinator} given with num_processes={n}, process_id={i}; "
-                "give --num-processes N and --process-id 0..N-1 (or run under scripts/launch.py)")
+                "give --num-processes N and --process-id 0..N-1 (or run under zero-jax launch)")
         if n == 1:
             return None
         return {"coordinator_address": coordinator, "num_processes": n, "process_id": i, **timeouts}

@@ -1,5 +1,5 @@
 """This process's resident memory, from /proc (Linux): what `zero-jax
-export`, `zero-jax prepare-data` and scripts/import_memory.py report their
+export`, `zero-jax prepare-data` and the import benchmark report their
 peaks with; and the memory still free for it to take, which `zero-jax
 train` checks a model's states against before allocating them."""
 

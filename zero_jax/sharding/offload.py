@@ -15,7 +15,7 @@ the device would need the bytes offload is meant to save. Run on the host,
 the device never holds the optimizer state or the masters. The cost is per
 step, per device: the gradient shard to the host (g bytes per parameter it
 stores gradients for) and the new parameter shard back, over the host link,
-and the update at the host's speed (scripts/bench_offload.py measures it).
+and the update at the host's speed (docs/offload.md has the measured figures).
 
 With `[offload] params = true` (ZeRO-3 only) the stored parameter shards
 live in `pinned_host` too. Each use brings this device's shard of one

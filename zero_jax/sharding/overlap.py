@@ -36,6 +36,7 @@ whatever the schedule, so there is nothing to pipeline.
 from __future__ import annotations
 
 from zero_jax.runtime import xla_options
+from zero_jax.sharding import zero
 
 # The per-layer collectives of a ZeRO-3 scan, by what XLA is asked to do with each.
 ZERO3_WANTS = (
@@ -47,4 +48,4 @@ ZERO3_WANTS = (
 def wants(zero_stage: int) -> tuple[xla_options.Want, ...]:
     """What XLA is asked for to overlap the per-layer collectives of a step
     at `zero_stage` with the layer scan's compute (module docstring)."""
-    return ZERO3_WANTS if zero_stage >= 3 else ()
+    return ZERO3_WANTS if zero.stage(zero_stage).params else ()
