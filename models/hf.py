@@ -121,7 +121,7 @@ def load(path: Path, job) -> Any:
     tensors = Tensors(path)
     sources = llama_hf.sources(cfg) if family == "llama" else gpt_hf.sources(cfg)
     try:
-        return stream.place(job.layout.targets.params, job.layout.names,
+        return stream.place(job.state_plan.targets.params, job.state_plan.names,
                             lambda leaf, layer: sources[leaf](tensors.get, layer))
     except KeyError as e:
         raise ValueError(f"{path}: tensor {e.args[0]!r} is not in the weights, which "

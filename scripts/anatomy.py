@@ -211,7 +211,7 @@ def main(argv=None) -> int:
 
     def batch(i):
         return corpus_lib.global_batch(corpus, "train", cfg.data.seq_len, t.batch_size, t.seed,
-                                     step=i, sharding=job.layout.batch_sharding)
+                                     step=i, sharding=job.state_plan.batch_sharding)
 
     for i in range(2):  # warm-up
         state, metrics = compiled(state, batch(i))

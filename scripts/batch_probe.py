@@ -50,7 +50,7 @@ def main(argv=None) -> int:
     t, out = cfg.train, {}
     for step in (int(s) for s in args.steps_to_probe.split(",")):
         batch = corpus_lib.global_batch(corpus, "train", cfg.data.seq_len, t.batch_size, t.seed,
-                                      step, job.layout.batch_sharding, cfg.data.segment_ids)
+                                      step, job.state_plan.batch_sharding, cfg.data.segment_ids)
         for name, array in batch.items():
             for shard in array.addressable_shards:
                 out[f"{name}/{step}/{shard.index[0].start or 0}"] = np.asarray(shard.data)

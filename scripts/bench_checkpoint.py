@@ -40,7 +40,7 @@ def main(argv=None) -> int:
     job = job_lib.prepare(cfg, models.builder(args.model, corpus.vocab_size))
     step_fn = job.compile_train_step()
     batch = functools.partial(corpus_lib.global_batch, corpus, "train", args.seq_len, args.batch_size, 0,
-                              sharding=job.layout.batch_sharding)
+                              sharding=job.state_plan.batch_sharding)
     state = job.init_state()
     i = 0
 
@@ -56,7 +56,7 @@ def main(argv=None) -> int:
         one()  # warm-up
     quiet = [one() for _ in range(args.steps)]
     with tempfile.TemporaryDirectory() as directory:
-        c = ckpt_lib.Checkpointer(ckpt_lib.CheckpointConfig(dir=directory), job.layout.names,
+        c = ckpt_lib.Checkpointer(ckpt_lib.CheckpointConfig(dir=directory), job.state_plan.names,
                                   writer=True)
         start = time.perf_counter()
         c.save(i, state, run.checkpoint_meta(job, i))

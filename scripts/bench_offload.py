@@ -67,9 +67,9 @@ def main(argv=None) -> int:
             failed[name] = str(e).splitlines()[0][:160]
             continue
         batch = functools.partial(corpus_lib.global_batch, corpus, "train", args.seq_len,
-                                  args.batch_size, 0, sharding=job.layout.batch_sharding)
+                                  args.batch_size, 0, sharding=job.state_plan.batch_sharding)
         runs[name] = {"step": compiled, "state": state, "batch": batch,
-                      "bytes": memory.by_memory_kind(job.layout),
+                      "bytes": memory.by_memory_kind(job.state_plan),
                       "compiled": memory.compiled(compiled),
                       "tokens": args.batch_size * args.seq_len}
 

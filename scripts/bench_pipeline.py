@@ -60,7 +60,7 @@ def prepare(args, corpus, mesh: str, schedule: str, devices=None) -> job_lib.Job
 
 def _run(job: job_lib.Job, corpus, args, mesh: str) -> dict:
     batch = functools.partial(corpus_lib.global_batch, corpus, "train", args.seq_len,
-                              args.batch_size, 0, sharding=job.layout.batch_sharding)
+                              args.batch_size, 0, sharding=job.state_plan.batch_sharding)
     return {"mesh": mesh, "step": job.compile_train_step(), "state": job.init_state(),
             "batch": batch}
 
@@ -84,7 +84,7 @@ def pinned(args, argv: list[str]) -> int:
     rows = []
     for name, job in jobs.items():
         head = job.model.head_cost(args.seq_len) if job.model.head_cost else 0.0
-        idle = sched_lib.cost(job.schedule, job.layout.stages.counts, head=head).bubble
+        idle = sched_lib.cost(job.schedule, job.state_plan.stages.counts, head=head).bubble
         ideal = one / 2 / (1 - idle)
         rows.append({"schedule": name, "median_step_s": medians[name],
                      "vs_gpipe": medians[name] / medians.get("gpipe", medians[name]),

@@ -67,8 +67,8 @@ def main(argv=None) -> int:
                 "data.seq_len": T, "train.batch_size": args.batch_size or jax.device_count()})
             job = job_lib.prepare(run, models.for_run(run.model, 256)[0])
             compiled = memory.compiled(job.compile_train_step())
-            sizes = job.layout.mesh_shape.sizes
-            local_rows = run.train.batch_size // job.layout.data_parallel_size
+            sizes = job.state_plan.mesh_shape.sizes
+            local_rows = run.train.batch_size // job.state_plan.data_parallel_size
             queries = T // sizes["context"]
             rows.append({"seq_len": T, "mesh": mesh, "context_attention": strategy or "-",
                          "attention": job.hooks.attention, "temp_bytes": compiled["temp_bytes"],

@@ -34,7 +34,7 @@ def losses(corpus, flat: dict, steps: int, devices=None) -> np.ndarray:
     state, out = job.init_state(), []
     for i in range(steps):
         batch = corpus_lib.global_batch(corpus, "train", 32, 32, run.train.seed, step=i,
-                                      sharding=job.layout.batch_sharding)
+                                      sharding=job.state_plan.batch_sharding)
         state, metrics = step(state, batch)
         out.append(float(metrics["loss"]))  # waits: one step in flight
     return np.array(out)

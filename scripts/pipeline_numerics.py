@@ -47,7 +47,7 @@ def _job(corpus, devices=None, **flat):
 
 def _batch(corpus, job, step):
     return corpus_lib.global_batch(corpus, "train", 16, 32, 0, step=step,
-                                 sharding=job.layout.batch_sharding)
+                                 sharding=job.state_plan.batch_sharding)
 
 
 def loss_and_grads(corpus, devices=None, **flat):

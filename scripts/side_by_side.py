@@ -57,7 +57,7 @@ def worker(args, flag_args: list[str]) -> int:
     step = job.compile_train_step()
     state = job.init_state()
     batches = [corpus_lib.global_batch(corpus, "train", cfg.data.seq_len, cfg.train.batch_size,
-                                     cfg.train.seed, step=i, sharding=job.layout.batch_sharding)
+                                     cfg.train.seed, step=i, sharding=job.state_plan.batch_sharding)
                for i in range(4)]
     times = []
     for i in range(args.warmup + args.steps):

@@ -53,16 +53,16 @@ def initial_state(job):
     """
     key = (repr(job.model.config), job.run.optim, job.policy, job.scale_cfg, job.run.train.seed)
     if key not in _INITIAL:
-        _INITIAL[key] = host(job.layout.saved_form(job.init_state()))
-    targets = job.layout.targets
-    return job.layout.from_saved(jax.device_put(_INITIAL[key], jax.tree.map(lambda t: t.sharding, targets)))
+        _INITIAL[key] = host(job.state_plan.saved_form(job.init_state()))
+    targets = job.state_plan.targets
+    return job.state_plan.from_saved(jax.device_put(_INITIAL[key], jax.tree.map(lambda t: t.sharding, targets)))
 
 
 def first_step(job, corpus):
     """Loss and gradients of the job's first batch from its initial state."""
     t = job.run.train
     batch = corpus_lib.global_batch(corpus, "train", job.run.data.seq_len, t.batch_size, t.seed,
-                                  step=0, sharding=job.layout.batch_sharding)
+                                  step=0, sharding=job.state_plan.batch_sharding)
     return job.jit_loss_and_grads()(initial_state(job).params, batch)
 
 
@@ -72,7 +72,7 @@ def train(job, corpus, steps=None):
     state = initial_state(job)
     t = job.run.train
     batch = functools.partial(corpus_lib.global_batch, corpus, "train", job.run.data.seq_len,
-                              t.batch_size, t.seed, sharding=job.layout.batch_sharding)
+                              t.batch_size, t.seed, sharding=job.state_plan.batch_sharding)
     losses = []
     for i in range(steps or t.steps):
         state, metrics = step_fn(state, batch(step=i))

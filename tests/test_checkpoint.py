@@ -32,7 +32,7 @@ def _steps(job, corpus, state, first, last):
     step_fn = job.compile_train_step()
     t = job.run.train
     batch = functools.partial(corpus_lib.global_batch, corpus, "train", job.run.data.seq_len,
-                              t.batch_size, t.seed, sharding=job.layout.batch_sharding)
+                              t.batch_size, t.seed, sharding=job.state_plan.batch_sharding)
     losses = []
     for i in range(first, last):
         state, m = step_fn(state, batch(step=i))
@@ -41,7 +41,7 @@ def _steps(job, corpus, state, first, last):
 
 
 def _save(job, state, directory, step, **cfg):
-    c = ckpt_lib.Checkpointer(ckpt_lib.CheckpointConfig(dir=str(directory), **cfg), job.layout.names,
+    c = ckpt_lib.Checkpointer(ckpt_lib.CheckpointConfig(dir=str(directory), **cfg), job.state_plan.names,
                               writer=True)
     c.save(step, state, run.checkpoint_meta(job, step))
     c.wait()
@@ -70,9 +70,9 @@ def test_restore_onto_another_layout_is_exact_and_training_continues(corpus, sav
     directory, state5, uninterrupted = saved
     job = make_job(corpus, **overrides)
     checkpointer = ckpt_lib.Checkpointer(ckpt_lib.CheckpointConfig(dir=str(directory)))
-    restored, meta = checkpointer.restore(5, job.layout.targets)
+    restored, meta = checkpointer.restore(5, job.state_plan.targets)
     jax.tree.map(np.testing.assert_array_equal, host(restored), state5)  # bitwise
-    assert restored.params["blocks"]["w_fc"].sharding == job.layout.shardings.params["blocks"]["w_fc"]
+    assert restored.params["blocks"]["w_fc"].sharding == job.state_plan.shardings.params["blocks"]["w_fc"]
     assert meta["data"]["next_step"] == 5 and meta["run"]["parallel"]["mesh"] == "fsdp=8"
     losses, _ = _steps(job, corpus, restored, 5, 10)
     np.testing.assert_allclose(losses, uninterrupted, rtol=1e-5)
@@ -85,15 +85,15 @@ def test_pipeline_checkpoint_restores_without_a_pipeline_exactly(corpus, tmp_pat
     piped = dict(mesh="pipe=4,data=2", zero_stage=1, microbatches=4, n_layer=6, precision="bf16")
     job = make_job(corpus, **piped)
     _, state = _steps(job, corpus, job.init_state(), 0, 2)
-    saved = host(job.layout.saved_form(state))
-    _save(job, job.layout.saved_form(state), tmp_path, 2)
+    saved = host(job.state_plan.saved_form(state))
+    _save(job, job.state_plan.saved_form(state), tmp_path, 2)
     target = make_job(corpus, mesh="fsdp=8", zero_stage=1, n_layer=6, precision="bf16")
     checkpointer = ckpt_lib.Checkpointer(ckpt_lib.CheckpointConfig(dir=str(tmp_path)))
-    restored, _ = checkpointer.restore(2, target.layout.targets)
+    restored, _ = checkpointer.restore(2, target.state_plan.targets)
     jax.tree.map(np.testing.assert_array_equal, host(restored), saved)
     assert restored.params["blocks"]["w_fc"].shape[0] == 6
-    back, _ = checkpointer.restore(2, job.layout.targets)
-    jax.tree.map(np.testing.assert_array_equal, host(job.layout.from_saved(back)), host(state))
+    back, _ = checkpointer.restore(2, job.state_plan.targets)
+    jax.tree.map(np.testing.assert_array_equal, host(job.state_plan.from_saved(back)), host(state))
 
 
 def test_meta_records_config_data_position_and_prng(saved):
@@ -112,8 +112,8 @@ def test_parameters_only_into_a_new_optimizer(corpus, saved):
     job = make_job(corpus, optimizer="sgd")
     checkpointer = ckpt_lib.Checkpointer(ckpt_lib.CheckpointConfig(dir=str(directory)))
     with pytest.raises(ckpt_lib.IncompatibleCheckpoint, match=r"opt_state\.[^:]+: in the checkpoint, not in the model"):
-        checkpointer.restore(5, job.layout.targets)
-    params, _ = checkpointer.restore(5, job.layout.targets, params_only=True)
+        checkpointer.restore(5, job.state_plan.targets)
+    params, _ = checkpointer.restore(5, job.state_plan.targets, params_only=True)
     jax.tree.map(np.testing.assert_array_equal, host(params), state5.params)
     state = job.state_from_params(params)
     assert int(state.step) == 0
@@ -124,10 +124,10 @@ def test_dtype_shape_and_tree_mismatches_are_listed(corpus, saved):
     checkpointer = ckpt_lib.Checkpointer(ckpt_lib.CheckpointConfig(dir=str(directory)))
     bf16 = make_job(corpus, param_dtype="bfloat16")
     with pytest.raises(ckpt_lib.IncompatibleCheckpoint, match=r"params\.wte: dtype float32 saved, bfloat16 in the model"):
-        checkpointer.restore(5, bf16.layout.targets)
+        checkpointer.restore(5, bf16.state_plan.targets)
     wider = make_job(corpus, vocab_multiple=384)
     with pytest.raises(ckpt_lib.IncompatibleCheckpoint, match=r"params\.wte: shape \(256, 192\) saved, \(384, 192\)"):
-        checkpointer.restore(5, wider.layout.targets)
+        checkpointer.restore(5, wider.state_plan.targets)
 
 
 @pytest.fixture(scope="module")
@@ -163,8 +163,8 @@ def test_master_weights_are_what_is_saved_and_resumed(corpus, saved_master, tmp_
     state2, step = run.initial_state(resumed, checkpointer, [], lines.append)
     assert step == 3
     jax.tree.map(np.testing.assert_array_equal, host(state_lib.saved_form(state2)), saved)
-    if resumed.layout.master:
-        working = master_lib.cast_to(resumed.layout.working_dtypes)(saved.params)
+    if resumed.state_plan.master:
+        working = master_lib.cast_to(resumed.state_plan.working_dtypes)(saved.params)
         jax.tree.map(np.testing.assert_array_equal, host(state2.params), working)
     changed = [line for line in lines if line.startswith("precision changed")]
     assert bool(changed) == (target["precision"] != "bf16"), lines
@@ -195,7 +195,7 @@ def _largest_data_file(step_dir: Path) -> Path:
 def _fallback(job, directory):
     lines = []
     checkpointer = ckpt_lib.Checkpointer(ckpt_lib.CheckpointConfig(dir=str(directory)))
-    state, _ = checkpointer.restore_latest(job.layout.targets, lines.append)
+    state, _ = checkpointer.restore_latest(job.state_plan.targets, lines.append)
     return state, "\n".join(lines)
 
 
@@ -209,7 +209,7 @@ def test_flipped_byte_is_caught_and_resume_falls_back(two_checkpoints):
     # Which matrix the largest file holds depends on how its bytes compress.
     with pytest.raises(ckpt_lib.CorruptCheckpoint,
                        match=r"checkpoint step 4 .* checksum mismatch in params\.(blocks\.)?w"):
-        checkpointer.restore(4, job.layout.targets)
+        checkpointer.restore(4, job.state_plan.targets)
     state, said = _fallback(job, directory)
     assert int(state.step) == 2 and "falling back to the previous complete checkpoint" in said
     jax.tree.map(np.testing.assert_array_equal, host(state), state2)
@@ -224,7 +224,7 @@ def test_truncated_data_file_names_the_step_and_arrays(two_checkpoints):
         f.truncate(data.stat().st_size // 3)
     checkpointer = ckpt_lib.Checkpointer(ckpt_lib.CheckpointConfig(dir=str(directory)))
     with pytest.raises(ckpt_lib.CorruptCheckpoint, match=r"checkpoint step 4 .*cannot read params\.blocks\.w_"):
-        checkpointer.restore(4, job.layout.targets)
+        checkpointer.restore(4, job.state_plan.targets)
     state, said = _fallback(job, directory)
     assert int(state.step) == 2 and "step 4" in said
 
@@ -243,7 +243,7 @@ def test_retention_keeps_the_last_k_and_every_mth(corpus, tmp_path):
     state = job.init_state()
     said = []
     c = ckpt_lib.Checkpointer(ckpt_lib.CheckpointConfig(dir=str(tmp_path), keep_last=2, keep_every=4),
-                              job.layout.names, writer=True, log=said.append)
+                              job.state_plan.names, writer=True, log=said.append)
     for step in range(1, 9):
         c.save(step, state, run.checkpoint_meta(job, step))
     c.wait()
@@ -294,7 +294,7 @@ def _narrowed_export(corpus, directory, tmp_path, capsys, dtype: str, code: str)
     assert lines[1] == (f"--out: parameters stored in float32 written in {dtype} (as --dtype "
                         "asked); --dtype float32 keeps every bit"), lines
     assert _header_dtypes(out) == {code}
-    return out, export.read_consolidated(out, make_job(corpus).layout.names)
+    return out, export.read_consolidated(out, make_job(corpus).state_plan.names)
 
 
 def test_export_in_bfloat16_imports_back_bit_for_bit(corpus, saved, tmp_path, capsys):
@@ -312,7 +312,7 @@ def test_export_in_bfloat16_imports_back_bit_for_bit(corpus, saved, tmp_path, ca
         assert {x.dtype for x in jax.tree.leaves(imported)} == {jnp.dtype(dtype)}
         jax.tree.map(lambda a, b: np.testing.assert_array_equal(
             np.asarray(a), np.asarray(b, dtype)), host(imported), in_file)
-        assert imported["blocks"]["w_fc"].sharding == job.layout.shardings.params["blocks"]["w_fc"]
+        assert imported["blocks"]["w_fc"].sharding == job.state_plan.shardings.params["blocks"]["w_fc"]
 
 
 def test_export_in_float16_rounds_each_value_and_imports_back(corpus, saved, tmp_path, capsys):

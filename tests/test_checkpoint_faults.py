@@ -163,7 +163,7 @@ cfg = gpt.GPTConfig(vocab_size=256, n_layer=8, n_head=16, d_model=1024, d_mlp=40
 r = config_lib.build(None, {{"optim.name": "sgd", "optim.momentum": 0.0, "data.seq_len": 32,
                              "train.batch_size": 8}})
 job = job_lib.prepare(r, lambda m: gpt.model_fns(cfg))
-c = ckpt_lib.Checkpointer(ckpt_lib.CheckpointConfig(dir={str(tmp_path / 'ckpt')!r}), job.layout.names,
+c = ckpt_lib.Checkpointer(ckpt_lib.CheckpointConfig(dir={str(tmp_path / 'ckpt')!r}), job.state_plan.names,
                           writer=True)
 c.save(1, job.init_state(), run.checkpoint_meta(job, 1)); c.wait()
 """

@@ -27,7 +27,7 @@ def test_stage3_gathers_parameters_one_layer_at_a_time(corpus, hlo_text):
     # No gather materialises a whole stacked (layers, ...) weight: the scan
     # gathers each layer's slice inside the loop.
     job = make_job(corpus)
-    stacked = {tuple(x.shape) for x in jax.tree.leaves(job.layout.abstract.params["blocks"])}
+    stacked = {tuple(x.shape) for x in jax.tree.leaves(job.state_plan.abstract.params["blocks"])}
     for g in gathers:
         for shape in re.findall(r"f32\[([\d,]+)\]", g.line.split("all-gather")[0]):
             assert tuple(int(d) for d in shape.split(",")) not in stacked, g.line

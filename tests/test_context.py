@@ -22,7 +22,7 @@ from models import layers
 from tests.helpers import assert_close, compile_step, host, initial_state, make_job
 from zero_jax import config as config_lib
 from zero_jax.analysis import hlo, traffic
-from zero_jax.context import layout, ring, split
+from zero_jax.context import order as context_order, ring, split
 from zero_jax.data import corpus as corpus_lib
 
 FULL = bool(os.environ.get("ZERO_JAX_FULL_GRID"))
@@ -60,10 +60,10 @@ def _train(job, corpus):
     losses = []
     for i in range(t.steps):
         batch = corpus_lib.global_batch(corpus, "train", d.seq_len, t.batch_size, t.seed, step=i,
-                                      sharding=job.layout.batch_sharding, segments=d.segment_ids)
+                                      sharding=job.state_plan.batch_sharding, segments=d.segment_ids)
         state, metrics = step_fn(state, batch)
         losses.append(float(metrics["loss"]))
-    return np.array(losses), host(job.layout.saved_form(state).params)
+    return np.array(losses), host(job.state_plan.saved_form(state).params)
 
 
 _REFERENCES: dict = {}
@@ -81,7 +81,7 @@ def test_the_balanced_layout_gives_each_device_equal_causal_work():
     device's queries see the same number of keys; positions restart at each
     document in the laid-out order as in the natural one."""
     T, c = 32, 4
-    order = layout.zigzag(T, c)
+    order = context_order.zigzag(T, c)
     assert sorted(order) == list(range(T))
     blocks = order.reshape(c, T // c)
     assert list(blocks[1]) == list(range(4, 8)) + list(range(24, 28))
@@ -89,10 +89,10 @@ def test_the_balanced_layout_gives_each_device_equal_causal_work():
     assert len(set(work)) == 1
     segments = np.repeat(np.arange(4), [5, 9, 11, 7])[None]
     natural = layers.positions(jnp.asarray(segments))
-    laid_out = layout.positions(order, T, layout.arrange(jnp.asarray(segments), order))
-    np.testing.assert_array_equal(laid_out, layout.arrange(natural, order))
+    laid_out = context_order.positions(order, T, context_order.arrange(jnp.asarray(segments), order))
+    np.testing.assert_array_equal(laid_out, context_order.arrange(natural, order))
     with pytest.raises(ValueError, match="does not split into 2 x context = 8"):
-        layout.zigzag(36, 4)
+        context_order.zigzag(36, 4)
 
 
 @pytest.mark.parametrize("window,segments,kv_heads", [(0, False, 4), (0, True, 2), (24, True, 2)])
@@ -108,7 +108,7 @@ def test_ring_attention_matches_one_device_in_value_and_gradients(window, segmen
     k, v = (jax.random.normal(kk, (B, T, kv_heads, Q)) for kk in keys[1:3])
     seg = jnp.asarray(np.sort(np.random.RandomState(0).randint(0, 3, (B, T)), axis=1), jnp.int32)
     seg = seg if segments else None
-    order = layout.zigzag(T, c)
+    order = context_order.zigzag(T, c)
     back = jnp.asarray(np.argsort(order))
     spec = PartitionSpec(None, "context")
 
@@ -116,12 +116,12 @@ def test_ring_attention_matches_one_device_in_value_and_gradients(window, segmen
         return layers.attention(q, k, v, "xla", window, segments_BxT=seg)
 
     def over_ring(q, k, v):
-        args = [layout.arrange(x, order) for x in (q, k, v)]
+        args = [context_order.arrange(x, order) for x in (q, k, v)]
 
         def body(q, k, v, *s):
             return ring.attention(q, k, v, order, s[0] if s else None, axis="context", size=c,
                                   window=window)
-        extra = [layout.arrange(seg, order)] if seg is not None else []
+        extra = [context_order.arrange(seg, order)] if seg is not None else []
         out = jax.shard_map(body, mesh=mesh, in_specs=(spec,) * (3 + len(extra)),
                             out_specs=spec)(*args, *extra)
         return jnp.take(out, back, axis=1)
@@ -171,8 +171,8 @@ def test_context_8_moves_blocks_not_sequences(corpus):
         job = make_job(corpus, model="llama-tiny", precision="fp32", batch_size=B, seq_len=T,
                        mesh="context=8", zero_stage=3, context_attention=strategy)
         text = hlo.partitioned_text(job.lower_train_step())
-        got[strategy] = (traffic.traffic(text, job.layout.mesh).by_op, hlo.collectives(text),
-                         job.layout.mesh)
+        got[strategy] = (traffic.traffic(text, job.state_plan.mesh).by_op, hlo.collectives(text),
+                         job.state_plan.mesh)
     cfg = job.model.config
     L, H, K, Q = cfg.n_layer, cfg.n_head, cfg.n_kv_head, cfg.q_dim
     block = B * (T // c) * K * Q * 4  # one device's K (or V), float32

@@ -18,7 +18,7 @@ from zero_jax.cli import export as export_cli
 
 
 def _save(job, state, directory: Path) -> Path:
-    c = ckpt_lib.Checkpointer(ckpt_lib.CheckpointConfig(dir=str(directory)), job.layout.names,
+    c = ckpt_lib.Checkpointer(ckpt_lib.CheckpointConfig(dir=str(directory)), job.state_plan.names,
                               writer=True)
     c.save(1, state, run.checkpoint_meta(job, 1))
     c.wait()

@@ -57,7 +57,7 @@ def checkpoint(tmp: Path, source: str, corpus=None, **overrides) -> Path:
     recorded)."""
     corpus = corpus or corpus_lib.load(source)
     job = make_job(corpus, data=source, **overrides)
-    c = ckpt_lib.Checkpointer(ckpt_lib.CheckpointConfig(dir=str(tmp / "ckpt")), job.layout.names,
+    c = ckpt_lib.Checkpointer(ckpt_lib.CheckpointConfig(dir=str(tmp / "ckpt")), job.state_plan.names,
                               writer=True)
     c.save(0, initial_state(job), run.checkpoint_meta(job, 0, corpus))
     c.wait()

@@ -90,7 +90,7 @@ def test_ten_steps_match_one_device(corpus, reference, stage, mesh):
     losses, state = train(job, corpus)
     assert losses[-1] < losses[0] - 0.5, "the loss should fall over ten steps"
     np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
-    assert_close(job.layout.saved_form(state).params, ref_params, RTOL)
+    assert_close(job.state_plan.saved_form(state).params, ref_params, RTOL)
 
 
 def test_kv_heads_the_tensor_axis_does_not_divide_are_replicated(corpus, reference):
@@ -100,7 +100,7 @@ def test_kv_heads_the_tensor_axis_does_not_divide_are_replicated(corpus, referen
     job = _job(corpus, 3, "tensor=8")
     assert job.notes == ("kv_heads: 4 not divisible by tensor=8, so replicated within each "
                          "tensor group",)
-    assert job.layout.rules.mesh_axes("kv_heads") == () and job.layout.rules.mesh_axes("heads")
+    assert job.state_plan.rules.mesh_axes("kv_heads") == () and job.state_plan.rules.mesh_axes("heads")
     losses, _ = train(job, corpus, steps=2)
     np.testing.assert_allclose(losses, reference[0][:2], rtol=RTOL)
 
@@ -122,7 +122,7 @@ def test_hugging_face_weights_round_trip_exactly(corpus, tmp_path, name, mesh):
     index, then import into a ZeRO-3 layout, one tensor at a time: bit for
     bit, in the layout's shardings. The shape comes from config.json."""
     job = make_job(corpus, model=name, mesh=mesh, zero_stage=3)
-    params = host(job.layout.saved_form(initial_state(job)).params)
+    params = host(job.state_plan.saved_form(initial_state(job)).params)
     for out, shard in ((tmp_path / "whole", hf.MAX_SHARD_BYTES), (tmp_path / "sharded", 65536)):
         files = _save_hf(out, job.model.config, params, shard)
         assert (len(files) > 1) == (out.name == "sharded") == (out / hf.INDEX).exists()
@@ -130,7 +130,7 @@ def test_hugging_face_weights_round_trip_exactly(corpus, tmp_path, name, mesh):
         assert imported_job.model.config == job.model.config
         imported = run.load_params(str(out), imported_job, loaders=[models.hf_loader])
         jax.tree.map(np.testing.assert_array_equal, host(imported), params)
-        targets = imported_job.layout.targets.params
+        targets = imported_job.state_plan.targets.params
         assert jax.tree.map(lambda x, t: x.sharding == t.sharding, imported, targets) == \
             jax.tree.map(lambda _: True, targets)
 
@@ -141,7 +141,7 @@ def test_a_bf16_directory_is_placed_as_its_values_cast_per_policy(corpus, tmp_pa
     the policy: bit for bit into bfloat16 parameters, exactly widened into
     float32 ones, in the layout's shardings."""
     job = make_job(corpus, model="llama-tiny", mesh="fsdp=4,tensor=2", zero_stage=3)
-    params = host(job.layout.saved_form(initial_state(job)).params)
+    params = host(job.state_plan.saved_form(initial_state(job)).params)
     _save_hf(tmp_path, job.model.config, params, dtype="bfloat16")
     sources = llama_hf.sources(job.model.config)
     tensors = hf.Tensors(tmp_path)
@@ -155,14 +155,14 @@ def test_a_bf16_directory_is_placed_as_its_values_cast_per_policy(corpus, tmp_pa
         assert {x.dtype for x in jax.tree.leaves(imported)} == {jnp.dtype(dtype)}
         jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, np.asarray(b, dtype)),
                      host(imported), in_file)
-        targets = imported_job.layout.targets.params
+        targets = imported_job.state_plan.targets.params
         assert jax.tree.map(lambda x, t: x.sharding == t.sharding, imported, targets) == \
             jax.tree.map(lambda _: True, targets)
 
 
 def test_a_config_that_does_not_match_the_model_names_both(corpus, tmp_path):
     job = make_job(corpus, model="llama-tiny", mesh="fsdp=8")
-    _save_hf(tmp_path, job.model.config, host(job.layout.saved_form(initial_state(job)).params))
+    _save_hf(tmp_path, job.model.config, host(job.state_plan.saved_form(initial_state(job)).params))
     other = make_job(corpus, model="llama-tiny", mesh="fsdp=8", n_kv_head=2)
     with pytest.raises(ValueError, match="n_kv_head 4 there, 2 in the model"):
         models.hf_loader(str(tmp_path), other)

@@ -18,7 +18,7 @@ from zero_jax.runtime.watchdog import StepWatchdog
 def _setup(corpus, steps):
     job = make_job(corpus, seq_len=8, batch_size=8, steps=steps, zero_stage=3)
     batch = functools.partial(corpus_lib.global_batch, corpus, "train", 8, 8, 0,
-                              sharding=job.layout.batch_sharding)
+                              sharding=job.state_plan.batch_sharding)
     return job, job.compile_train_step(), lambda s: batch(step=s)
 
 

@@ -33,27 +33,27 @@ def test_bytes_per_parameter_are_at_most_the_zero_papers(grad_dtype, g):
     limits = {0: 4 + g + 8, 1: 2 + g + 12 / n, 2: 2 + (g + 12) / n, 3: (4 + g + 8) / n}
     for stage, limit in limits.items():
         job = _gpt_small(stage, **{"precision.grad_dtype": grad_dtype})
-        psi = memory.param_count(job.layout)
-        per = sum(memory.sharded(job.layout).values()) / psi
+        psi = memory.param_count(job.state_plan)
+        per = sum(memory.sharded(job.state_plan).values()) / psi
         print(f"stage {stage}, gradients {g} B: {per:.4f} bytes per parameter (limit {limit:.4f})")
         assert per <= limit * 1.005, stage
-        assert per == pytest.approx(sum(memory.theory(job.layout).values()) / psi, rel=1e-3)
-        assert job.layout.master == (stage in (1, 2))
+        assert per == pytest.approx(sum(memory.theory(job.state_plan).values()) / psi, rel=1e-3)
+        assert job.state_plan.master == (stage in (1, 2))
 
 
 def test_the_working_copy_keeps_each_parameter_in_the_dtype_the_model_uses(corpus):
     job = make_job(corpus, zero_stage=1, **BF16)
-    dtypes = jax.tree.map(lambda p: p.dtype, job.layout.abstract.params)
+    dtypes = jax.tree.map(lambda p: p.dtype, job.state_plan.abstract.params)
     assert dtypes["wte"] == jnp.bfloat16 and dtypes["blocks"]["w_fc"] == jnp.bfloat16
     assert dtypes["blocks"]["ln_1"]["scale"] == jnp.float32  # LayerNorm runs in float32
     assert dtypes["blocks"]["b_fc"] == jnp.float32  # biases are added in float32
-    opt = job.layout.abstract.opt_state
+    opt = job.state_plan.abstract.opt_state
     assert isinstance(opt, master.MasterState)
     assert {x.dtype for x in jax.tree.leaves(opt.master)} == {jnp.dtype(jnp.float32)}
     # The master weights are sharded like the moments.
-    assert job.layout.specs.opt_state.master["blocks"]["w_fc"] == \
-        job.layout.specs.sharded["blocks"]["w_fc"]
-    assert job.layout.specs.params["blocks"]["w_fc"] == job.layout.specs.compute["blocks"]["w_fc"]
+    assert job.state_plan.specs.opt_state.master["blocks"]["w_fc"] == \
+        job.state_plan.specs.sharded["blocks"]["w_fc"]
+    assert job.state_plan.specs.params["blocks"]["w_fc"] == job.state_plan.specs.compute["blocks"]["w_fc"]
 
 
 def test_master_weights_change_no_arithmetic(corpus, optimizer="adamw", microbatches=2):
@@ -67,20 +67,20 @@ def test_master_weights_change_no_arithmetic(corpus, optimizer="adamw", microbat
     losses, state = train(job, corpus)
     np.testing.assert_array_equal(losses, ref_losses)
     jax.tree.map(np.testing.assert_array_equal, host(state.opt_state.master), host(ref.params))
-    working = master.cast_to(job.layout.working_dtypes)(host(ref.params))
+    working = master.cast_to(job.state_plan.working_dtypes)(host(ref.params))
     jax.tree.map(np.testing.assert_array_equal, host(state.params), working)
 
 
 def test_a_skipped_step_leaves_master_moments_and_working_copy_bitwise(corpus):
     job = make_job(corpus, zero_stage=1, precision="fp16", initial_scale_power=24, hysteresis=1,
                    steps=3)
-    assert job.layout.master
+    assert job.state_plan.master
     state = initial_state(job)
     before = host(state)
     t = job.run.train
     from zero_jax.data import corpus as corpus_lib
     batch = corpus_lib.global_batch(corpus, "train", job.run.data.seq_len, t.batch_size, t.seed,
-                                  step=0, sharding=job.layout.batch_sharding)
+                                  step=0, sharding=job.state_plan.batch_sharding)
     state, m = job.compile_train_step()(state, batch)
     assert bool(m["skipped"])
     after = host(state)

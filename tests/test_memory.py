@@ -24,8 +24,8 @@ STATES = ("params", "grads", "opt_state")
 def test_sharded_bytes_equal_the_formula_where_dimensions_divide(corpus, stage):
     # Every gpt-tiny array has a dimension divisible by 8, and nothing is left whole.
     job = make_job(corpus, zero_stage=stage, min_shard_elements=0)
-    assert job.layout.specs.replicated == ()
-    assert memory.sharded(job.layout) == pytest.approx(memory.theory(job.layout), rel=0, abs=0)
+    assert job.state_plan.specs.replicated == ()
+    assert memory.sharded(job.state_plan) == pytest.approx(memory.theory(job.state_plan), rel=0, abs=0)
 
 
 def _gpt_small(stage, mesh="fsdp=8"):
@@ -37,8 +37,8 @@ def _gpt_small(stage, mesh="fsdp=8"):
 
 def test_gpt_small_stage_ratios_match_the_zero_paper():
     """fp32 Adam: 4 + 4 + 8 bytes per parameter; stages 1-3 keep 9, 5.5 and 2 of 16."""
-    totals = [sum(memory.sharded(_gpt_small(s).layout).values()) for s in range(4)]
-    psi = memory.param_count(_gpt_small(0).layout)
+    totals = [sum(memory.sharded(_gpt_small(s).state_plan).values()) for s in range(4)]
+    psi = memory.param_count(_gpt_small(0).state_plan)
     assert 124e6 < psi < 125e6  # GPT-2 small with its 50257-token vocabulary
     assert totals[0] == pytest.approx(16 * psi, rel=1e-6)  # 16 bytes + Adam's step count
     for stage, expected in zip((1, 2, 3), (9 / 16, 5.5 / 16, 2 / 16)):
@@ -50,17 +50,17 @@ def test_compiled_arguments_are_the_sharded_state_and_batch(corpus, stage):
     job = make_job(corpus, zero_stage=stage)
     compiled_step = job.compile_train_step()
     compiled = memory.compiled(compiled_step)
-    sharded = memory.sharded(job.layout)
-    batch = sum(math.prod(job.layout.batch_sharding.shard_shape(b.shape)) * b.dtype.itemsize
+    sharded = memory.sharded(job.state_plan)
+    batch = sum(math.prod(job.state_plan.batch_sharding.shard_shape(b.shape)) * b.dtype.itemsize
                 for b in job.abstract_batch.values())  # tokens and loss mask
     scalars = sum(x.size * x.dtype.itemsize for x in
-                  jax.tree.leaves((job.layout.abstract.step, job.layout.abstract.loss_scale)))
+                  jax.tree.leaves((job.state_plan.abstract.step, job.state_plan.abstract.loss_scale)))
     state = sharded["params"] + sharded["opt_state"] + scalars  # + step, loss-scale scalars
     assert compiled["argument_bytes"] == state + batch
     # Outputs: the same state, the scalar metrics, and XLA's 8-byte pointer per output.
     metrics = jax.tree.leaves(compiled_step.out_info[1])
     metric_bytes = sum(m.size * m.dtype.itemsize for m in metrics)
-    outputs = len(jax.tree.leaves(job.layout.abstract)) + len(metrics)
+    outputs = len(jax.tree.leaves(job.state_plan.abstract)) + len(metrics)
     assert state + metric_bytes <= compiled["output_bytes"] <= state + metric_bytes + 8 * (outputs + 1)
 
 
@@ -78,7 +78,7 @@ def test_reducing_each_microbatch_shards_the_accumulator(corpus, stage=3):
         job = make_job(corpus, zero_stage=stage, microbatches=4, batch_size=32, seq_len=128,
                        min_shard_elements=0, grad_reduce=reduce)
         temps[reduce] = memory.compiled(job.compile_train_step())["temp_bytes"]
-    grads = sum(x.size * 4 for x in jax.tree.leaves(job.layout.abstract.params))
+    grads = sum(x.size * 4 for x in jax.tree.leaves(job.state_plan.abstract.params))
     one_copy = 7 / 8 * grads  # (N-1)/N of the gradient bytes, N = 8
     saving = temps["step"] - temps["microbatch"]
     print(f"stage {stage}: gradients {grads} B; temporaries {temps}: saving {saving} B = "
@@ -135,14 +135,14 @@ def test_the_fit_check_names_what_to_change(corpus):
     with the stage that would shard more; with the host's real memory, it fits."""
     job = make_job(corpus, zero_stage=1)
     with pytest.raises(memory.DoesNotFit) as refused:
-        memory.check_fits(job.layout, "--model gpt-tiny", room=(10**6, "a test figure"))
+        memory.check_fits(job.state_plan, "--model gpt-tiny", room=(10**6, "a test figure"))
     assert str(refused.value).startswith(
         "--model gpt-tiny (1.9M parameters) does not fit this host: its model states alone need "
         "17.0 MB per device (params 7.5 MB + grads 7.5 MB + optimizer state 1.9 MB; ZeRO-1 over "
         "fsdp=8), and 135.7 MB on this host (8 CPU devices share its memory), which has 1.0 MB "
         "available (a test figure); nothing was allocated. Use --zero-stage 3 (shards every "
         "state), more hosts to shard over or a smaller model"), refused.value
-    memory.check_fits(job.layout, "--model gpt-tiny")  # this host's MemAvailable: it fits
+    memory.check_fits(job.state_plan, "--model gpt-tiny")  # this host's MemAvailable: it fits
 
 
 def _write(root: Path, files: dict[str, str]) -> None:

@@ -59,12 +59,12 @@ def _train(job, corpus):
     records = []
     for i in range(t.steps):
         batch = corpus_lib.global_batch(corpus, "train", job.run.data.seq_len, t.batch_size,
-                                      t.seed, step=i, sharding=job.layout.batch_sharding)
+                                      t.seed, step=i, sharding=job.state_plan.batch_sharding)
         state, metrics = step_fn(state, batch)
         records.append({k: np.asarray(metrics[k]) for k in
                         ("loss", "aux_loss", "z_loss", "expert_load") if k in metrics})
     stacked = {k: np.stack([r[k] for r in records]) for k in records[0]}
-    return stacked, host(job.layout.saved_form(state).params)
+    return stacked, host(job.state_plan.saved_form(state).params)
 
 
 @pytest.fixture(scope="module")
@@ -205,7 +205,7 @@ def test_expert_parallel_step_exchanges_tokens_not_experts(corpus):
     and back; payload bytes (step) equal that count. The experts' weights
     are never gathered over `expert`, only over `data` (ZeRO-1's update)."""
     job = _job(corpus, "expert=4,data=2", 1)
-    mesh, cfg = job.layout.mesh, job.model.config
+    mesh, cfg = job.state_plan.mesh, job.model.config
     text = hlo.partitioned_text(job.lower_train_step())
     ep, k, D = 4, cfg.n_experts_per_tok, cfg.d_model
     copies = job.run.train.batch_size * job.run.data.seq_len // 8 * k  # per device
@@ -223,7 +223,7 @@ def test_expert_parallel_step_exchanges_tokens_not_experts(corpus):
 def test_experts_are_sharded_over_the_other_data_axes(corpus):
     """ZeRO-3 on expert=2,fsdp=4: an expert's weights split over `expert`
     (the experts) and `fsdp` (ZeRO), the dense weights over both as data."""
-    specs = _job(corpus, "expert=2,fsdp=4", 3).layout.specs.params["blocks"]
+    specs = _job(corpus, "expert=2,fsdp=4", 3).state_plan.specs.params["blocks"]
     gate = tuple(specs["moe"]["w_experts_gate"])
     assert gate[1] == "expert" and "fsdp" in gate and gate.count("expert") == 1
     assert any(e == ("fsdp", "expert") for e in specs["w_q"])

@@ -84,7 +84,7 @@ def test_ten_steps_match_one_device(corpus, reference, precision, stage, mesh):
     assert losses[-1] < losses[0] - 0.5, "the loss should fall over ten steps"
     if precision == "fp32":
         np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
-        assert_close(job.layout.saved_form(state).params, ref_params, RTOL)
+        assert_close(job.state_plan.saved_form(state).params, ref_params, RTOL)
     else:
         np.testing.assert_allclose(losses, ref_losses, rtol=BF16_TEN_STEPS)
 
@@ -95,7 +95,7 @@ def test_bf16_step_matches_one_device(corpus, reference, stage, mesh):
     _, _, (ref_loss, ref_grads) = reference["bf16"]
     job = _job(corpus, "bf16", stage, mesh)
     loss, grads = first_step(job, corpus)
-    per_shard = step_lib.unreduced_axes(job.layout, job.run.train.microbatches, job.reduce_once)
+    per_shard = step_lib.unreduced_axes(job.state_plan, job.run.train.microbatches, job.reduce_once)
     split = "tensor" in mesh or "pipe" in mesh  # products summed across devices in bf16
     rtol = BF16_TENSOR_PARALLEL if split else BF16_PER_SHARD if per_shard else RTOL
     np.testing.assert_allclose(float(loss), ref_loss,
@@ -107,15 +107,15 @@ def test_bf16_step_matches_one_device(corpus, reference, stage, mesh):
 def test_four_microbatches_equal_one_whole_batch(corpus, stage):
     """Loss and gradient accumulated over 4 microbatches equal those of the whole batch."""
     job = make_job(corpus, mesh="data=2,fsdp=4", zero_stage=stage, batch_size=32)
-    layout = job.layout
+    state_plan = job.state_plan
     state = job.init_state()
-    raw = corpus_lib.global_batch(corpus, "train", 32, 32, 0, 0, layout.batch_sharding)
+    raw = corpus_lib.global_batch(corpus, "train", 32, 32, 0, 0, state_plan.batch_sharding)
     batch = step_lib.weighted(raw)
     loss_fn = lambda p, b: step_lib.lm_loss(job.model, job.hooks, p, b)[0]
-    grads_sharding = layout.named(layout.specs.grads)
+    grads_sharding = state_plan.named(state_plan.specs.grads)
     constrain = lambda g: jax.lax.with_sharding_constraint(g, grads_sharding)
-    micro_sharding = jax.sharding.NamedSharding(layout.mesh, jax.sharding.PartitionSpec(
-        None, *layout.batch_sharding.spec))
+    micro_sharding = jax.sharding.NamedSharding(state_plan.mesh, jax.sharding.PartitionSpec(
+        None, *state_plan.batch_sharding.spec))
     micro = lambda x: jax.lax.with_sharding_constraint(x, micro_sharding)
     four_once = make_job(corpus, mesh="data=2,fsdp=4", zero_stage=stage, batch_size=32,
                          microbatches=4, grad_reduce="step").jit_loss_and_grads()

@@ -38,7 +38,7 @@ def _steps(job, corpus, state, first, last):
     step_fn = compile_step(job)
     t = job.run.train
     batch = functools.partial(corpus_lib.global_batch, corpus, "train", job.run.data.seq_len,
-                              t.batch_size, t.seed, sharding=job.layout.batch_sharding)
+                              t.batch_size, t.seed, sharding=job.state_plan.batch_sharding)
     opt_kind = "pinned_host" if job.run.offload.optimizer else "device"
     params_kind = "pinned_host" if job.run.offload.params else "device"
     losses = []
@@ -86,12 +86,12 @@ def test_parameters_are_fetched_one_layer_at_a_time(corpus):
     optimizer offloaded too: an update on the device fetches the whole
     parameter shard, beside the optimizer state it updates it with.)"""
     job = make_job(corpus, zero_stage=3, offload_params=True, offload_optimizer=True)
-    text = job.jit_train_step().trace(job.layout.abstract, job.abstract_batch).lower(
+    text = job.jit_train_step().trace(job.state_plan.abstract, job.abstract_batch).lower(
         lowering_platforms=("cuda",)).as_text()
     fetched = re.findall(r"annotate_device_placement\(%[\w#]+\).*_xla_buffer_placement = "
                          r'"device".*\((tensor<[^>]*>)\)', text)
-    stacked = [leaf.shape for leaf, st in zip(jax.tree.leaves(job.layout.abstract.params),
-                                               jax.tree.leaves(job.layout.stacked[0])) if st]
+    stacked = [leaf.shape for leaf, st in zip(jax.tree.leaves(job.state_plan.abstract.params),
+                                               jax.tree.leaves(job.state_plan.stacked[0])) if st]
     as_tensor = lambda shape: "tensor<" + "x".join(map(str, shape)) + "xf32>"
     assert stacked and fetched
     for shape in stacked:
@@ -131,31 +131,31 @@ def test_checkpoints_move_between_host_and_device_layouts_exactly(corpus, tmp_pa
     restored state give the uninterrupted run's losses to 1e-6."""
     off = make_job(corpus, mesh="fsdp=8", zero_stage=2, precision="bf16", offload_optimizer=True)
     _, state = _steps(off, corpus, initial_state(off), 0, 5)
-    saved = host(off.layout.saved_form(state))
-    writer = ckpt_lib.Checkpointer(ckpt_lib.CheckpointConfig(dir=str(tmp_path)), off.layout.names,
+    saved = host(off.state_plan.saved_form(state))
+    writer = ckpt_lib.Checkpointer(ckpt_lib.CheckpointConfig(dir=str(tmp_path)), off.state_plan.names,
                                    writer=True)
-    writer.save(5, off.layout.saved_form(state), run.checkpoint_meta(off, 5))
+    writer.save(5, off.state_plan.saved_form(state), run.checkpoint_meta(off, 5))
     writer.wait()
     uninterrupted, _ = _steps(off, corpus, state, 5, 10)
 
     reader = ckpt_lib.Checkpointer(ckpt_lib.CheckpointConfig(dir=str(tmp_path)))
     plain = make_job(corpus, mesh="data=2,fsdp=4", zero_stage=1, precision="bf16")
-    moved, _ = reader.restore(5, plain.layout.targets)
+    moved, _ = reader.restore(5, plain.state_plan.targets)
     jax.tree.map(np.testing.assert_array_equal, host(moved), saved)
     assert {x.sharding.memory_kind for x in jax.tree.leaves(moved.opt_state)} == {"device"}
 
-    back, _ = reader.restore(5, off.layout.targets)
+    back, _ = reader.restore(5, off.state_plan.targets)
     jax.tree.map(np.testing.assert_array_equal, host(back), saved)
     assert {x.sharding.memory_kind for x in jax.tree.leaves(back.opt_state)} == {"pinned_host"}
 
     # Onto ZeRO-3 with the parameters in host memory too.
     both = make_job(corpus, mesh="data=2,fsdp=4", zero_stage=3, precision="bf16",
                     offload_optimizer=True, offload_params=True)
-    all_host, _ = reader.restore(5, both.layout.targets)
+    all_host, _ = reader.restore(5, both.state_plan.targets)
     jax.tree.map(np.testing.assert_array_equal, host(all_host), saved)
     assert {x.sharding.memory_kind for x in jax.tree.leaves((all_host.params, all_host.opt_state))
             } == {"pinned_host"}
-    losses, _ = _steps(off, corpus, off.layout.from_saved(back), 5, 10)
+    losses, _ = _steps(off, corpus, off.state_plan.from_saved(back), 5, 10)
     np.testing.assert_allclose(losses, uninterrupted, rtol=1e-6)
 
 
@@ -166,8 +166,8 @@ def test_bytes_split_between_device_and_host_memory(corpus):
     masters, 12/8. From the shapes and shardings only."""
     job = make_job(corpus, model="gpt-7b", vocab_size=50257, seq_len=2048, batch_size=8,
                    precision="bf16", zero_stage=2, offload_optimizer=True)
-    split = memory.by_memory_kind(job.layout)
-    n = memory.param_count(job.layout)
+    split = memory.by_memory_kind(job.state_plan)
+    n = memory.param_count(job.state_plan)
     assert sum(split["device"].values()) / n == pytest.approx(2 + 4 / 8, rel=0.005)
     assert split["host"] == {"params": 0, "grads": 0, "opt_state": split["host"]["opt_state"]}
     assert split["host"]["opt_state"] / n == pytest.approx(12 / 8, rel=0.005)

@@ -36,13 +36,13 @@ def test_below_zero3_the_scan_holds_no_collective(corpus):
 
 def test_the_step_asks_for_the_overlap_only_at_zero3_on_gpu(corpus):
     job = make_job(corpus, zero_stage=3)
-    on_gpu = step.compiler_options(job.layout, overlap=True, backend="gpu")
+    on_gpu = step.compiler_options(job.state_plan, overlap=True, backend="gpu")
     assert set(on_gpu) == {xla_options.accepted(w)[0] for w in overlap.ZERO3_WANTS}
-    assert step.compiler_options(job.layout, overlap=False, backend="gpu") is None
-    assert step.compiler_options(make_job(corpus, zero_stage=2).layout, overlap=True,
+    assert step.compiler_options(job.state_plan, overlap=False, backend="gpu") is None
+    assert step.compiler_options(make_job(corpus, zero_stage=2).state_plan, overlap=True,
                                  backend="gpu") is None
     # Other backends are not asked: their programs (and cache keys) stay free of it.
-    assert step.compiler_options(job.layout, overlap=True, backend="cpu") is None
+    assert step.compiler_options(job.state_plan, overlap=True, backend="cpu") is None
     # XLA reads every backend's options on any backend: the step as spelled
     # for the GPU compiles here with this XLA.
     job.lower_train_step().compile(compiler_options=on_gpu)

@@ -63,7 +63,7 @@ def test_ten_steps_match_one_device(corpus, reference, schedule, mesh, m, zero):
     job = _job(corpus, schedule, mesh, m, zero)
     losses, state = train(job, corpus)
     np.testing.assert_allclose(losses, reference[2], rtol=1e-5)
-    assert_close(host(job.layout.saved_form(state).params), reference[3])
+    assert_close(host(job.state_plan.saved_form(state).params), reference[3])
 
 
 def test_gather_once_matches_and_leaves_no_gather_in_the_loop(corpus, reference):
@@ -77,7 +77,7 @@ def test_gather_once_matches_and_leaves_no_gather_in_the_loop(corpus, reference)
         np.testing.assert_allclose(float(loss), reference[0], rtol=1e-5)
         assert_close(host(grads), reference[1])
         text = compile_step(job).as_text()
-        weights = {tuple(a.shape[i:]) for a in jax.tree.leaves(job.layout.abstract.params)
+        weights = {tuple(a.shape[i:]) for a in jax.tree.leaves(job.state_plan.abstract.params)
                    for i in (0, 1)}
         gathers[once] = [c for c in hlo.collectives(hlo.inside_loops(text))
                          if c.op == "all-gather" and c.shape in weights]
@@ -89,11 +89,11 @@ def _assert_only_the_embedding_crosses_pipe(job, text):
     """No all-gather over `pipe` inside the tick loop; outside it, together at
     most one copy of the parameters outside the layer stack (the embedding
     and head, stored split over `pipe`)."""
-    mesh = job.layout.mesh
+    mesh = job.state_plan.mesh
     over_pipe = lambda cs: [c for c in cs if c.op == "all-gather" and "pipe" in (c.axes(mesh) or ("pipe",))]
     in_loop = over_pipe(hlo.collectives(hlo.inside_loops(text)))
     assert not in_loop, [c.line[:200] for c in in_loop]
-    outer = sum(np.prod(p.shape) for k, sub in job.layout.abstract.params.items() if k != "blocks"
+    outer = sum(np.prod(p.shape) for k, sub in job.state_plan.abstract.params.items() if k != "blocks"
                 for p in jax.tree.leaves(sub))
     gathered = over_pipe(hlo.collectives(text))
     assert sum(np.prod(c.shape) for c in gathered) <= outer, [c.line[:200] for c in gathered]
@@ -112,7 +112,7 @@ def test_stages_talk_by_collective_permute_over_pipe_only(corpus, schedule):
     the only all-gathers over `pipe` are of the embedding and head, stored
     split over `pipe` and gathered once per step, outside the tick loop."""
     job = _job(corpus, schedule, "pipe4-data2", 4, 3)
-    mesh = job.layout.mesh
+    mesh = job.state_plan.mesh
     text = compile_step(job).as_text()
     found = hlo.collectives(hlo.inside_loops(text))
     coords = {int(i): c for c, i in np.ndenumerate(np.arange(mesh.devices.size).reshape(mesh.devices.shape))}
@@ -147,7 +147,7 @@ def test_pipe_traffic_is_one_activation_per_route_and_tick(corpus, schedule, mes
     from zero_jax.pipeline.program import Program
     m = 8
     job = _job(corpus, schedule, mesh, m, 1)
-    mesh_ = job.layout.mesh
+    mesh_ = job.state_plan.mesh
     text = hlo.inside_loops(compile_step(job).as_text())
     pipe = list(mesh_.axis_names).index("pipe")
     coord = {int(i): c for c, i in np.ndenumerate(np.arange(mesh_.devices.size).reshape(mesh_.devices.shape))}
@@ -211,12 +211,12 @@ def uneven_reference(corpus):
 def test_uneven_stages_match_one_device(corpus, uneven_reference, schedule, layers):
     job = make_job(corpus, **{**COMMON, "n_layer": layers}, mesh="pipe=4,data=2",
                    pipeline_schedule=schedule, virtual_stages=1, microbatches=4, zero_stage=1)
-    stages = job.layout.stages
+    stages = job.state_plan.stages
     assert stages.counts == {10: (2, 3, 3, 2), 6: (1, 2, 2, 1)}[layers]
-    assert job.layout.abstract.params["blocks"]["w_fc"].shape[0] == 4 * stages.slots
+    assert job.state_plan.abstract.params["blocks"]["w_fc"].shape[0] == 4 * stages.slots
     losses, state = train(job, corpus)
     np.testing.assert_allclose(losses, uneven_reference[layers][0], rtol=1e-5)
-    assert_close(host(job.layout.saved_form(state).params), uneven_reference[layers][1])
+    assert_close(host(job.state_plan.saved_form(state).params), uneven_reference[layers][1])
 
 
 # Microbatches the stages do not divide, on a cut they do not divide either:
@@ -240,10 +240,10 @@ def ragged_reference(corpus):
 def test_microbatches_pipe_does_not_divide_match_one_device(corpus, ragged_reference, schedule):
     job = make_job(corpus, seq_len=16, batch_size=24, n_layer=10, mesh="pipe=4,data=2",
                    pipeline_schedule=schedule, microbatches=6, zero_stage=1)
-    assert job.schedule.m % job.schedule.p and job.layout.stages.padded != 10
+    assert job.schedule.m % job.schedule.p and job.state_plan.stages.padded != 10
     losses, state = train(job, corpus)
     np.testing.assert_allclose(losses, ragged_reference[0], rtol=1e-5)
-    assert_close(host(job.layout.saved_form(state).params), ragged_reference[1])
+    assert_close(host(job.state_plan.saved_form(state).params), ragged_reference[1])
 
 
 @pytest.mark.parametrize("bad,message", [
@@ -257,18 +257,18 @@ def test_pipeline_shapes_are_checked_before_compiling(corpus, bad, message):
         make_job(corpus, **{**dict(seq_len=16, batch_size=24), **bad})
 
 
-def _outer_bytes(layout):
+def _outer_bytes(state_plan):
     """Bytes per device of parameters, gradients and optimizer state outside the layer stack."""
     from jax.sharding import NamedSharding, PartitionSpec
     is_spec = lambda x: isinstance(x, PartitionSpec)
     total = 0
-    for tree, specs in ((layout.abstract.params, layout.specs.params),
-                        (layout.abstract_grads, layout.specs.grads),
-                        (layout.abstract.opt_state, layout.specs.opt_state)):
+    for tree, specs in ((state_plan.abstract.params, state_plan.specs.params),
+                        (state_plan.abstract_grads, state_plan.specs.grads),
+                        (state_plan.abstract.opt_state, state_plan.specs.opt_state)):
         leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
         for (path, leaf), spec in zip(leaves, jax.tree.leaves(specs, is_leaf=is_spec)):
             if leaf.shape and "blocks" not in jax.tree_util.keystr(path):
-                shard = NamedSharding(layout.mesh, spec).shard_shape(leaf.shape)
+                shard = NamedSharding(state_plan.mesh, spec).shard_shape(leaf.shape)
                 total += int(np.prod(shard)) * np.dtype(leaf.dtype).itemsize
     return total
 
@@ -283,7 +283,7 @@ def test_embedding_and_head_are_stored_split_over_pipe(corpus, zero):
     whole = make_job(corpus, mesh="data=2", zero_stage=zero, precision="bf16", n_layer=4,
                      batch_size=16, devices=jax.devices()[:2])
     ln = 2 * 192 * (4 + 4 + 8)  # ln_f scale and bias: params, grads, Adam moments (fp32)
-    assert _outer_bytes(piped.layout) <= _outer_bytes(whole.layout) / 4 + ln
+    assert _outer_bytes(piped.state_plan) <= _outer_bytes(whole.state_plan) / 4 + ln
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
@@ -297,13 +297,13 @@ def test_evaluation_runs_the_forwards_where_the_layers_are(corpus, schedule):
                    virtual_stages=2 if schedule == "interleaved" else 0, microbatches=4, zero_stage=3)
     ref = make_job(corpus, **shape, mesh="fsdp=1", devices=jax.devices()[:1])
     batch = lambda j: corpus_lib.global_batch(corpus, "val", 16, 32, 0, step=0,
-                                            sharding=j.layout.batch_sharding)
+                                            sharding=j.state_plan.batch_sharding)
     compiled = job.compile_eval_step()
     loss = float(compiled(initial_state(job).params, batch(job)))
     expected = float(ref.compile_eval_step()(initial_state(ref).params, batch(ref)))
     np.testing.assert_allclose(loss, expected, rtol=1e-5)
     found = hlo.collectives(compiled.as_text())
-    mesh = job.layout.mesh
+    mesh = job.state_plan.mesh
     gathers = [c for c in found if c.op == "all-gather" and "pipe" in (c.axes(mesh) or ("pipe",))]
     assert not gathers, [c.line[:200] for c in gathers]
     assert any(c.op == "collective-permute" for c in found)

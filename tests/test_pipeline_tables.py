@@ -30,7 +30,7 @@ def _loss_and_grads(job, corpus):
     """The first batch's loss and gradients, and the compiled program's text."""
     t = job.run.train
     batch = corpus_lib.global_batch(corpus, "train", job.run.data.seq_len, t.batch_size, t.seed,
-                                  step=0, sharding=job.layout.batch_sharding)
+                                  step=0, sharding=job.state_plan.batch_sharding)
     params = initial_state(job).params
     compiled = job.jit_loss_and_grads().lower(params, batch).compile()
     return compiled(params, batch), compiled.as_text()
@@ -39,7 +39,7 @@ def _loss_and_grads(job, corpus):
 def _tables_summed_over_pipe(job, text) -> set[tuple[int, int]]:
     """(rows, columns) of the table-shaped results of all-reduces over `pipe`
     (a table's gradient summed whole: XLA combines them into tuples)."""
-    mesh = job.layout.mesh
+    mesh = job.state_plan.mesh
     rows = {30, 256, 258}  # the tables' row counts in CASES (sequences are 16 long)
     found = set()
     for c in hlo.collectives(text):
@@ -68,7 +68,7 @@ def test_tables_train_in_their_row_blocks_where_pipe_divides_them(corpus, case):
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
     assert_close(host(grads), host(ref_grads))
     assert _tables_summed_over_pipe(job, text) == set(whole)
-    mesh = job.layout.mesh
+    mesh = job.state_plan.mesh
     gathered = [c.shape for c in hlo.collectives(text)
                 if c.op == "all-gather" and "pipe" in (c.axes(mesh) or ())]
     assert bool(gathered) == bool(whole), gathered

@@ -33,7 +33,7 @@ def test_pipe_fsdp_tensor_trains_like_one_device(corpus, reference, schedule):
     job = make_job(corpus, **COMMON, mesh="pipe=2,fsdp=2,tensor=2", pipeline_schedule=schedule)
     losses, state = train(job, corpus)
     np.testing.assert_allclose(losses, reference[0], rtol=1e-5)
-    assert_close(host(job.layout.saved_form(state).params), reference[1])
+    assert_close(host(job.state_plan.saved_form(state).params), reference[1])
 
 
 @pytest.mark.parametrize("vmapped", [False, True])

@@ -41,7 +41,7 @@ def test_plan_full_lists_every_parameter(main_job):
     job = main_job[0]
     text = "\n".join(_describe(*main_job, "full"))
     assert "state layout per device" in text
-    for path in named_leaves(job.layout.abstract.params):
+    for path in named_leaves(job.state_plan.abstract.params):
         assert f"\n  {path} " in text, path
 
 

@@ -115,7 +115,7 @@ def test_offload_layouts_move_states_to_the_host_within_its_memory():
     plain, off = (layouts.Choice(1, 1, 8, 2, "full", 2, 1, offload=o) for o in ("", "opt"))
     jobs = {c: layouts.abstract_job(c.flat(BASE), build, 8) for c in (plain, off)}
     est = {c: planner.estimate(jobs[c], c, cluster) for c in (plain, off)}
-    split = memory.by_memory_kind(jobs[off].layout)
+    split = memory.by_memory_kind(jobs[off].state_plan)
     assert est[off].memory.host == split["host"] and split["host"]["opt_state"] == est[plain].memory.state["opt_state"]
     assert est[off].memory.host_bytes == split["host"]["opt_state"] + est[off].memory.state["grads"]
     assert est[off].memory.device_bytes < est[plain].memory.device_bytes - split["host"]["opt_state"] * 0.99
@@ -196,7 +196,7 @@ def test_a_mixture_of_experts_is_planned_over_expert_axes():
     base = {"model.name": "mixtral-8x7b", "precision.policy": "bf16", "data.seq_len": 4096,
             "train.batch_size": 512}
     job = layouts.abstract_job(choice.flat(base), build, 64)
-    assert job.layout.mesh_shape.sizes["expert"] == 8
+    assert job.state_plan.mesh_shape.sizes["expert"] == 8
     est = planner.estimate(job, choice, h100)
     payload = 8 * 4096 * 2 * cfg.d_model * 2  # e x (rows x k copies) x D, bf16
     passes = 2  # the forward and full remat's rebuild
@@ -231,7 +231,7 @@ def test_long_sequences_are_planned_over_context():
     for c in (1, 8):
         choice = layouts.Choice(1, 8, 8 // c, 3, "full", 1, 64 // (8 // c), context=c)
         job = layouts.abstract_job(choice.flat(base), build, 64)
-        assert job.layout.mesh_shape.sizes["context"] == c
+        assert job.state_plan.mesh_shape.sizes["context"] == c
         est[c] = planner.estimate(job, choice, h100)
     assert est[8].memory.backward < est[1].memory.backward / 4
     T, K, Q = 131072 // 8, cfg.n_kv_head // 8, cfg.q_dim

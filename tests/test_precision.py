@@ -53,7 +53,7 @@ def _fp16_job(corpus, **kw):
 def _batches(job, corpus):
     t = job.run.train
     return functools.partial(corpus_lib.global_batch, corpus, "train", job.run.data.seq_len,
-                             t.batch_size, t.seed, sharding=job.layout.batch_sharding)
+                             t.batch_size, t.seed, sharding=job.state_plan.batch_sharding)
 
 
 def test_fp16_overflow_is_skipped_bitwise_then_training_recovers(corpus):
@@ -114,16 +114,16 @@ def _gpt_medium(stage, **overrides):
 def test_gpt_medium_bf16_zero3_bytes_per_parameter(grad_dtype, per_param):
     """fsdp=4 x tensor=2, ZeRO-3, bf16 compute, fp32 Adam: 4 + grad bytes + 8 per parameter / 8."""
     job = _gpt_medium(3, **{"precision.grad_dtype": grad_dtype})
-    psi = memory.param_count(job.layout)
-    sharded = memory.sharded(job.layout)
-    theory = memory.theory(job.layout)
-    assert sum(memory.bytes_per_param(job.layout).values()) == per_param
+    psi = memory.param_count(job.state_plan)
+    sharded = memory.sharded(job.state_plan)
+    theory = memory.theory(job.state_plan)
+    assert sum(memory.bytes_per_param(job.state_plan).values()) == per_param
     assert sum(sharded.values()) == pytest.approx(per_param * psi / 8, rel=0.01)
     assert sum(theory.values()) == pytest.approx(per_param * psi / 8, rel=0.01)
     compiled = memory.compiled(job.compile_train_step())
     scalars = sum(x.size * x.dtype.itemsize for x in
-                  jax.tree.leaves((job.layout.abstract.step, job.layout.abstract.loss_scale)))
-    batch = sum(math.prod(job.layout.batch_sharding.shard_shape(b.shape)) * b.dtype.itemsize
+                  jax.tree.leaves((job.state_plan.abstract.step, job.state_plan.abstract.loss_scale)))
+    batch = sum(math.prod(job.state_plan.batch_sharding.shard_shape(b.shape)) * b.dtype.itemsize
                 for b in job.abstract_batch.values())  # tokens and loss mask
     assert compiled["argument_bytes"] == sharded["params"] + sharded["opt_state"] + scalars + batch
 
@@ -131,7 +131,7 @@ def test_gpt_medium_bf16_zero3_bytes_per_parameter(grad_dtype, per_param):
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_stage_formulas_hold_with_tensor_parallelism(stage):
     job = _gpt_medium(stage)
-    sharded, theory = memory.sharded(job.layout), memory.theory(job.layout)
+    sharded, theory = memory.sharded(job.state_plan), memory.theory(job.state_plan)
     for k in ("params", "grads", "opt_state"):
         assert sharded[k] == pytest.approx(theory[k], rel=0.01), k
 
@@ -141,10 +141,10 @@ def test_stage_formulas_hold_with_tensor_parallelism(stage):
 @pytest.mark.parametrize("opt_state_dtype,state_bytes", [("bfloat16", 4), ("", 8)])
 def test_optimizer_state_dtype_and_pure_bf16_parameters(corpus, opt_state_dtype, state_bytes):
     job = make_job(corpus, opt_state_dtype=opt_state_dtype, param_dtype="bfloat16", steps=3)
-    dtypes = {x.dtype for x in jax.tree.leaves(job.layout.abstract.opt_state) if x.ndim}
+    dtypes = {x.dtype for x in jax.tree.leaves(job.state_plan.abstract.opt_state) if x.ndim}
     assert dtypes == {jnp.dtype(opt_state_dtype or jnp.float32)}
-    assert {p.dtype for p in jax.tree.leaves(job.layout.abstract.params)} == {jnp.dtype(jnp.bfloat16)}
-    assert memory.bytes_per_param(job.layout) == {"params": 2, "grads": 4, "opt_state": state_bytes}
+    assert {p.dtype for p in jax.tree.leaves(job.state_plan.abstract.params)} == {jnp.dtype(jnp.bfloat16)}
+    assert memory.bytes_per_param(job.state_plan) == {"params": 2, "grads": 4, "opt_state": state_bytes}
     from tests.helpers import train
     losses, state = train(job, corpus)
     assert np.isfinite(losses).all() and losses[-1] < losses[0]

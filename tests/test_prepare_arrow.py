@@ -104,9 +104,9 @@ def test_parquet_by_glob_gives_the_shards_of_json_lines(text_reference, tmp_path
 
 
 @pytest.mark.parametrize("layout", ["save_to_disk", "arrow_files"])
-def test_arrow_datasets_give_the_shards_of_json_lines(text_reference, tmp_path, layout):
+def test_arrow_datasets_give_the_shards_of_json_lines(text_reference, tmp_path, state_plan):
     records = [{"body": t, "n": i} for i, t in enumerate(DOCS)]
-    if layout == "save_to_disk":
+    if state_plan == "save_to_disk":
         d = save_to_disk(tmp_path / "ds", records)
     else:  # a directory of Arrow files in the IPC file format, read in name order
         d = tmp_path / "arrows"

@@ -320,7 +320,7 @@ def test_every_layout_and_process_count_reads_the_same_batches(sft, tmp_path):
     job = make_job(data, mesh="fsdp=8", seq_len=16, batch_size=16)
     expected = {}
     for step in (0, 7):
-        batch = corpus_lib.global_batch(data, "train", 16, 16, 0, step, job.layout.batch_sharding,
+        batch = corpus_lib.global_batch(data, "train", 16, 16, 0, step, job.state_plan.batch_sharding,
                                       segments=True)
         for name, array in batch.items():
             expected[(name, step)] = np.asarray(array)
@@ -345,7 +345,7 @@ def _masked_batch(job, rng):
     shape = (t.batch_size, job.run.data.seq_len + 1)
     tokens = rng.integers(0, job.model.config.vocab_size, shape).astype(np.int32)
     keep = rng.random(shape[:1] + (shape[1] - 1,)) < np.linspace(0.05, 0.95, shape[0])[:, None]
-    s = job.layout.batch_sharding
+    s = job.state_plan.batch_sharding
     weights = keep.astype(np.float32) / keep.sum()
     return {"tokens": jax.device_put(tokens, s), "weights": jax.device_put(weights, s)}, keep
 
@@ -370,7 +370,7 @@ def test_masked_loss_is_the_same_for_any_microbatching_and_layout(corpus):
                dict(mesh="pipe=2,fsdp=4", zero_stage=1, microbatches=4)]
     for overrides in layouts:
         job = make_job(corpus, batch_size=32, **overrides)
-        b = jax.device_put(batch, job.layout.batch_sharding)
+        b = jax.device_put(batch, job.state_plan.batch_sharding)
         loss, grads = job.jit_loss_and_grads()(initial_state(job).params, b)
         np.testing.assert_allclose(float(loss), float(loss1), rtol=1e-6, err_msg=str(overrides))
         assert_close(grads, grads1, rtol=1e-6)
@@ -382,7 +382,7 @@ def test_masked_loss_is_the_same_for_any_microbatching_and_layout(corpus):
         mask = np.concatenate([keep[rows]] * 2)  # each half twice: a batch of 32 rows
         halves.append(jax.device_put({"tokens": np.concatenate([tokens[rows]] * 2),
                                       "weights": mask.astype(np.float32) / mask.sum()},
-                                     ref.layout.batch_sharding))
+                                     ref.state_plan.batch_sharding))
         counts.append(int(mask.sum()))
     both = loop.evaluate(evaluate, params, lambda i: halves[i], 2, lambda i: counts[i])
     np.testing.assert_allclose(both, float(loss1), rtol=1e-6)
@@ -430,7 +430,7 @@ def test_segment_ids_make_packed_documents_independent(sft, model):
     # The sharded step, with documents from the data's boundaries.
     sharded = make_job(data, model=model, mesh="fsdp=8", seq_len=32, batch_size=8,
                        segment_ids=True, zero_stage=3)
-    batches = [corpus_lib.global_batch(data, "train", 32, 8, 0, 3, j.layout.batch_sharding, True)
+    batches = [corpus_lib.global_batch(data, "train", 32, 8, 0, 3, j.state_plan.batch_sharding, True)
                for j in (one, sharded)]
     tokens, seg = np.asarray(batches[0]["tokens"]), np.asarray(batches[0]["segment_ids"])
     assert (seg.max(axis=1) > 0).any()  # documents end inside rows

@@ -46,7 +46,7 @@ def test_indivisible_vocabulary_says_to_pad_it(corpus):
                                             r"--vocab-multiple"):
         _job(corpus, "fsdp=4,tensor=2", vocab_size=257)
     job = _job(corpus, "fsdp=4,tensor=2", vocab_size=257, vocab_multiple=128)
-    assert job.layout.abstract.params["wte"].shape == (384, 192)
+    assert job.state_plan.abstract.params["wte"].shape == (384, 192)
 
 
 def test_layout_must_use_the_tensor_axis():

@@ -12,5 +12,5 @@ def test_sharded_init_equals_one_device_init(corpus):
                       dict(mesh="data=2,fsdp=2,tensor=2", layout="fsdp_tp_sp", zero_stage=1)):
         job = make_job(corpus, **overrides)
         state = job.init_state()
-        assert state.params["blocks"]["w_fc"].sharding == job.layout.shardings.params["blocks"]["w_fc"]
+        assert state.params["blocks"]["w_fc"].sharding == job.state_plan.shardings.params["blocks"]["w_fc"]
         jax.tree.map(np.testing.assert_array_equal, host(state), one)

@@ -61,7 +61,7 @@ def _block_forward(found, op):
 def test_tensor_parallel_blocks_all_reduce_attention_and_mlp_outputs(corpus):
     job, text = _compiled(corpus, mesh="fsdp=4,tensor=2", layout="fsdp_tp", zero_stage=3)
     found = hlo.collectives(text)
-    mesh = job.layout.mesh
+    mesh = job.state_plan.mesh
     reduces = [c for c in _block_forward(found, "all-reduce") if c.axes(mesh) == ("tensor",)]
     # One after the attention output projection, one after the MLP output projection.
     assert any("bthq,hqd->btd" in c.op_name for c in reduces), "attention output"
@@ -73,7 +73,7 @@ def test_tensor_parallel_blocks_all_reduce_attention_and_mlp_outputs(corpus):
 def test_sequence_parallel_splits_the_residual_stream_and_gathers_before_matmuls(corpus):
     job, text = _compiled(corpus, mesh="fsdp=4,tensor=2", layout="fsdp_tp_sp", zero_stage=3)
     found = hlo.collectives(text)
-    mesh = job.layout.mesh
+    mesh = job.state_plan.mesh
     gathers = [c for c in _block_forward(found, "all-gather") if c.axes(mesh) == ("tensor",)]
     # Two per block: the LayerNorm outputs, gathered along the sequence
     # (dimension 1, to all 32 positions) before the column-parallel matrices
@@ -100,8 +100,8 @@ def test_sequence_parallel_splits_the_residual_stream_and_gathers_before_matmuls
 @pytest.mark.parametrize("layout", ["fsdp_tp", "fsdp_tp_sp"])
 def test_logits_are_never_gathered_over_the_vocabulary(corpus, layout):
     job, text = _compiled(corpus, mesh="fsdp=4,tensor=2", layout=layout, zero_stage=3)
-    vocab = job.layout.abstract.params["wte"].shape[0]
-    mesh = job.layout.mesh
+    vocab = job.state_plan.abstract.params["wte"].shape[0]
+    mesh = job.state_plan.mesh
     for c in hlo.collectives(text):
         if c.op == "all-gather" and "tensor" in (c.axes(mesh) or ("tensor",)):
             result = c.line.split(" all-gather")[0]
@@ -118,9 +118,9 @@ def test_zero3_gathers_parameters_in_bf16(corpus):
     job = make_job(corpus, mesh="fsdp=4,tensor=2", layout="fsdp_tp", zero_stage=3,
                    precision="bf16")
     from zero_jax.train import step
-    fn = step.jit_train_step(job.layout, job.model, job.hooks, job.tx, job.lr, 1, job.scale_cfg)
-    text = hlo.partitioned_text(fn.lower(job.layout.abstract, job.abstract_batch))
-    mesh = job.layout.mesh
+    fn = step.jit_train_step(job.state_plan, job.model, job.hooks, job.tx, job.lr, 1, job.scale_cfg)
+    text = hlo.partitioned_text(fn.lower(job.state_plan.abstract, job.abstract_batch))
+    mesh = job.state_plan.mesh
     found = hlo.collectives(text)
     gathers = [c for c in found if c.op == "all-gather" and c.axes(mesh) == ("fsdp",)]
     assert len(gathers) >= 8, "ZeRO-3 gathers each layer's matrices, forward and backward"
@@ -134,7 +134,7 @@ def test_zero3_gathers_parameters_in_bf16(corpus):
 
 def test_replica_group_forms_parse_to_mesh_axes(corpus):
     job = make_job(corpus, mesh="fsdp=4,tensor=2", layout="fsdp_tp")
-    mesh = job.layout.mesh
+    mesh = job.state_plan.mesh
     tensor = "replica_groups={{0,1},{2,3},{4,5},{6,7}}, x"
     assert hlo.axes_of(hlo.replica_groups(tensor), mesh) == ("tensor",)
     assert hlo.axes_of(hlo.replica_groups("replica_groups=[2,4]<=[4,2]T(1,0), x"), mesh) == ("fsdp",)

@@ -22,7 +22,7 @@ BF16 = dict(precision="bf16", batch_size=32, seq_len=32, max_seq_len=32)
 
 def _measure(job):
     compiled, text = job.compile_with_text()
-    return traffic.traffic(text, job.layout.mesh), text
+    return traffic.traffic(text, job.state_plan.mesh), text
 
 
 @pytest.fixture(scope="module")
@@ -32,9 +32,9 @@ def fsdp8(corpus):
     for stage, m in [(0, 4), (1, 1), (1, 4), (2, 4), (3, 1), (3, 4)]:
         job = make_job(corpus, zero_stage=stage, microbatches=m, **BF16)
         measured, text = _measure(job)
-        theory = traffic.theory(job.layout, m, job.reduce_once, job.policy.dtype("compute"),
+        theory = traffic.theory(job.state_plan, m, job.reduce_once, job.policy.dtype("compute"),
                                 job.model.gathered_once)
-        out[stage, m] = measured, theory, memory.param_count(job.layout), text
+        out[stage, m] = measured, theory, memory.param_count(job.state_plan), text
     return out
 
 
@@ -90,7 +90,7 @@ def test_hybrid_sharding_reduces_shards_across_data(corpus):
     job = make_job(corpus, mesh="data=2,fsdp=4", zero_shard_axes="fsdp", zero_stage=3,
                    microbatches=2, batch_size=32, seq_len=32)
     measured, _ = _measure(job)
-    grad_bytes = 4 * memory.param_count(job.layout)
+    grad_bytes = 4 * memory.param_count(job.state_plan)
     print(f"hybrid: {measured.by_op}; over data {measured.over('data')} B = "
           f"{measured.over('data') / grad_bytes:.4f} of the gradient bytes")
     assert measured.over("data") / grad_bytes == pytest.approx(1 / 4, rel=0.05)
@@ -108,13 +108,13 @@ def test_pipelined_gradients_are_reduced_once_per_step(corpus):
     job = make_job(corpus, mesh="pipe=2,fsdp=4", zero_stage=1, microbatches=4, **BF16)
     measured, _ = _measure(job)
     fns = job.model.pipeline
-    (outer, stack), (outer_specs, stack_specs) = (fns.split(job.layout.abstract.params),
-                                                  fns.split(job.layout.specs.compute))
-    assert not pipeline_lib.tables_not_in_rows(outer, fns.split(job.layout.specs.params)[0])
+    (outer, stack), (outer_specs, stack_specs) = (fns.split(job.state_plan.abstract.params),
+                                                  fns.split(job.state_plan.specs.compute))
+    assert not pipeline_lib.tables_not_in_rows(outer, fns.split(job.state_plan.specs.params)[0])
     is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)
 
     def per_device(params, specs, blocks):
-        return sum(4 * math.prod(jax.sharding.NamedSharding(job.layout.mesh, s).shard_shape(p.shape))
+        return sum(4 * math.prod(jax.sharding.NamedSharding(job.state_plan.mesh, s).shard_shape(p.shape))
                    // (blocks if p.ndim >= 2 else 1)
                    for p, s in zip(jax.tree.leaves(params), jax.tree.leaves(specs, is_leaf=is_spec)))
 
@@ -151,7 +151,7 @@ ENTRY %main (a: f32[16]) -> f32[2] {
 
 
 def test_loops_multiply_and_sliced_all_reduces_count_as_reduce_scatters(corpus):
-    mesh = make_job(corpus, mesh="data=4,tensor=2", layout="fsdp_tp").layout.mesh
+    mesh = make_job(corpus, mesh="data=4,tensor=2", layout="fsdp_tp").state_plan.mesh
     t = traffic.traffic(_SYNTHETIC, mesh)
     assert t.by_op == {"all-gather@tensor": 3 * 32, "reduce-scatter@data,tensor": 64}
     assert t.rewritten == 1 and t.unknown_loops == 0

@@ -173,10 +173,10 @@ def test_the_plan_is_logged_as_tables_with_the_first_step(job):
     assert tables["plan/summary"]["columns"] == ["item", "value"]
     assert "2 devices" in summary["mesh"] and "fsdp=2" in summary["mesh"]
     assert summary["zero"].startswith("stage 3 over fsdp")
-    layout = tables["plan/state_layout"]
-    assert layout["columns"] == ["parameter", "stored", "gradient", "optimizer state"]
-    assert len(layout["data"]) > 4 and all(len(row) == 4 for row in layout["data"])
-    assert any("/fsdp" in row[1] for row in layout["data"])  # ZeRO-3 stores shards
+    state_plan = tables["plan/state_layout"]
+    assert state_plan["columns"] == ["parameter", "stored", "gradient", "optimizer state"]
+    assert len(state_plan["data"]) > 4 and all(len(row) == 4 for row in state_plan["data"])
+    assert any("/fsdp" in row[1] for row in state_plan["data"])  # ZeRO-3 stores shards
     memory = tables["plan/memory_mib"]
     assert memory["columns"] == ["figure", "params", "grads", "opt_state", "total"]
     assert [row[0] for row in memory["data"]][:2] == ["ZeRO formula", "actual shardings"]

@@ -42,13 +42,13 @@ def test_stage_table():
         zero.stage(4)
 
 
-def _spec_table(layout):
+def _spec_table(state_plan):
     def flat(tree):
         leaves = jax.tree_util.tree_flatten_with_path(
             tree, is_leaf=lambda x: isinstance(x, P))[0]
         return {jax.tree_util.keystr(p, simple=True, separator="."): str(s) for p, s in leaves}
-    return {"params": flat(layout.specs.params), "grads": flat(layout.specs.grads),
-            "opt_state": flat(layout.specs.opt_state)}
+    return {"params": flat(state_plan.specs.params), "grads": flat(state_plan.specs.grads),
+            "opt_state": flat(state_plan.specs.opt_state)}
 
 
 def test_snapshot_of_every_state_leaf_spec_per_stage(corpus):
@@ -57,7 +57,7 @@ def test_snapshot_of_every_state_leaf_spec_per_stage(corpus):
     Regenerate with ZERO_JAX_UPDATE_SNAPSHOTS=1 after an intended change, and
     review the diff: it is the whole sharding layout.
     """
-    table = {str(s): _spec_table(make_job(corpus, zero_stage=s).layout) for s in range(4)}
+    table = {str(s): _spec_table(make_job(corpus, zero_stage=s).state_plan) for s in range(4)}
     if os.environ.get("ZERO_JAX_UPDATE_SNAPSHOTS"):
         SNAPSHOT.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
     assert table == json.loads(SNAPSHOT.read_text())
@@ -76,9 +76,9 @@ def test_any_optax_optimizer_shards_and_matches_one_device(corpus, optimizer, st
     ref, ref_state = train(make_job(corpus, mesh="fsdp=1", zero_stage=0, devices=jax.devices()[:1],
                                     **kw), corpus)
     job = make_job(corpus, zero_stage=stage, **kw)
-    assert job.layout.master == (precision == "bf16")
+    assert job.state_plan.master == (precision == "bf16")
     # Optimizer-state leaves that mirror a parameter carry its ZeRO layout.
-    sharded = [s for s in jax.tree.leaves(job.layout.specs.opt_state, is_leaf=lambda x: isinstance(x, P))
+    sharded = [s for s in jax.tree.leaves(job.state_plan.specs.opt_state, is_leaf=lambda x: isinstance(x, P))
                if "fsdp" in str(s)]
     assert sharded, f"{optimizer}: no optimizer-state leaf is sharded"
     losses, state = train(job, corpus)
@@ -97,7 +97,7 @@ def test_any_optax_optimizer_shards_and_matches_one_device(corpus, optimizer, st
 def test_hybrid_sharding_replicates_across_data(corpus):
     """zero_shard_axes=fsdp: states split over fsdp only, replicated over data (HSDP)."""
     job = make_job(corpus, mesh="data=2,fsdp=4", zero_shard_axes="fsdp")
-    w = job.layout.specs.params["blocks"]["w_fc"]
+    w = job.state_plan.specs.params["blocks"]["w_fc"]
     assert w == P(None, None, "fsdp")
     full = make_job(corpus, mesh="data=2,fsdp=4")
-    assert full.layout.specs.params["blocks"]["w_fc"] == P(None, None, ("data", "fsdp"))
+    assert full.state_plan.specs.params["blocks"]["w_fc"] == P(None, None, ("data", "fsdp"))

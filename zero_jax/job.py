@@ -39,7 +39,7 @@ from zero_jax.model.contract import ModelFns
 class Job:
     run: config_lib.RunConfig
     model: ModelFns
-    layout: state.Layout
+    state_plan: state.StatePlan
     tx: optax.GradientTransformation
     lr: optax.Schedule
     policy: policies.Policy
@@ -53,7 +53,7 @@ class Job:
         """What data.global_batch gives: tokens, each target's weight, and
         with --segment-ids each token's document within its row."""
         B, T = self.run.train.batch_size, self.run.data.seq_len
-        sharding = self.layout.batch_sharding
+        sharding = self.state_plan.batch_sharding
         shapes = {"tokens": ((B, T + 1), jnp.int32), "weights": ((B, T), jnp.float32)}
         if self.run.data.segment_ids:
             shapes["segment_ids"] = ((B, T + 1), jnp.int32)
@@ -63,7 +63,7 @@ class Job:
     def lower_train_step(self):
         """The train step traced for the abstract state: the program every
         process must agree on before running it."""
-        return self.jit_train_step().lower(self.layout.abstract, self.abstract_batch)
+        return self.jit_train_step().lower(self.state_plan.abstract, self.abstract_batch)
 
     def compile_train_step(self, **compiler_options):
         """The jitted train step, compiled ahead of time for the abstract state."""
@@ -72,10 +72,10 @@ class Job:
     @property
     def reduce_once(self) -> bool:
         """Gradients reduced once per optimizer step (else once per microbatch)."""
-        return resolve_grad_reduce(self.run.parallel.grad_reduce, self.layout.zero_stage) == "step"
+        return resolve_grad_reduce(self.run.parallel.grad_reduce, self.state_plan.zero_stage) == "step"
 
     def jit_train_step(self):
-        return step.jit_train_step(self.layout, self.model, self.hooks, self.tx, self.lr,
+        return step.jit_train_step(self.state_plan, self.model, self.hooks, self.tx, self.lr,
                                    self.run.train.microbatches, self.scale_cfg, self.schedule,
                                    self.run.parallel.pipeline_gather_once, self.reduce_once,
                                    self.tables_in_rows, self.run.parallel.overlap_collectives)
@@ -84,28 +84,28 @@ class Job:
         """The step's loss and gradients alone, `(params, batch) -> (loss, grads)`:
         what tests compare between layouts and schedules. The gradients of a
         pipeline's layer stacks come back in layer order (as checkpoints hold them)."""
-        fn = step.make_loss_and_grads(self.layout, self.model, self.hooks,
+        fn = step.make_loss_and_grads(self.state_plan, self.model, self.hooks,
                                       self.run.train.microbatches, self.schedule,
                                       self.run.parallel.pipeline_gather_once, self.reduce_once,
                                       self.tables_in_rows)
-        layout = self.layout
-        replicated = jax.sharding.NamedSharding(layout.mesh, jax.sharding.PartitionSpec())
-        grads_out = layout.named(layout.specs.grads)
-        if layout.stages is not None and not layout.stages.identity:
-            grads_out = jax.tree.map(lambda t: t.sharding, layout.targets.params)
+        state_plan = self.state_plan
+        replicated = jax.sharding.NamedSharding(state_plan.mesh, jax.sharding.PartitionSpec())
+        grads_out = state_plan.named(state_plan.specs.grads)
+        if state_plan.stages is not None and not state_plan.stages.identity:
+            grads_out = jax.tree.map(lambda t: t.sharding, state_plan.targets.params)
 
         def loss_and_grads(params, batch):
             metrics, grads = fn(params, batch, None)
-            return metrics["loss"], layout.unpad_params(grads)
+            return metrics["loss"], state_plan.unpad_params(grads)
 
         return jax.jit(loss_and_grads,
-                       in_shardings=(layout.shardings.params, layout.batch_sharding),
+                       in_shardings=(state_plan.shardings.params, state_plan.batch_sharding),
                        out_shardings=(replicated, grads_out))
 
     def compile_eval_step(self):
-        fn = step.jit_eval_step(self.layout, self.model, self.hooks, self.schedule,
+        fn = step.jit_eval_step(self.state_plan, self.model, self.hooks, self.schedule,
                                 self.tables_in_rows, self.run.parallel.overlap_collectives)
-        return fn.lower(self.layout.abstract.params, self.abstract_batch).compile()
+        return fn.lower(self.state_plan.abstract.params, self.abstract_batch).compile()
 
     @property
     def tables_in_rows(self) -> bool:
@@ -119,10 +119,10 @@ class Job:
         stored (executor.row_tables); none without a pipeline."""
         fns = self.model.pipeline
         if self.schedule is None:
-            return [False] * len(jax.tree.leaves(self.layout.abstract.params))
-        outer, stack = fns.split(self.layout.abstract.params)
-        stored, _ = fns.split(self.layout.specs.params)
-        names, _ = fns.split(self.layout.names)
+            return [False] * len(jax.tree.leaves(self.state_plan.abstract.params))
+        outer, stack = fns.split(self.state_plan.abstract.params)
+        stored, _ = fns.split(self.state_plan.specs.params)
+        names, _ = fns.split(self.state_plan.names)
         rows = pipeline_executor.row_tables(fns, outer, stored, names)
         return jax.tree.leaves(fns.merge(rows, jax.tree.map(lambda _: False, stack)))
 
@@ -133,14 +133,14 @@ class Job:
 
     @property
     def sequence_parallel(self) -> bool:
-        return "tensor" in self.layout.rules.mesh_axes("res_seq")
+        return "tensor" in self.state_plan.rules.mesh_axes("res_seq")
 
     def activation_estimate(self) -> float | None:
         """The model's analytic activation bytes per device for one microbatch."""
         if self.model.activation_bytes is None:
             return None
-        t, sizes = self.run.train, self.layout.mesh_shape.sizes
-        rows = t.batch_size // t.microbatches // self.layout.data_parallel_size
+        t, sizes = self.run.train, self.state_plan.mesh_shape.sizes
+        rows = t.batch_size // t.microbatches // self.state_plan.data_parallel_size
         ctx = self.hooks.context
         return self.model.activation_bytes(rows, self.run.data.seq_len,
                                            jnp.dtype(self.policy.compute).itemsize,
@@ -155,26 +155,26 @@ class Job:
 
     def collectives(self, partitioned_text: str, compiled_step=None) -> traffic.CollectiveReport:
         """Collective payload bytes per device per step, measured and in theory."""
-        measured = traffic.traffic(partitioned_text, self.layout.mesh)
-        expected = traffic.theory(self.layout, self.run.train.microbatches, self.reduce_once,
+        measured = traffic.traffic(partitioned_text, self.state_plan.mesh)
+        expected = traffic.theory(self.state_plan, self.run.train.microbatches, self.reduce_once,
                                   self.policy.dtype("compute"), self.model.gathered_once)
         backend = (None if compiled_step is None
-                   else traffic.traffic(compiled_step.as_text(), self.layout.mesh).total)
+                   else traffic.traffic(compiled_step.as_text(), self.state_plan.mesh).total)
         return traffic.CollectiveReport(measured, expected, backend)
 
     def memory_report(self, compiled_step=None,
                       partitioned_text: str | None = None) -> memory.MemoryReport:
         collectives = (None if partitioned_text is None
                        else self.collectives(partitioned_text, compiled_step))
-        return memory.report(self.layout, compiled_step, self.activation_estimate(), collectives)
+        return memory.report(self.state_plan, compiled_step, self.activation_estimate(), collectives)
 
     def init_state(self) -> state.TrainState:
-        return state.init_state(self.layout, self.model, self.tx,
+        return state.init_state(self.state_plan, self.model, self.tx,
                                 jax.random.key(self.run.train.seed), self.scale_cfg,
                                 self.policy.dtype("params"))
 
     def state_from_params(self, params) -> state.TrainState:
-        return state.state_from_params(self.layout, self.tx, params, self.scale_cfg)
+        return state.state_from_params(self.state_plan, self.tx, params, self.scale_cfg)
 
 
 def mesh_config(run: config_lib.RunConfig) -> mesh_lib.MeshConfig:
@@ -231,17 +231,17 @@ def prepare_on(run: config_lib.RunConfig, build_model: Callable[[int], ModelFns]
                                     policy.dtype("opt_state"))
     if state.needs_master(zero_stage, policy.dtype("params"), policy.dtype("compute")):
         tx = master.wrap(tx)
-    layout = state.make_layout(model, tx, mesh, shape, axis_rules, zero_stage,
+    state_plan = state.plan_state(model, tx, mesh, shape, axis_rules, zero_stage,
                                run.parallel.min_shard_elements, policy.dtype("params"),
                                policy.dtype("grads"), policy.dtype("compute"), cut,
                                host_opt=run.offload.optimizer, host_params=run.offload.params)
-    stored = layout.placement if zero_lib.stage(zero_stage).params else None
+    stored = state_plan.placement if zero_lib.stage(zero_stage).params else None
     hooks = Hooks(mesh, axis_rules, policy.compute, policy.grads, remat_policy, stored,
                   host_params=run.offload.params, attention=attention,
                   scan_layers=run.model.scan_layers,
                   context=context_split.of_run(run, getattr(model.config, "n_head", 0), shape.sizes, attention,
                                         pipelined=schedule is not None))
-    return Job(run, model, layout, tx, lr, policy, hooks, loss_scale_config(run, policy),
+    return Job(run, model, state_plan, tx, lr, policy, hooks, loss_scale_config(run, policy),
                schedule, notes)
 
 

@@ -65,15 +65,15 @@ def checkpoint_meta(job: Job, step: int, corpus: corpus_lib.TokenData | None = N
         "model": {"name": run.model.name,
                   **(dataclasses.asdict(job.model.config) if job.model.config else {})},
         "logical_axes": {path: list(spec) for path, spec in
-                         named_leaves(job.layout.names, is_leaf=is_spec).items()},
+                         named_leaves(job.state_plan.names, is_leaf=is_spec).items()},
         "data": data_meta(job, step, corpus),
         # No other randomness than the seed (initialisation, data order).
         "prng": {"seed": t.seed, "impl": str(jax.config.jax_default_prng_impl)},
         # The resolved policy ("auto" depends on the platform): a resume under
         # another one says so.
         "precision": dataclasses.asdict(job.policy),
-        "layout": {"mesh": job.layout.mesh_shape.sizes, "zero_stage": job.layout.zero_stage,
-                   "rules": job.layout.rules.name, "processes": jax.process_count()},
+        "layout": {"mesh": job.state_plan.mesh_shape.sizes, "zero_stage": job.state_plan.zero_stage,
+                   "rules": job.state_plan.rules.name, "processes": jax.process_count()},
         "versions": {"jax": jax.__version__},
     }
 
@@ -127,19 +127,19 @@ def load_params(source: str, job: Job, loaders: list[ParamLoader] = ()) -> Any:
         if tree is not None:
             return tree
     if path.suffix == ".safetensors":
-        return place(export.read_consolidated(path, job.layout.names), job)
+        return place(export.read_consolidated(path, job.state_plan.names), job)
     checkpointer = ckpt_lib.Checkpointer(ckpt_lib.CheckpointConfig(dir=str(path)))
     steps = checkpointer.complete_steps()
     if not steps:
         raise FileNotFoundError(f"--init-from {source}: no complete checkpoint, .safetensors "
                                 "file or known weights directory there")
-    params, _ = checkpointer.restore(steps[-1], job.layout.targets, params_only=True)
+    params, _ = checkpointer.restore(steps[-1], job.state_plan.targets, params_only=True)
     return params
 
 
 def place(tree: Any, job: Job, log: Callable[[str], None] = print) -> Any:
     """Numpy parameters -> master weights in the job's layout, checked leaf by leaf."""
-    want, have = integrity.flatten(job.layout.master_params), integrity.flatten(tree)
+    want, have = integrity.flatten(job.state_plan.master_params), integrity.flatten(tree)
     problems = [f"{p}: in the model, not in the weights" for p in sorted(want.keys() - have.keys())]
     problems += [f"{p}: in the weights, not in the model" for p in sorted(have.keys() - want.keys())]
     problems += [f"{p}: shape {tuple(np.shape(have[p]))}, the model has {want[p].shape}"
@@ -153,7 +153,7 @@ def place(tree: Any, job: Job, log: Callable[[str], None] = print) -> Any:
     # Each leaf cast to its dtype as it is placed, so a bf16 file is never
     # held whole in float32 on the host.
     return jax.tree.map(lambda x, a, s: stream.put(np.asarray(x), a.dtype, s),
-                        tree, job.layout.master_params, job.layout.named(job.layout.master_specs))
+                        tree, job.state_plan.master_params, job.state_plan.named(job.state_plan.master_specs))
 
 
 def initial_state(job: Job, checkpointer: ckpt_lib.Checkpointer | None,
@@ -161,10 +161,10 @@ def initial_state(job: Job, checkpointer: ckpt_lib.Checkpointer | None,
                   corpus: corpus_lib.TokenData | None = None) -> tuple[TrainState, int | None]:
     c = job.run.checkpoint
     if c.resume:
-        restored = checkpointer.restore_latest(job.layout.targets, log)
+        restored = checkpointer.restore_latest(job.state_plan.targets, log)
         if restored is not None:
             saved, meta = restored
-            state = job.layout.from_saved(saved)
+            state = job.state_plan.from_saved(saved)
             step = int(distributed.local(state.step))
             arrays = sum(len(leaves) for leaves in meta["manifest"].values())
             log(f"resumed from {checkpointer.directory / str(step)} (step {step}; {arrays} arrays "
@@ -190,7 +190,7 @@ def _log_precision_change(saved: dict | None, job: Job, log) -> None:
     now = dataclasses.asdict(job.policy)
     if saved is None or saved == now:
         return
-    working = (f"the working copy is cast from them to {job.policy.compute}" if job.layout.master
+    working = (f"the working copy is cast from them to {job.policy.compute}" if job.state_plan.master
                else "the parameters are cast to "
                     f"{job.policy.compute} at use")
     log(f"precision changed: saved with {_listed(saved)}; resuming with {_listed(now)}. The "
@@ -236,7 +236,7 @@ class StopAndSave:
         self.stopped = self.preemption.reason(n) or ("stop_at" if n == t.stop_at else "")
         if self.checkpointer is not None:
             if self.stopped or n == (t.stop_at or t.steps) or self.checkpointer.due(n):
-                self.checkpointer.save(n, self.job.layout.saved_form(state),
+                self.checkpointer.save(n, self.job.state_plan.saved_form(state),
                                        {**checkpoint_meta(self.job, n, self.corpus), **self.meta})
             self.checkpointer.check()
         # A stop asked for while this step was being saved: that save is the last.
@@ -248,7 +248,7 @@ def batches(job: Job, corpus: corpus_lib.TokenData, split: str) -> Callable[[int
     """`step -> the global batch of `split` at that step`, in the job's batch sharding."""
     run, t = job.run, job.run.train
     return functools.partial(corpus_lib.global_batch, corpus, split, run.data.seq_len,
-                             t.batch_size, t.seed, sharding=job.layout.batch_sharding,
+                             t.batch_size, t.seed, sharding=job.state_plan.batch_sharding,
                              segments=run.data.segment_ids)
 
 
@@ -328,7 +328,7 @@ def train(job: Job, corpus: corpus_lib.TokenData, train_step, eval_step, *,
     `plan` (summary.tables) is logged to W&B with the run."""
     c, d = job.run.checkpoint, job.run.distributed
     # Save lines go above the progress bar, not through it.
-    checkpointer = (ckpt_lib.Checkpointer(c, job.layout.names, writer=True,
+    checkpointer = (ckpt_lib.Checkpointer(c, job.state_plan.names, writer=True,
                                           barrier_timeout_s=d.barrier_timeout_s,
                                           log=tqdm.write) if c.dir else None)
     directory = checkpointer.directory if checkpointer is not None else None

@@ -32,8 +32,8 @@ def exported(job, params, out: Path) -> Path:
     """`params` checkpointed under `out` and exported with `--hf-dir`; the directory."""
     state = job.state_from_params(params)
     writer = ckpt_lib.Checkpointer(ckpt_lib.CheckpointConfig(dir=str(out / "ckpt")),
-                                   job.layout.names, writer=True)
-    writer.save(0, job.layout.saved_form(state), run.checkpoint_meta(job, 0))
+                                   job.state_plan.names, writer=True)
+    writer.save(0, job.state_plan.saved_form(state), run.checkpoint_meta(job, 0))
     writer.wait()
     p = subprocess.run([sys.executable, "scripts/export.py", "--checkpoint-dir",
                         str(out / "ckpt"), "--hf-dir", str(out / "hf")],

@@ -95,7 +95,7 @@ def bf16_export(corpus, tmp_path_factory):
     checkpointed and exported with --hf-dir (its default dtype)."""
     job = make_job(corpus, model="llama-tiny", precision="bf16", param_dtype="bfloat16",
                    opt_state_dtype="bfloat16", mesh="fsdp=2", devices=jax.devices()[:2])
-    params = job.layout.saved_form(initial_state(job)).params
+    params = job.state_plan.saved_form(initial_state(job)).params
     return job, params, exported(job, params, tmp_path_factory.mktemp("bf16"))
 
 

@@ -33,7 +33,7 @@ def trained(tmp_path_factory):
     corpus = corpus_lib.load(str(data))
     job = make_job(corpus, data=str(data), steps=2, batch_size=8)
     _, state = train(job, corpus)
-    c = ckpt_lib.Checkpointer(ckpt_lib.CheckpointConfig(dir=str(tmp / "ckpt")), job.layout.names,
+    c = ckpt_lib.Checkpointer(ckpt_lib.CheckpointConfig(dir=str(tmp / "ckpt")), job.state_plan.names,
                               writer=True)
     c.save(2, state, run.checkpoint_meta(job, 2, corpus))
     c.wait()

@@ -30,7 +30,7 @@ def exported(corpus, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("hf")
     job = make_job(corpus, steps=3)
     _, state = train(job, corpus)
-    c = ckpt_lib.Checkpointer(ckpt_lib.CheckpointConfig(dir=str(tmp / "ckpt")), job.layout.names,
+    c = ckpt_lib.Checkpointer(ckpt_lib.CheckpointConfig(dir=str(tmp / "ckpt")), job.state_plan.names,
                               writer=True)
     c.save(3, state, run.checkpoint_meta(job, 3))
     c.wait()

@@ -144,7 +144,7 @@ def throughput(job) -> Throughput:
     mesh (on CPU, those of this process share the host's peak, with those of
     the other processes on the host)."""
     flops = StepFlops.of(job.model, job.run.data.seq_len, job.hooks.remat)
-    devices = list(job.layout.mesh.devices.flat)
+    devices = list(job.state_plan.mesh.devices.flat)
     local = sum(d.process_index == jax.process_index() for d in devices)
     return Throughput(flops, len(devices),
                       device_peak(devices[0], job.policy.compute,

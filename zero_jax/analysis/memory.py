@@ -31,7 +31,7 @@ from zero_jax.analysis.traffic import CollectiveReport
 from zero_jax.runtime import procmem
 from zero_jax.sharding import zero as zero_lib
 from zero_jax.sharding.specs import bytes_per_device, shard_elements, spec_leaves
-from zero_jax.train.state import Layout
+from zero_jax.train.state import StatePlan
 
 STATES = ("params", "grads", "opt_state")  # the keys of every {state: bytes} figure here
 
@@ -40,62 +40,62 @@ def _nbytes(leaf) -> int:
     return math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
 
 
-def stored_count(layout: Layout) -> int:
+def stored_count(state_plan: StatePlan) -> int:
     """Parameters stored, a pipeline's padding slots (pipeline/cut.py) included."""
-    return sum(math.prod(p.shape) for p in jax.tree.leaves(layout.abstract.params))
+    return sum(math.prod(p.shape) for p in jax.tree.leaves(state_plan.abstract.params))
 
 
-def param_count(layout: Layout) -> int:
+def param_count(state_plan: StatePlan) -> int:
     """The model's parameters."""
-    stages = layout.stages
+    stages = state_plan.stages
     if stages is None:
-        return stored_count(layout)
+        return stored_count(state_plan)
     return sum(math.prod(p.shape[1:]) * stages.layers if stacked else math.prod(p.shape)
-               for p, stacked in zip(jax.tree.leaves(layout.abstract.params),
-                                     jax.tree.leaves(layout.stacked[0])))
+               for p, stacked in zip(jax.tree.leaves(state_plan.abstract.params),
+                                     jax.tree.leaves(state_plan.stacked[0])))
 
 
-def expert_count(layout: Layout) -> int:
+def expert_count(state_plan: StatePlan) -> int:
     """Parameters stored in a mixture of experts' stacked experts (the
     arrays with an `experts` dimension)."""
-    return sum(math.prod(p.shape) for p, n in zip(jax.tree.leaves(layout.abstract.params),
-                                                  spec_leaves(layout.names))
+    return sum(math.prod(p.shape) for p, n in zip(jax.tree.leaves(state_plan.abstract.params),
+                                                  spec_leaves(state_plan.names))
                if "experts" in tuple(n))
 
 
-def _divisors(layout: Layout) -> tuple[int, int]:
+def _divisors(state_plan: StatePlan) -> tuple[int, int]:
     """What ZeRO divides a sharded state by: (dense parameters: every ZeRO
     axis; experts: the expert axis, which splits them anyway, times the
     other ZeRO axes)."""
-    sizes = layout.mesh_shape.sizes
-    axes = layout.mesh_shape.shard_axes
+    sizes = state_plan.mesh_shape.sizes
+    axes = state_plan.mesh_shape.shard_axes
     ep = sizes.get("expert", 1)
     return math.prod(sizes[a] for a in axes), ep * math.prod(sizes[a] for a in axes
                                                            if a != "expert")
 
 
-def bytes_per_param(layout: Layout) -> dict[str, float]:
+def bytes_per_param(state_plan: StatePlan) -> dict[str, float]:
     """Model-state bytes per stored parameter: dtype sizes, and the optimizer's per-parameter bytes."""
-    psi = stored_count(layout)
-    opt = sum(_nbytes(x) for x in jax.tree.leaves(layout.abstract.opt_state) if x.shape)
-    params = sum(_nbytes(p) for p in jax.tree.leaves(layout.abstract.params))
-    return {"params": params / psi, "grads": np.dtype(layout.grad_dtype).itemsize,
+    psi = stored_count(state_plan)
+    opt = sum(_nbytes(x) for x in jax.tree.leaves(state_plan.abstract.opt_state) if x.shape)
+    params = sum(_nbytes(p) for p in jax.tree.leaves(state_plan.abstract.params))
+    return {"params": params / psi, "grads": np.dtype(state_plan.grad_dtype).itemsize,
             "opt_state": opt / psi}
 
 
-def divisor(layout: Layout, sharded: bool, expert: bool) -> int:
+def divisor(state_plan: StatePlan, sharded: bool, expert: bool) -> int:
     """What the ZeRO formula divides a parameter's state by: the tensor
     degree t, times every ZeRO axis where the stage shards it; an expert's,
     the expert axis whatever the stage, times the other ZeRO axes where
     sharded."""
-    n_shard, n_expert = _divisors(layout)
-    sizes = layout.mesh_shape.sizes
+    n_shard, n_expert = _divisors(state_plan)
+    sizes = state_plan.mesh_shape.sizes
     if expert:
         return (n_expert if sharded else sizes.get("expert", 1)) * sizes["tensor"]
     return (n_shard if sharded else 1) * sizes["tensor"]
 
 
-def theory(layout: Layout) -> dict[str, float]:
+def theory(state_plan: StatePlan) -> dict[str, float]:
     """The ZeRO formula: bytes per parameter x Psi / (N_d if sharded) / t.
 
     t is the tensor-parallel degree. A mixture of experts' Psi_e expert
@@ -105,14 +105,14 @@ def theory(layout: Layout) -> dict[str, float]:
     Scalar optimizer leaves (step counts) are never sharded and are counted
     in full.
     """
-    stage = zero_lib.stage(layout.zero_stage)
-    psi, psi_e = stored_count(layout), expert_count(layout)
-    per = bytes_per_param(layout)
-    scalars = sum(_nbytes(x) for x in jax.tree.leaves(layout.abstract.opt_state) if not x.shape)
+    stage = zero_lib.stage(state_plan.zero_stage)
+    psi, psi_e = stored_count(state_plan), expert_count(state_plan)
+    per = bytes_per_param(state_plan)
+    scalars = sum(_nbytes(x) for x in jax.tree.leaves(state_plan.abstract.opt_state) if not x.shape)
 
     def share(sharded):  # parameters per device before the bytes per parameter
-        return ((psi - psi_e) / divisor(layout, sharded, False)
-                + psi_e / divisor(layout, sharded, True))
+        return ((psi - psi_e) / divisor(state_plan, sharded, False)
+                + psi_e / divisor(state_plan, sharded, True))
     return {
         "params": per["params"] * share(stage.params),
         "grads": per["grads"] * share(stage.grads),
@@ -120,14 +120,14 @@ def theory(layout: Layout) -> dict[str, float]:
     }
 
 
-def formula(layout: Layout) -> str:
+def formula(state_plan: StatePlan) -> str:
     """The model-state formula in use, per parameter: at ZeRO-1 over 8 devices
     with a bf16 working copy, float32 gradients and Adam, "params 2 + grads 4
     + optimizer state 12/8 = 7.5 bytes per parameter"."""
-    stage = zero_lib.stage(layout.zero_stage)
-    sizes = layout.mesh_shape.sizes
-    n = math.prod(sizes[a] for a in layout.mesh_shape.shard_axes)
-    per = bytes_per_param(layout)
+    stage = zero_lib.stage(state_plan.zero_stage)
+    sizes = state_plan.mesh_shape.sizes
+    n = math.prod(sizes[a] for a in state_plan.mesh_shape.shard_axes)
+    per = bytes_per_param(state_plan)
     terms, total = [], 0.0
     for key, name, sharded_ in (("params", "params", stage.params), ("grads", "grads", stage.grads),
                                 ("opt_state", "optimizer state", stage.opt_state)):
@@ -136,33 +136,33 @@ def formula(layout: Layout) -> str:
         terms.append(f"{name} {per[key]:.3g}" + (f"/{n}" if sharded_ and n > 1 else ""))
     t, ep = sizes["tensor"], sizes.get("expert", 1)
     experts = ""
-    if ep > 1 and (psi_e := expert_count(layout)):
-        experts = (f"; the experts' {psi_e / stored_count(layout):.1%} of the parameters: "
-                   f"/ expert {ep} where unsharded, / {_divisors(layout)[1]} where sharded")
+    if ep > 1 and (psi_e := expert_count(state_plan)):
+        experts = (f"; the experts' {psi_e / stored_count(state_plan):.1%} of the parameters: "
+                   f"/ expert {ep} where unsharded, / {_divisors(state_plan)[1]} where sharded")
     return (" + ".join(terms) + f" = {total:.4g} bytes per parameter"
             + (f", / tensor {t} = {total / t:.4g}" if t > 1 else "") + experts)
 
 
-def sharded(layout: Layout) -> dict[str, int]:
+def sharded(state_plan: StatePlan) -> dict[str, int]:
     """Bytes per device of each state as its shardings store it."""
-    a, s = layout.abstract, layout.specs
+    a, s = state_plan.abstract, state_plan.specs
     return {
-        "params": bytes_per_device(a.params, s.params, layout.mesh),
-        "grads": bytes_per_device(layout.abstract_grads, s.grads, layout.mesh),
-        "opt_state": bytes_per_device(a.opt_state, s.opt_state, layout.mesh),
+        "params": bytes_per_device(a.params, s.params, state_plan.mesh),
+        "grads": bytes_per_device(state_plan.abstract_grads, s.grads, state_plan.mesh),
+        "opt_state": bytes_per_device(a.opt_state, s.opt_state, state_plan.mesh),
     }
 
 
-def by_memory_kind(layout: Layout) -> dict[str, dict[str, int]]:
+def by_memory_kind(state_plan: StatePlan) -> dict[str, dict[str, int]]:
     """`sharded` split by where each state lives, read from the state's
     shardings' memory kinds: {"device": {...}, "host": {...}}. Gradients
     live on the device (offload.py moves them to the host only for the
     update)."""
-    total = sharded(layout)
-    kinds = layout.shardings
+    total = sharded(state_plan)
+    kinds = state_plan.shardings
     out = {kind: {k: 0 for k in total} for kind in ("device", "host")}
     for name, tree in (("params", kinds.params), ("opt_state", kinds.opt_state)):
-        abstract = getattr(layout.abstract, name)
+        abstract = getattr(state_plan.abstract, name)
         for leaf, s in zip(jax.tree.leaves(abstract), jax.tree.leaves(
                 tree, is_leaf=lambda x: isinstance(x, NamedSharding))):
             where = "host" if s.memory_kind == offload_lib.HOST else "device"
@@ -208,18 +208,18 @@ class MemoryReport:
         return out
 
 
-def report(layout: Layout, compiled_step=None, activation_bytes: float | None = None,
+def report(state_plan: StatePlan, compiled_step=None, activation_bytes: float | None = None,
            collectives: CollectiveReport | None = None) -> MemoryReport:
     """The report of `layout`, with the compiled step's figures where it is given."""
-    split = by_memory_kind(layout)
+    split = by_memory_kind(state_plan)
     measured = None if compiled_step is None else compiled(compiled_step)
     activations = None
     if activation_bytes is not None:
         activations = {"analytic_bytes": activation_bytes}
         if measured is not None:
             activations["compiled_temp_bytes"] = measured["temp_bytes"]
-    return MemoryReport(param_count(layout), bytes_per_param(layout), formula(layout),
-                        theory(layout), sharded(layout), split["device"], split["host"],
+    return MemoryReport(param_count(state_plan), bytes_per_param(state_plan), formula(state_plan),
+                        theory(state_plan), sharded(state_plan), split["device"], split["host"],
                         measured, activations, collectives)
 
 
@@ -244,7 +244,7 @@ def _count(n: int) -> str:
     return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
 
-def check_fits(layout: Layout, what: str, processes_here: int = 1,
+def check_fits(state_plan: StatePlan, what: str, processes_here: int = 1,
                room: tuple[int, str] | None | str = "measure") -> None:
     """Raise DoesNotFit, naming the bytes and what to change, when the
     model states of `layout` (`what`: the flag that chose the model, for the
@@ -257,11 +257,11 @@ def check_fits(layout: Layout, what: str, processes_here: int = 1,
     elsewhere the host holds what is offloaded. `processes_here`: processes
     of this run on this host (several under zero-jax launch), each with
     as many devices as this one."""
-    if isinstance(layout.mesh, jax.sharding.AbstractMesh) or os.environ.get(ENV_NO_FIT_CHECK) == "1":
+    if isinstance(state_plan.mesh, jax.sharding.AbstractMesh) or os.environ.get(ENV_NO_FIT_CHECK) == "1":
         return
-    split = by_memory_kind(layout)
+    split = by_memory_kind(state_plan)
     on_device, offloaded = sum(split["device"].values()), sum(split["host"].values())
-    local = layout.mesh.local_devices
+    local = state_plan.mesh.local_devices
     platform, here = local[0].platform, len(local) * processes_here
     host_need = (on_device + offloaded if platform == "cpu" else offloaded) * here
     limit = None if platform == "cpu" else (local[0].memory_stats() or {}).get("bytes_limit")
@@ -271,11 +271,11 @@ def check_fits(layout: Layout, what: str, processes_here: int = 1,
     host_short = room is not None and host_need > room[0]
     if not (device_short or host_short):
         return
-    raise DoesNotFit(_does_not_fit(layout, what, split, platform, here, host_need, limit, room,
+    raise DoesNotFit(_does_not_fit(state_plan, what, split, platform, here, host_need, limit, room,
                                    device_short, processes_here))
 
 
-def _does_not_fit(layout: Layout, what: str, split: dict[str, dict[str, int]], platform: str,
+def _does_not_fit(state_plan: StatePlan, what: str, split: dict[str, dict[str, int]], platform: str,
                   here: int, host_need: int, limit: int | None, room: tuple[int, str] | None,
                   device_short: bool, processes_here: int) -> str:
     """The one line of a refused run: what it needs per device and on this
@@ -284,8 +284,8 @@ def _does_not_fit(layout: Layout, what: str, split: dict[str, dict[str, int]], p
     on_device, offloaded = sum(split["device"].values()), sum(split["host"].values())
     parts = " + ".join(f"{names[k]} {_size(split['device'][k])}" for k in STATES
                        if split["device"][k])
-    axes = ",".join(f"{a}={n}" for a, n in layout.mesh_shape.sizes.items() if n > 1) or "1 device"
-    need = f"{_size(on_device)} per device ({parts}; ZeRO-{layout.zero_stage} over {axes})"
+    axes = ",".join(f"{a}={n}" for a, n in state_plan.mesh_shape.sizes.items() if n > 1) or "1 device"
+    need = f"{_size(on_device)} per device ({parts}; ZeRO-{state_plan.zero_stage} over {axes})"
     if offloaded:
         need += f", plus {_size(offloaded)} per device offloaded to host memory"
     if device_short:
@@ -297,22 +297,22 @@ def _does_not_fit(layout: Layout, what: str, split: dict[str, dict[str, int]], p
              + (f"{_size(room[0])} available ({room[1]})" if room else "an unknown amount free"))
     fixes = []
     if device_short:
-        if not layout.host_opt and zero_lib.stage(layout.zero_stage).opt_state and split["device"]["opt_state"]:
+        if not state_plan.host_opt and zero_lib.stage(state_plan.zero_stage).opt_state and split["device"]["opt_state"]:
             fixes.append(f"--offload-optimizer (moves {_size(split['device']['opt_state'])} per "
                          "device to host memory)")
-        if not layout.host_params and split["device"]["params"]:
+        if not state_plan.host_params and split["device"]["params"]:
             fixes.append("--offload-params (with --zero-stage 3)")
-    if not zero_lib.stage(layout.zero_stage).params:
+    if not zero_lib.stage(state_plan.zero_stage).params:
         fixes.append("--zero-stage 3 (shards every state)")
     if device_short:
         fixes.append("more devices to shard over")
-    elif room and zero_lib.stage(layout.zero_stage).params:
+    elif room and zero_lib.stage(state_plan.zero_stage).params:
         fixes.append(f"about {math.ceil(host_need / max(room[0], 1))} hosts like this one to "
                      "shard over")
     else:
         fixes.append("more hosts to shard over")
     fixes.append("a smaller model")
     where = "a device" if device_short else "this host"
-    return (f"{what} ({_count(param_count(layout))} parameters) does not fit {where}: its model "
+    return (f"{what} ({_count(param_count(state_plan))} parameters) does not fit {where}: its model "
             f"states alone need {need}; nothing was allocated. Use {', '.join(fixes[:-1])} or "
             f"{fixes[-1]}")

@@ -228,7 +228,7 @@ def _permute_axes(pairs: list[list[int]], mesh) -> tuple[str, ...] | None:
     return tuple(mesh.axis_names[i] for i in sorted(differ)) if pairs else None
 
 
-def theory(layout, microbatches: int, reduce_once: bool, compute_dtype,
+def theory(state_plan, microbatches: int, reduce_once: bool, compute_dtype,
            gathered_once: tuple[str, ...] = ()) -> dict[str, int] | None:
     """The ZeRO paper's volumes in payload bytes per device per step, for a
     layout without a pipeline (None with one): {"gradients", "parameters"}.
@@ -248,20 +248,20 @@ def theory(layout, microbatches: int, reduce_once: bool, compute_dtype,
     all-reduce of the sharded gradients' shards across the other
     data-parallel axes. Arrays ZeRO leaves whole are reduced, never gathered.
     """
-    shape = layout.mesh_shape
+    shape = state_plan.mesh_shape
     if shape.sizes["pipe"] > 1:
         return None
-    stage = zero_lib.stage(layout.zero_stage)
-    with_paths = jax.tree_util.tree_flatten_with_path(layout.abstract.params)[0]
+    stage = zero_lib.stage(state_plan.zero_stage)
+    with_paths = jax.tree_util.tree_flatten_with_path(state_plan.abstract.params)[0]
     leaves = [p for _, p in with_paths]
     once = [getattr(path[0], "key", None) in gathered_once for path, _ in with_paths]
-    compute = spec_leaves(layout.specs.compute)
-    sharded = spec_leaves(layout.specs.sharded)
-    elements = [shard_elements(p.shape, NamedSharding(layout.mesh, s))
+    compute = spec_leaves(state_plan.specs.compute)
+    sharded = spec_leaves(state_plan.specs.sharded)
+    elements = [shard_elements(p.shape, NamedSharding(state_plan.mesh, s))
                 for p, s in zip(leaves, compute)]
     split = [s != c for s, c in zip(sharded, compute)]
-    g = np.dtype(layout.grad_dtype).itemsize
-    if layout.master:  # the working copy, leaf by leaf
+    g = np.dtype(state_plan.grad_dtype).itemsize
+    if state_plan.master:  # the working copy, leaf by leaf
         gathered = [p.dtype.itemsize for p in leaves]
     else:
         c = np.dtype(compute_dtype if stage.params else leaves[0].dtype).itemsize

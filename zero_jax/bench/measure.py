@@ -77,8 +77,8 @@ def host_bytes(job: job_lib.Job) -> int:
     for the update (0 without offload). Checked before compiling: running out
     of host memory kills the process, where running out of device memory
     only fails the case."""
-    on_host = sum(memory.by_memory_kind(job.layout)["host"].values())
-    return on_host + memory.sharded(job.layout)["grads"] if on_host else 0
+    on_host = sum(memory.by_memory_kind(job.state_plan)["host"].values())
+    return on_host + memory.sharded(job.state_plan)["grads"] if on_host else 0
 
 
 def host_memory() -> int:
@@ -132,8 +132,8 @@ def run_case(case: Case, limit: int | None, warmup: int, steps: int) -> dict:
     result = {"name": case.name, "config": case.flat, "status": "error"}
     try:
         job = prepare(case)
-        result.update(devices=job.layout.mesh.devices.size, compute_dtype=str(job.policy.compute),
-                      params=memory.param_count(job.layout),
+        result.update(devices=job.state_plan.mesh.devices.size, compute_dtype=str(job.policy.compute),
+                      params=memory.param_count(job.state_plan),
                       tokens_per_step=job.run.train.batch_size * job.run.data.seq_len)
         needs_host = host_bytes(job)
         if needs_host > host_memory():

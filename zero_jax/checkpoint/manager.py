@@ -69,7 +69,7 @@ def items_of(state: TrainState) -> dict[str, Any]:
 
 
 def state_of(items: dict[str, Any]) -> TrainState:
-    """The saved form back from the items (`Layout.from_saved` makes a state of it)."""
+    """The saved form back from the items (`StatePlan.from_saved` makes a state of it)."""
     s = items["scalars"]
     return TrainState(s["step"], items["params"], items["opt_state"], s["loss_scale"])
 
@@ -191,7 +191,7 @@ class Checkpointer:
     def save(self, step: int, state: TrainState, meta: dict[str, Any]) -> None:
         """Start saving `state` as `step`; returns once the arrays are off the devices.
 
-        `state` is in its saved form (`Layout.saved_form`: a pipeline's layer
+        `state` is in its saved form (`StatePlan.saved_form`: a pipeline's layer
         stacks in layer order), or a state without a pipeline's cut."""
         self.check()
         started = time.time()
@@ -271,7 +271,7 @@ class Checkpointer:
         """(saved state or master weights, meta) of `step`, laid out as
         `target` and verified.
 
-        `target` is the current run's abstract saved form (`Layout.targets`),
+        `target` is the current run's abstract saved form (`StatePlan.targets`),
         each leaf a ShapeDtypeStruct with its sharding.
         """
         meta = self.meta(step)

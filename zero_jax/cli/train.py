@@ -81,7 +81,7 @@ def prepare(argv: list[str] | None):
                    models.weight_dirs(cfg.model.name, cfg.checkpoint.init_from))
     # A model that cannot fit stops here, before a compile that could take
     # minutes and an initialisation that would fill the host.
-    memory.check_fits(job.layout, f"--model {cfg.model.name}", processes_here(cfg))
+    memory.check_fits(job.state_plan, f"--model {cfg.model.name}", processes_here(cfg))
     return cfg, args, corpus, job, model_line
 
 

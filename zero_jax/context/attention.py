@@ -28,7 +28,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from zero_jax.context import ring
-from zero_jax.context.layout import Context
+from zero_jax.context.order import Context
 
 PROBS = "attn_probs"  # the models' name for the probabilities (remat policies)
 

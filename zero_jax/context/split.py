@@ -5,7 +5,7 @@ naming the sizes and the fix)."""
 from __future__ import annotations
 
 from zero_jax import config as config_lib
-from zero_jax.context.layout import Context
+from zero_jax.context.order import Context
 
 
 def choose(strategy: str, heads: int, tensor: int, context: int, pipelined: bool,

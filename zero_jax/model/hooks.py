@@ -40,8 +40,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from zero_jax.model import param_use
 from zero_jax.context import attention as context_attention
-from zero_jax.context import layout as context_layout
-from zero_jax.context.layout import Context
+from zero_jax.context import order as context_order
+from zero_jax.context.order import Context
 from zero_jax.model.param_use import ManualRows, Tapped, Use, block_rows, inside_only, psum, put
 from zero_jax.model.remat import DOT, WEIGHT, Remat
 from zero_jax.sharding.rules import AxisRules
@@ -280,7 +280,7 @@ class Hooks:
     # -- the sequence over `context` (zero_jax/context) ----------------------
     def sequence_order(self, T: int):
         """The natural index of each slot of a laid-out sequence of T
-        tokens (context/layout.py), or None where the order is natural."""
+        tokens (context/order.py), or None where the order is natural."""
         if self.context is None or self.context.size == 1:
             return None
         return self.context.order(T)
@@ -289,7 +289,7 @@ class Hooks:
         """Each laid-out token's position ((1 or B) x T) under a context
         split; None without one (the model's own positions apply)."""
         order = self.sequence_order(T)
-        return None if order is None else context_layout.positions(order, T, segments_BxT)
+        return None if order is None else context_order.positions(order, T, segments_BxT)
 
     def attend(self, attention: Callable, q, k, v, *, window: int = 0,
                keep: Callable = lambda p: p, segments_BxT=None):

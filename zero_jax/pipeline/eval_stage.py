@@ -19,7 +19,7 @@ from zero_jax.model.hooks import RowSplit
 from zero_jax.model.loss import cross_entropy
 from zero_jax.pipeline.program import Row, Tables
 from zero_jax.model.contract import PipelineFns
-from zero_jax.pipeline.records import StageLayout
+from zero_jax.pipeline.records import StagePlan
 from zero_jax.pipeline.stage import LocalStage, send
 
 
@@ -34,7 +34,7 @@ class EvalStage(LocalStage):
     """A device's stage in the evaluation loop. With `rows`, the embedding
     and head tables are this device's row blocks of them."""
 
-    def __init__(self, fns: PipelineFns, hooks, where: StageLayout, outer, chunks, micro,
+    def __init__(self, fns: PipelineFns, hooks, where: StagePlan, outer, chunks, micro,
                  x_shape: jax.ShapeDtypeStruct, rows: RowSplit | None):
         super().__init__(fns, hooks, where, outer, chunks, micro, x_shape)
         self.rows = rows

@@ -25,7 +25,7 @@ what a device holds and the pieces its actions are built from (stage.py);
 a tick's actions and how their results are written into the loop's carry,
 for training (train_stage.py, with weight_grad.py for a split backward)
 and evaluation (eval_stage.py); what the loop needs from the model
-(`PipelineFns`) and the layout (`StageLayout`, records.py). Here: the
+(`PipelineFns`) and the state's plan (`StagePlan`, records.py). Here: the
 `shard_map` around the loop.
 """
 
@@ -41,13 +41,13 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
 from zero_jax.data.microbatches import split_microbatches
-from zero_jax.context import layout as context_layout
+from zero_jax.context import order as context_order
 from zero_jax.model.hooks import RowSplit
 from zero_jax.model.param_use import psum
 from zero_jax.pipeline.eval_stage import EvalStage
 from zero_jax.pipeline.program import Program, Tables
 from zero_jax.model.contract import PipelineFns
-from zero_jax.pipeline.records import StageLayout
+from zero_jax.pipeline.records import StagePlan
 from zero_jax.pipeline.schedule import Schedule
 from zero_jax.pipeline.stage import chunks_of, constrain
 from zero_jax.pipeline.train_stage import TrainStage
@@ -61,7 +61,7 @@ class _Loop:
 
     fns: PipelineFns
     hooks: Any  # the step's hooks (outside the shard_map: mesh and all)
-    where: StageLayout
+    where: StagePlan
     schedule: Schedule
     program: Program
     tables: Tables  # the program's tables, as device arrays
@@ -69,7 +69,7 @@ class _Loop:
 
 
 def _prepare(fns: PipelineFns, hooks, schedule: Schedule, mesh: Mesh, params: Any,
-             batch: jax.Array, where: StageLayout):
+             batch: jax.Array, where: StagePlan):
     """(the loop, the parameters outside the stack, the stack in its stored
     layout, the microbatches)."""
     program = Program.of(schedule)
@@ -77,13 +77,13 @@ def _prepare(fns: PipelineFns, hooks, schedule: Schedule, mesh: Mesh, params: An
     stack = constrain(stack, mesh, where.stack)
     # Inputs, targets and weights (B x T each), laid out over `context`.
     order = hooks.sequence_order(batch["tokens"].shape[1] - 1)
-    micro = split_microbatches(context_layout.shifted(batch, order), schedule.m)
+    micro = split_microbatches(context_order.shifted(batch, order), schedule.m)
     tables = Tables(program, _layer_counts(where, stack, schedule.p, schedule.v))
     x_shape = jax.eval_shape(lambda o, t: fns.embed(o, t, hooks), outer, micro["inputs"][0])
     return _Loop(fns, hooks, where, schedule, program, tables, x_shape), outer, stack, micro
 
 
-def _layer_counts(where: StageLayout, stack: Any, p: int, v: int) -> np.ndarray:
+def _layer_counts(where: StagePlan, stack: Any, p: int, v: int) -> np.ndarray:
     """Layers in each (device, local chunk): the cut's, else the stack split evenly."""
     if where.stages is not None:
         return where.stages.device_counts()
@@ -92,7 +92,7 @@ def _layer_counts(where: StageLayout, stack: Any, p: int, v: int) -> np.ndarray:
 
 def loss_and_grads(fns: PipelineFns, hooks, schedule: Schedule, mesh: Mesh, params: Any,
                    batch: jax.Array, scale: jax.Array,
-                   where: StageLayout) -> tuple[jax.Array, dict, Any]:
+                   where: StagePlan) -> tuple[jax.Array, dict, Any]:
     """Mean loss (times `scale`), router metrics and gradients of `params`
     over `batch` (a `step.weighted` batch), pipelined.
 
@@ -156,7 +156,7 @@ def _train(loop: _Loop, cpu: bool, rows: RowSplit | None, ends, outer_specs, out
 
 
 def loss(fns: PipelineFns, hooks, schedule: Schedule, mesh: Mesh, params: Any, batch: jax.Array,
-         where: StageLayout) -> jax.Array:
+         where: StagePlan) -> jax.Array:
     """Mean loss over `batch` (a `step.weighted` batch) through a forward-only schedule
     (`schedule.forward_only`): evaluation, with every stage's layers where
     they are stored. Only activations move over `pipe`; nothing is kept for
@@ -234,7 +234,7 @@ def split_tables(fns: PipelineFns, outer: Any, stored: Any, names: Any) -> tuple
     return tuple(sorted({n[0] for r, n in zip(rows, spec_leaves(names)) if r}))
 
 
-def _outer_in_specs(fns: PipelineFns, outer: Any, where: StageLayout, sizes: dict, widen: bool):
+def _outer_in_specs(fns: PipelineFns, outer: Any, where: StagePlan, sizes: dict, widen: bool):
     """How the loop takes the parameters outside the stack into its
     shard_map, and the RowSplit its hooks use: the tables `split_tables`
     names as their row blocks (unless `where.row_blocks` is off), the rest

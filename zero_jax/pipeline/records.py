@@ -1,4 +1,4 @@
-"""What a pipeline's loop needs from the layout (`StageLayout`): a record,
+"""What a pipeline's loop needs to know of where its state lives (`StagePlan`): a record,
 below everything that runs the loop (executor.py, the stages), so each
 imports it without importing the executor. What it needs from the model,
 `PipelineFns`, is part of the model's contract (model/contract.py)."""
@@ -12,7 +12,7 @@ from zero_jax.pipeline.cut import Stages
 
 
 @dataclasses.dataclass(frozen=True)
-class StageLayout:
+class StagePlan:
     """Where a pipeline's parameters and gradient accumulators live."""
 
     stack: Any  # specs of the stacked parameters (first dimension over `pipe`)

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from zero_jax.model.contract import PipelineFns
-from zero_jax.pipeline.records import StageLayout
+from zero_jax.pipeline.records import StagePlan
 from zero_jax.sharding.specs import map_specs
 
 
@@ -47,7 +47,7 @@ class LocalStage:
     those axes inside the loop.
     """
 
-    def __init__(self, fns: PipelineFns, hooks, where: StageLayout, outer, chunks, micro,
+    def __init__(self, fns: PipelineFns, hooks, where: StagePlan, outer, chunks, micro,
                  x_shape: jax.ShapeDtypeStruct):
         self.fns, self.hooks, self.where = fns, hooks, where
         self.outer, self.chunks, self.micro = outer, chunks, micro

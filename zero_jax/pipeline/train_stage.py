@@ -46,7 +46,7 @@ from zero_jax.model.hooks import RowSplit
 from zero_jax.model.loss import cross_entropy
 from zero_jax.pipeline.program import Row, Tables
 from zero_jax.model.contract import PipelineFns
-from zero_jax.pipeline.records import StageLayout
+from zero_jax.pipeline.records import StagePlan
 from zero_jax.pipeline.schedule import W_PER_TICK
 from zero_jax.pipeline.stage import LocalStage, send
 from zero_jax.pipeline.weight_grad import SplitBackward
@@ -75,7 +75,7 @@ class TrainStage(LocalStage):
     gradient and Ws the matrices' gradients; with `rows`, the embedding and
     head tables are this device's row blocks of them."""
 
-    def __init__(self, fns: PipelineFns, hooks, where: StageLayout, outer, chunks, micro,
+    def __init__(self, fns: PipelineFns, hooks, where: StagePlan, outer, chunks, micro,
                  x_shape: jax.ShapeDtypeStruct, loss_scale: jax.Array, split: bool = False,
                  rows: RowSplit | None = None):
         super().__init__(fns, hooks, where, outer, chunks, micro, x_shape)

@@ -70,25 +70,25 @@ class StepBytes:
 def step_bytes(job: job_lib.Job, choice: Choice, platform: str = "gpu") -> StepBytes:
     """The states and phase temporaries of `choice`, with `job` the abstract
     job of its mesh, ZeRO stage and stage cut."""
-    layout = job.layout
-    state = memory.sharded(layout)
-    split = memory.by_memory_kind(layout)
+    state_plan = job.state_plan
+    state = memory.sharded(state_plan)
+    split = memory.by_memory_kind(state_plan)
     stage = zero_lib.stage(choice.zero)
     held = split["device"]["opt_state"] if platform == "cpu" else 0.0  # XLA:CPU's early copy
     per_microbatch = reduces_each_microbatch(job, stage)
     backward = _backward(job, choice, state, per_microbatch) + held
-    reduction = (_reduction(layout, state, platform) + held
+    reduction = (_reduction(state_plan, state, platform) + held
                  if (stage.grads and not per_microbatch) else 0.0)
     _, g = dtype_bytes(job)
-    host_step = update_elements(layout, stage) * g if layout.host_opt else 0.0
+    host_step = update_elements(state_plan, stage) * g if state_plan.host_opt else 0.0
     return StepBytes(state, split["host"], backward, reduction,
-                     _update(layout, stage, state, split), host_step)
+                     _update(state_plan, stage, state, split), host_step)
 
 
 def dtype_bytes(job: job_lib.Job) -> tuple[int, int]:
     """Bytes per element of the activations (the compute dtype) and of the gradients."""
     return (np.dtype(job.policy.dtype("compute")).itemsize,
-            np.dtype(job.layout.grad_dtype).itemsize)
+            np.dtype(job.state_plan.grad_dtype).itemsize)
 
 
 def reduces_each_microbatch(job: job_lib.Job, stage: zero_lib.ZeroStage) -> bool:
@@ -97,17 +97,17 @@ def reduces_each_microbatch(job: job_lib.Job, stage: zero_lib.ZeroStage) -> bool
     return stage.params and not job.reduce_once
 
 
-def compute_grad_bytes(layout) -> int:
+def compute_grad_bytes(state_plan) -> int:
     """Bytes per device of the gradients in the compute layout: what a
     device's backward pass produces before any reduction."""
-    return bytes_per_device(layout.abstract_grads, layout.specs.compute, layout.mesh)
+    return bytes_per_device(state_plan.abstract_grads, state_plan.specs.compute, state_plan.mesh)
 
 
-def update_elements(layout, stage: zero_lib.ZeroStage) -> float:
+def update_elements(state_plan, stage: zero_lib.ZeroStage) -> float:
     """Parameters this device updates: its shard in the optimizer's layout."""
-    specs = layout.specs.sharded if stage.opt_state else layout.specs.params
-    f32 = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, np.float32), layout.abstract.params)
-    return bytes_per_device(f32, specs, layout.mesh) / 4
+    specs = state_plan.specs.sharded if stage.opt_state else state_plan.specs.params
+    f32 = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, np.float32), state_plan.abstract.params)
+    return bytes_per_device(f32, specs, state_plan.mesh) / 4
 
 
 def _backward(job: job_lib.Job, choice: Choice, state: dict[str, int],
@@ -129,7 +129,7 @@ def _activations(job: job_lib.Job, choice: Choice):
     the last stage's forward tick runs the head, whose logits it holds whole."""
     cfg = job.model.config
     if choice.pipe > 1:
-        cfg = dataclasses.replace(cfg, n_layer=job.layout.stages.slots)
+        cfg = dataclasses.replace(cfg, n_layer=job.state_plan.stages.slots)
     c, _ = dtype_bytes(job)
     ctx = job.hooks.context
     return cfg.activation_parts(choice.micro, job.run.data.seq_len, c, remat_lib.Remat(choice.remat),
@@ -139,23 +139,23 @@ def _activations(job: job_lib.Job, choice: Choice):
 
 def _layers_here(job: job_lib.Job, choice: Choice) -> int:
     """Layers of the stack one device runs: its stage's slots in a pipeline."""
-    return job.layout.stages.padded // choice.pipe if choice.pipe > 1 else max(job.model.layers, 1)
+    return job.state_plan.stages.padded // choice.pipe if choice.pipe > 1 else max(job.model.layers, 1)
 
 
 def _per_layer(job: job_lib.Job, choice: Choice) -> float:
     """One layer's gradient bytes in the compute layout."""
-    _, stack = _split_bytes(job.layout, job.layout.abstract_grads, job.layout.specs.compute)
+    _, stack = _split_bytes(job.state_plan, job.state_plan.abstract_grads, job.state_plan.specs.compute)
     return stack / _layers_here(job, choice)
 
 
 def _layer_gathers(job: job_lib.Job, choice: Choice) -> float:
     """ZeRO-3's gathered weights, this layer's and the next (prefetched);
     with parameter offload, their stored shards fetched from host memory too."""
-    layout = job.layout
+    state_plan = job.state_plan
     c, g = dtype_bytes(job)
     gathers = 2 * _per_layer(job, choice) / g * c if zero_lib.stage(choice.zero).params else 0.0
-    if layout.host_params:
-        _, stack_stored = _split_bytes(layout, layout.abstract.params, layout.specs.params)
+    if state_plan.host_params:
+        _, stack_stored = _split_bytes(state_plan, state_plan.abstract.params, state_plan.specs.params)
         gathers += 2 * stack_stored / _layers_here(job, choice)
     return gathers
 
@@ -170,7 +170,7 @@ def _pipeline_backward(job: job_lib.Job, choice: Choice, acts, gathers: float,
     every stage, its block of the logits) and the embedding's and head's
     gradient; a backward tick the rebuilt chunk, its gradients and its
     layers' gathers. They are branches of one switch: never live together."""
-    layout, cfg = job.layout, job.model.config
+    state_plan, cfg = job.state_plan, job.model.config
     c, g = dtype_bytes(job)
     schedule = pipeline_schedule(choice)
     act = choice.micro * job.run.data.seq_len * cfg.d_model * c
@@ -181,15 +181,15 @@ def _pipeline_backward(job: job_lib.Job, choice: Choice, acts, gathers: float,
     waiting = (schedule.pending_w_peak() if schedule.split_backward else [0] * choice.pipe)
     per_w = 0.0
     if schedule.split_backward:
-        per_w = (job.layout.stages.slots * _kept_per_token(job) / cfg.d_model * act
+        per_w = (job.state_plan.stages.slots * _kept_per_token(job) / cfg.d_model * act
                  / choice.tensor)
     stash = max(s * act + w * per_w for s, w in zip(schedule.stash_peak(), waiting))
-    specs = layout.specs.grads if per_microbatch else layout.specs.compute
+    specs = state_plan.specs.grads if per_microbatch else state_plan.specs.compute
     rows = tables_in_blocks(job, choice)
-    outer_acc = _outer_here(layout, map_specs(lambda sp: without_axis(sp, "pipe"), specs), rows,
+    outer_acc = _outer_here(state_plan, map_specs(lambda sp: without_axis(sp, "pipe"), specs), rows,
                             choice.pipe)
-    _, stack_acc = _split_bytes(layout, layout.abstract_grads, specs)
-    outer_grads = _outer_here(layout, layout.specs.compute, rows, choice.pipe)
+    _, stack_acc = _split_bytes(state_plan, state_plan.abstract_grads, specs)
+    outer_grads = _outer_here(state_plan, state_plan.specs.compute, rows, choice.pipe)
     base = outer_acc + stack_acc + outer_grads / g * c + stash
     forward = acts.head / (choice.pipe if any(rows) else 1) + outer_grads
     backward_tick = acts.kept + acts.rebuilt + stack_acc / choice.virtual + gathers
@@ -204,12 +204,12 @@ def tables_in_blocks(job: job_lib.Job, choice: Choice) -> list[bool]:
     return rows if choice.tables == "rows" else [False] * len(rows)
 
 
-def _outer_here(layout, specs, rows: list[bool], p: int) -> float:
+def _outer_here(state_plan, specs, rows: list[bool], p: int) -> float:
     """Gradient bytes per device of the parameters outside the stack laid out
     by `specs` (`pipe` left out), a table used in row blocks a `p`-th."""
-    sizes = leaf_bytes(layout.abstract_grads, specs, layout.mesh)
+    sizes = leaf_bytes(state_plan.abstract_grads, specs, state_plan.mesh)
     return sum(size / (p if row else 1)
-               for size, stacked, row in zip(sizes, jax.tree.leaves(layout.stacked[0]), rows)
+               for size, stacked, row in zip(sizes, jax.tree.leaves(state_plan.stacked[0]), rows)
                if not stacked)
 
 
@@ -219,7 +219,7 @@ def _reduced_backward(job: job_lib.Job, choice: Choice, state: dict[str, int], a
     gradient; the parameters gathered once (tied embeddings) keep their
     gradient per batch shard."""
     c, g = dtype_bytes(job)
-    tied = _gathered_once(job.layout, job.model)
+    tied = _gathered_once(job.state_plan, job.model)
     base = state["grads"] + acts.kept + tied * c
     layer = acts.rebuilt + tied * g + 2 * _per_layer(job, choice) + gathers
     return base + max(acts.head, layer)
@@ -228,20 +228,20 @@ def _reduced_backward(job: job_lib.Job, choice: Choice, state: dict[str, int], a
 def _partial_sums_backward(job: job_lib.Job, choice: Choice, acts, gathers: float) -> float:
     """Full-size partial sums in the compute layout, and with several
     microbatches the microbatch's own gradients beside them."""
-    base = compute_grad_bytes(job.layout) * (2 if choice.microbatches > 1 else 1) + acts.kept
+    base = compute_grad_bytes(job.state_plan) * (2 if choice.microbatches > 1 else 1) + acts.kept
     return base + max(acts.head, acts.rebuilt + gathers)
 
 
-def _reduction(layout, state: dict[str, int], platform: str) -> float:
+def _reduction(state_plan, state: dict[str, int], platform: str) -> float:
     """Reducing partial sums into a sharded layout: a reduce-scatter, which
     XLA:CPU lowers to an all-reduce (a full-size result) and a slice, one
     array at a time: the partial sums and the largest array's result."""
-    result = (_largest(layout, layout.abstract_grads, layout.specs.compute)
+    result = (_largest(state_plan, state_plan.abstract_grads, state_plan.specs.compute)
               if platform == "cpu" else state["grads"])
-    return compute_grad_bytes(layout) + result
+    return compute_grad_bytes(state_plan) + result
 
 
-def _update(layout, stage: zero_lib.ZeroStage, state: dict[str, int],
+def _update(state_plan, stage: zero_lib.ZeroStage, state: dict[str, int],
             split: dict[str, dict[str, int]]) -> float:
     """The gradients, two float32 working copies of the parameters in the
     optimizer's layout (new moments before they replace the donated ones),
@@ -249,33 +249,33 @@ def _update(layout, stage: zero_lib.ZeroStage, state: dict[str, int],
     the host (offload.py), the device holds the gradients it sends and the
     new parameters that come back beside the old; offloaded parameters alone
     are fetched whole for an update on the device."""
-    if layout.host_opt:
+    if state_plan.host_opt:
         return state["grads"] + split["device"]["params"]
     working = state["params"] if stage.opt_state and not stage.params else 0.0
-    return state["grads"] + 8 * update_elements(layout, stage) + working + split["host"]["params"]
+    return state["grads"] + 8 * update_elements(state_plan, stage) + working + split["host"]["params"]
 
 
-def _split_bytes(layout, abstract, specs) -> tuple[float, float]:
+def _split_bytes(state_plan, abstract, specs) -> tuple[float, float]:
     """Bytes per device of `abstract` laid out by `specs`: (outside the layer stack, the stack)."""
     out = [0.0, 0.0]
-    for size, stacked in zip(leaf_bytes(abstract, specs, layout.mesh),
-                             jax.tree.leaves(layout.stacked[0])):
+    for size, stacked in zip(leaf_bytes(abstract, specs, state_plan.mesh),
+                             jax.tree.leaves(state_plan.stacked[0])):
         out[bool(stacked)] += size
     return out[0], out[1]
 
 
-def _largest(layout, abstract, specs) -> float:
+def _largest(state_plan, abstract, specs) -> float:
     """Bytes per device of the largest array of `abstract` laid out by `specs`."""
-    return max(leaf_bytes(abstract, specs, layout.mesh))
+    return max(leaf_bytes(abstract, specs, state_plan.mesh))
 
 
-def _gathered_once(layout, model) -> float:
+def _gathered_once(state_plan, model) -> float:
     """Elements a device holds of the parameters the model gathers once (ZeRO-3)."""
     return float(sum(
-        shard_elements(leaf.shape, jax.sharding.NamedSharding(layout.mesh, spec))
+        shard_elements(leaf.shape, jax.sharding.NamedSharding(state_plan.mesh, spec))
         for key in model.gathered_once
-        for leaf, spec in zip(jax.tree.leaves(layout.abstract.params.get(key, {})),
-                              spec_leaves(layout.specs.compute.get(key, {})))))
+        for leaf, spec in zip(jax.tree.leaves(state_plan.abstract.params.get(key, {})),
+                              spec_leaves(state_plan.specs.compute.get(key, {})))))
 
 
 _KEPT: dict = {}
@@ -286,7 +286,7 @@ def _kept_per_token(job: job_lib.Job) -> int:
     cfg = job.model.config
     if cfg not in _KEPT:
         fns = job.model.pipeline
-        _, stack = fns.split(job.layout.abstract.params)
+        _, stack = fns.split(job.state_plan.abstract.params)
         layer = jax.tree.map(lambda a: jax.ShapeDtypeStruct((1, *a.shape[1:]), a.dtype), stack)
         # Shapes only, traced here: the products are the same under any
         # attention kernel, and cuDNN's cannot be traced without a GPU.

@@ -130,7 +130,7 @@ def step_time(job: job_lib.Job, choice: Choice, cluster: Cluster) -> StepTime:
         comm["expert"] = _expert_time(job, choice, cluster, work) / (1 - bubble)
     if choice.context > 1:
         comm["context"] = _context_time(job, choice, cluster, work) / (1 - bubble)
-    if job.layout.host_opt or job.layout.host_params:
+    if job.state_plan.host_opt or job.state_plan.host_params:
         comm.update(_host_time(job, choice, cluster))
     hidden = {}
     if choice.data * choice.context > 1:
@@ -171,7 +171,7 @@ def _pipeline_compute(job: job_lib.Job, choice: Choice, cluster: Cluster,
     link = choice.link_bw(cluster, "pipe")
     send = _activation_bytes(job, choice) / link / unit
     p = choice.pipe
-    cost = sched_lib.cost(pipeline_schedule(choice), job.layout.stages.counts,
+    cost = sched_lib.cost(pipeline_schedule(choice), job.state_plan.stages.counts,
                           head=work.head_flops / work.layer_flops, send=send,
                           backward=work.passes + 1, weight=work.weight_share,
                           shared_ends=any(tables_in_blocks(job, choice)),
@@ -248,8 +248,8 @@ def _data_time(job: job_lib.Job, choice: Choice, cluster: Cluster,
     n = choice.data * choice.context
     link = min(choice.link_bw(cluster, a) for a in ("data", "context") if getattr(choice, a) > 1)
     stage = zero_lib.stage(choice.zero)
-    psi = compute_grad_bytes(job.layout) / g  # parameters this device computes with
-    layers_here = max(job.layout.stages.padded // choice.pipe if choice.pipe > 1
+    psi = compute_grad_bytes(job.state_plan) / g  # parameters this device computes with
+    layers_here = max(job.state_plan.stages.padded // choice.pipe if choice.pipe > 1
                       else job.model.config.n_layer, 1)
     unit = _layer_forward_s(job, choice, cluster, work)
     backward = layers_here * unit * (work.passes + 1)  # one microbatch's backward, this device
@@ -286,19 +286,19 @@ def _host_time(job: job_lib.Job, choice: Choice, cluster: Cluster) -> dict[str, 
     update reaches a fraction of it). Under parameter offload every
     microbatch fetches the stored shards forward and backward, and again
     to recompute under full remat."""
-    layout, dev = job.layout, cluster.device
+    state_plan, dev = job.state_plan, cluster.device
     c, g = dtype_bytes(job)
-    split = memory.by_memory_kind(layout)
+    split = memory.by_memory_kind(state_plan)
     link = 0.0
     out = {}
-    if layout.host_opt:
-        elements = update_elements(layout, zero_lib.stage(choice.zero))
-        params_sharded = zero_lib.stage(layout.zero_stage).params
+    if state_plan.host_opt:
+        elements = update_elements(state_plan, zero_lib.stage(choice.zero))
+        params_sharded = zero_lib.stage(state_plan.zero_stage).params
         back = split["device"]["params"] if params_sharded else elements * c
         link += elements * g + back
         touched = elements * (UPDATE_TOUCHES + g + c)
         out["host update"] = touched / (dev.host_mem_bw / cluster.per_node)
-    if layout.host_params:
+    if state_plan.host_params:
         fetches = 3 if choice.remat == "full" else 2
         link += split["host"]["params"] * fetches * choice.microbatches
     out["host link"] = link / dev.host_link_bw

@@ -14,7 +14,7 @@ from zero_jax.sharding.specs import is_spec, named_leaves
 def rows(job: Job, full: bool = True) -> list[str]:
     """The schedule, its cost and the stage placement; with `full`, a line
     per stage, what is stashed, where the tables are used and the tick chart."""
-    s, stages = job.schedule, job.layout.stages
+    s, stages = job.schedule, job.state_plan.stages
     head = job.model.head_cost(job.run.data.seq_len) if job.model.head_cost else 0.0
     shared = any(job.row_blocks())
     cost = sched_lib.cost(s, stages.counts, head=head, shared_ends=shared)
@@ -42,7 +42,7 @@ def rows(job: Job, full: bool = True) -> list[str]:
 
 def _stage(job: Job, d: int, shared: bool) -> str:
     """Pipeline stage `d`'s layers, and the ends it runs."""
-    s, stages = job.schedule, job.layout.stages
+    s, stages = job.schedule, job.state_plan.stages
     ends = [] if shared else ((["embedding"] if d == 0 else [])
                               + (["head and loss"] if d == s.p - 1 else []))
     chunks = [k * s.p + d for k in range(s.v)]
@@ -62,9 +62,9 @@ def _padding(stages) -> list[str]:
 def _table_rows(job: Job) -> list[str]:
     """Whether training and evaluation use the tables where they are stored."""
     fns = job.model.pipeline
-    outer, _ = fns.split(job.layout.abstract.params)
-    stored, _ = fns.split(job.layout.specs.params)
-    names, _ = fns.split(job.layout.names)
+    outer, _ = fns.split(job.state_plan.abstract.params)
+    stored, _ = fns.split(job.state_plan.specs.params)
+    names, _ = fns.split(job.state_plan.names)
     misfits = pipeline_lib.tables_not_in_rows(outer, stored)
     if not fns.vocab_parallel:
         return ["  gathered over pipe at each step, their gradients summed whole (the model's "
@@ -77,7 +77,7 @@ def _table_rows(job: Job) -> list[str]:
                      f"{', '.join(split)}: nothing of them gathered or accumulated whole")
     if not misfits:
         return lines
-    t = job.layout.mesh_shape.sizes["tensor"]
+    t = job.state_plan.mesh_shape.sizes["tensor"]
     tables = ", ".join(f"{path} ({shape[0]} rows)" for path, shape in misfits)
     line = (f"  gathered over pipe at each step, gradients summed whole: {tables}, not "
             f"divisible into pipe={job.schedule.p}{f' x tensor={t}' if t > 1 else ''} row blocks")

@@ -100,10 +100,10 @@ class Table:
 
 def state_layout(job: Job) -> Table:
     """One row per parameter: its stored, gradient and optimizer-state shards."""
-    layout = job.layout
-    params = named_leaves(layout.abstract.params)
-    opt = layout.specs.sharded if zero_lib.stage(layout.zero_stage).opt_state else layout.specs.compute
-    columns = [spec_leaves(t) for t in (layout.specs.params, layout.specs.grads, opt)]
+    state_plan = job.state_plan
+    params = named_leaves(state_plan.abstract.params)
+    opt = state_plan.specs.sharded if zero_lib.stage(state_plan.zero_stage).opt_state else state_plan.specs.compute
+    columns = [spec_leaves(t) for t in (state_plan.specs.params, state_plan.specs.grads, opt)]
     return Table(("parameter", "stored", "gradient", "optimizer state"),
                  [(path, *(shaped(leaf.shape, s) for s in specs))
                   for (path, leaf), *specs in zip(params.items(), *columns)])
@@ -133,18 +133,18 @@ def _sharded(yes: bool) -> str:
 def summary_rows(job: Job, data_line: str, model_line: str,
                  report: MemoryReport) -> list[tuple[str, str]]:
     """(label, text) rows: what runs where."""
-    run, layout, shape = job.run, job.layout, job.layout.mesh_shape
-    stage = zero_lib.stage(layout.zero_stage)
+    run, state_plan, shape = job.run, job.state_plan, job.state_plan.mesh_shape
+    stage = zero_lib.stage(state_plan.zero_stage)
     sizes = shape.sizes
-    dp = layout.data_parallel_size
+    dp = state_plan.data_parallel_size
     shard_axes = shape.shard_axes
     n_shard = math.prod(sizes[a] for a in shard_axes)
     t, ctx = run.train, job.hooks.context
-    used = {n for spec in spec_leaves(layout.names) for n in spec}
+    used = {n for spec in spec_leaves(state_plan.names) for n in spec}
     tp = [n for n in ("heads", "kv_heads", "mlp", "vocab")
-          if n in used and "tensor" in layout.rules.mesh_axes(n)]
+          if n in used and "tensor" in state_plan.rules.mesh_axes(n)]
     master = ("; float32 master weights in the sharded optimizer state, a working copy "
-              "stored replicated" if layout.master else "")
+              "stored replicated" if state_plan.master else "")
     # A mixture of experts, or attention across `context`, reduces each
     # microbatch whatever --grad-reduce says (step.runs_per_device); into
     # shards only where ZeRO shards the gradients.
@@ -158,9 +158,9 @@ def summary_rows(job: Job, data_line: str, model_line: str,
         ("mesh", f"{shape.name}: {shape.num_devices} devices, "
                  + " ".join(f"{a}={sizes[a]}" for a in AXES)
                  + (f"; {jax.process_count()} processes" if jax.process_count() > 1 else "")),
-        ("placement", interconnect(shape, process_grid(layout.mesh)
+        ("placement", interconnect(shape, process_grid(state_plan.mesh)
                                    if jax.process_count() > 1 else None)),
-        ("layout", f"{layout.rules.name}: tensor splits "
+        ("layout", f"{state_plan.rules.name}: tensor splits "
                    + (", ".join(tp) if tp and sizes["tensor"] > 1 else "nothing")
                    + ("; sequence split over tensor between blocks"
                       if job.sequence_parallel and sizes["tensor"] > 1 else "")),
@@ -170,7 +170,7 @@ def summary_rows(job: Job, data_line: str, model_line: str,
         ("remat", job.hooks.remat.describe()),
         ("attention", _attention_line(job)),
         *(("note", note) for note in job.notes),
-        ("zero", f"stage {layout.zero_stage} over "
+        ("zero", f"stage {state_plan.zero_stage} over "
                  + (f"{'*'.join(shard_axes)} (N_d={n_shard})" if shard_axes else "no axis (N_d=1)")
                  + f": optimizer state {_sharded(stage.opt_state)}, gradients "
                    f"{_sharded(stage.grads)}, parameters {_sharded(stage.params)}; gradients "
@@ -297,7 +297,7 @@ def describe(job: Job, data_line: str, model_line: str, compiled_step=None,
     summary = summary_rows(job, data_line, model_line, report)
     width = max(len(label) for label, _ in summary)
     lines = ["== zero_jax plan =="] + [f"{label:<{width}}  {text}" for label, text in summary]
-    lines += memory_rows(report, formula_gap.describe(job.layout))
+    lines += memory_rows(report, formula_gap.describe(job.state_plan))
     lines += collective_rows(report) if full else collective_line(report)
     if job.schedule is not None:
         lines += pipeline_summary.rows(job, full)
@@ -309,7 +309,7 @@ def leaf_rows(job: Job) -> list[str]:
     """Every parameter's layout, and every array ZeRO leaves whole, with why."""
     lines = ["state layout per device (optimizer-state leaves that mirror a parameter "
              "share its optimizer-state layout):"] + _state_rows(job)
-    replicated = job.layout.specs.replicated
+    replicated = job.state_plan.specs.replicated
     if replicated:
         lines.append(f"left whole by ZeRO ({len(replicated)} arrays):")
         lines += [f"  {path}: {why}" for path, why in replicated]
@@ -319,9 +319,9 @@ def leaf_rows(job: Job) -> list[str]:
 def largest_rows(job: Job, count: int = 3) -> list[str]:
     """The `count` parameters that take most bytes per device, their
     layouts, and how many arrays ZeRO leaves whole."""
-    layout = job.layout
-    stored = leaf_bytes(layout.abstract.params, layout.specs.params, layout.mesh)
-    grads = leaf_bytes(layout.abstract_grads, layout.specs.grads, layout.mesh)
+    state_plan = job.state_plan
+    stored = leaf_bytes(state_plan.abstract.params, state_plan.specs.params, state_plan.mesh)
+    grads = leaf_bytes(state_plan.abstract_grads, state_plan.specs.grads, state_plan.mesh)
     table = state_layout(job)
     order = sorted(range(len(stored)), key=lambda i: -(stored[i] + grads[i]))[:count]
     lines = [f"largest parameters per device, of {len(stored)} (--plan full: every one's "
@@ -329,7 +329,7 @@ def largest_rows(job: Job, count: int = 3) -> list[str]:
     lines += _table(("", "stored", "MiB", "gradient", "MiB"),
                     [(table.rows[i][0], table.rows[i][1], _mib(stored[i]), table.rows[i][2],
                       _mib(grads[i])) for i in order])
-    replicated = layout.specs.replicated
+    replicated = state_plan.specs.replicated
     if replicated:
         path, why = replicated[0]
         lines.append(f"left whole by ZeRO: {len(replicated)} arrays, e.g. {path}: {why}")

@@ -135,7 +135,7 @@ _SEQUENCE = {"res_seq": ("context", "tensor")}
 @dataclasses.dataclass(frozen=True)
 class Preset:
     """A named parallel layout (`--layout`): axis rules and the ZeRO stage it
-    implies. (Where the train state lives on a mesh is state.Layout.)"""
+    implies. (Where the train state lives on a mesh is train/state.py's StatePlan.)"""
 
     rules: AxisRules
     zero_stage: int  # used when the run does not set one

@@ -1,6 +1,6 @@
 """The train state, built abstract first: shapes -> shardings -> sharded init.
 
-Nothing is materialised before its sharding is known: `make_layout` works on
+Nothing is materialised before its sharding is known: `plan_state` works on
 `jax.eval_shape` results only, so the memory report, the plan and checkpoint
 restore can use it for models that would not fit on this machine, and
 `init_state` creates every array directly in its final layout.
@@ -60,7 +60,7 @@ def logical_names(boxed_params: Any) -> Any:
 
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
+class StatePlan:
     """Where every piece of the train state lives, for one mesh and stage."""
 
     mesh: Mesh
@@ -216,11 +216,11 @@ def needs_master(zero_stage: int, param_dtype, compute_dtype) -> bool:
     return stage.opt_state and not stage.params and narrower
 
 
-def make_layout(model: ModelFns, tx: optax.GradientTransformation, mesh: Mesh,
+def plan_state(model: ModelFns, tx: optax.GradientTransformation, mesh: Mesh,
                 mesh_shape: MeshShape, rules: AxisRules, zero_stage: int,
                 min_shard_elements: int, param_dtype=jnp.float32,
                 grad_dtype=jnp.float32, compute_dtype=None, stages: Stages | None = None,
-                host_opt: bool = False, host_params: bool = False) -> Layout:
+                host_opt: bool = False, host_params: bool = False) -> StatePlan:
     """Abstract state and the specs of every leaf; raises ShardingError early.
 
     With master weights (`needs_master` for `compute_dtype`), `tx` must be
@@ -264,34 +264,34 @@ def make_layout(model: ModelFns, tx: optax.GradientTransformation, mesh: Mesh,
     outer = jax.tree.map(lambda st: not st, stacked_params)
     specs = zero_lib.state_specs(params, compute, names, opt_state, tx,
                                  zero_lib.stage(zero_stage), placement, outer, pipe, dict(sizes))
-    return Layout(mesh, mesh_shape, rules, zero_stage, abstract, names, specs, placement,
+    return StatePlan(mesh, mesh_shape, rules, zero_stage, abstract, names, specs, placement,
                   jnp.dtype(grad_dtype), master, stages, (stacked_params, stacked_opt), host_opt,
                   host_params)
 
 
-def init_state(layout: Layout, model: ModelFns, tx: optax.GradientTransformation,
+def init_state(state_plan: StatePlan, model: ModelFns, tx: optax.GradientTransformation,
                key: jax.Array, scale_cfg: loss_scale_lib.LossScaleConfig,
                param_dtype=jnp.float32) -> TrainState:
     """A fresh train state, each array created directly in its sharding."""
 
     def init(key):
-        return _fresh(layout, tx, init_params(model, key, param_dtype), scale_cfg)
+        return _fresh(state_plan, tx, init_params(model, key, param_dtype), scale_cfg)
 
-    return jax.jit(init, out_shardings=layout.shardings)(key)
+    return jax.jit(init, out_shardings=state_plan.shardings)(key)
 
 
-def state_from_params(layout: Layout, tx: optax.GradientTransformation, params: Any,
+def state_from_params(state_plan: StatePlan, tx: optax.GradientTransformation, params: Any,
                       scale_cfg: loss_scale_lib.LossScaleConfig) -> TrainState:
     """A fresh train state (step 0, new optimizer) around given master weights
     (in layer order: the saved form's)."""
-    return jax.jit(lambda p: _fresh(layout, tx, p, scale_cfg),
-                   in_shardings=(jax.tree.map(lambda t: t.sharding, layout.targets.params),),
-                   out_shardings=layout.shardings)(params)
+    return jax.jit(lambda p: _fresh(state_plan, tx, p, scale_cfg),
+                   in_shardings=(jax.tree.map(lambda t: t.sharding, state_plan.targets.params),),
+                   out_shardings=state_plan.shardings)(params)
 
 
-def _fresh(layout: Layout, tx, params, scale_cfg) -> TrainState:
-    params = layout.pad_params(params)
+def _fresh(state_plan: StatePlan, tx, params, scale_cfg) -> TrainState:
+    params = state_plan.pad_params(params)
     opt_state = tx.init(params)
-    if layout.master:
-        params = layout.to_working(params)
+    if state_plan.master:
+        params = state_plan.to_working(params)
     return TrainState(jnp.zeros((), jnp.int32), params, opt_state, loss_scale_lib.init(scale_cfg))

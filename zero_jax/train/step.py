@@ -25,18 +25,18 @@ from zero_jax.sharding import offload as offload_lib
 from zero_jax.sharding import overlap as overlap_lib
 from zero_jax.precision import rounding
 from zero_jax.pipeline import executor as pipeline_lib
-from zero_jax.pipeline.records import StageLayout
+from zero_jax.pipeline.records import StagePlan
 from zero_jax.sharding import zero as zero_lib
 from zero_jax.sharding.specs import map_specs, without_axis
 from zero_jax.train.accumulate import accumulate, accumulate_partials, reduce_partials
-from zero_jax.context import layout as context_layout
+from zero_jax.context import order as context_order
 from zero_jax.model.hooks import Hooks
 from zero_jax.model.loss import cross_entropy, expert_load_ratio
 from zero_jax.model.contract import ModelFns
 from zero_jax.pipeline import schedule as sched_lib
 from zero_jax.pipeline.schedule import Schedule
 from zero_jax.runtime import xla_options
-from zero_jax.train.state import Layout, TrainState
+from zero_jax.train.state import StatePlan, TrainState
 
 
 def weighted(batch: Any) -> dict[str, jax.Array]:
@@ -64,8 +64,8 @@ def lm_loss(model: ModelFns, hooks: Hooks, params: Any,
     experts, plus the router losses times their weights (their values
     among the metrics, ModelFns.router_penalty). Every metric is a sum over
     the batch's parts."""
-    # Laid out over `context` where the sequence is split (context/layout.py).
-    rows = context_layout.shifted(batch, hooks.sequence_order(batch["tokens"].shape[1] - 1))
+    # Laid out over `context` where the sequence is split (context/order.py).
+    rows = context_order.shifted(batch, hooks.sequence_order(batch["tokens"].shape[1] - 1))
     # With segment ids, each document in a row attends to itself only.
     segments = {"segments_BxT": rows["segments"]} if "segments" in rows else {}
     out = model.apply(params, rows["inputs"], hooks, **segments)
@@ -172,7 +172,7 @@ def runs_per_device(model: ModelFns, hooks: Hooks) -> bool:
     return bool(model.experts) or hooks.context is not None
 
 
-def unreduced_axes(layout: Layout, microbatches: int, reduce_once: bool,
+def unreduced_axes(state_plan: StatePlan, microbatches: int, reduce_once: bool,
                    per_device: bool = False) -> tuple[str, ...]:
     """Data-parallel axes over which the step keeps per-device partial sums of
     the gradients, to reduce them once at its end (accumulate.py).
@@ -190,29 +190,29 @@ def unreduced_axes(layout: Layout, microbatches: int, reduce_once: bool,
     """
     if per_device:
         return ()
-    stage = zero_lib.stage(layout.zero_stage)
+    stage = zero_lib.stage(state_plan.zero_stage)
     if reduce_once and (microbatches > 1 or not stage.params):
-        return layout.data_axes
+        return state_plan.data_axes
     if stage.grads:
-        return tuple(a for a in layout.data_axes if a not in layout.mesh_shape.shard_axes)
+        return tuple(a for a in state_plan.data_axes if a not in state_plan.mesh_shape.shard_axes)
     return ()
 
 
-def partial_sums(layout: Layout, model: ModelFns, hooks: Hooks, microbatches: int,
+def partial_sums(state_plan: StatePlan, model: ModelFns, hooks: Hooks, microbatches: int,
                  axes: tuple[str, ...], constrain_grads: Callable) -> Callable:
     """loss_and_grads keeping partial sums over the data-parallel `axes` through
     the microbatches and reducing them at the end (accumulate.py)."""
-    sizes = layout.mesh_shape.sizes
+    sizes = state_plan.mesh_shape.sizes
     n, m = math.prod(sizes[a] for a in axes), microbatches
     local = functools.partial(lm_loss, model, hooks.per_shard(axes))
     # Over the other data-parallel axes (hybrid: the ZeRO axes) each shard's
     # gradient is reduced into its stored layout as usual.
-    inside = set(axes) != set(layout.data_axes)
-    specs = layout.specs.grads if inside else layout.specs.compute
+    inside = set(axes) != set(state_plan.data_axes)
+    specs = state_plan.specs.grads if inside else state_plan.specs.compute
     partial_specs = map_specs(lambda s: PartitionSpec(axes, *s), specs)
-    constrain_partials = _constrainer(layout, partial_specs, hooks.grad_dtype)
-    constrain_inside = _constrainer(layout, specs, hooks.grad_dtype)
-    micro = NamedSharding(layout.mesh, PartitionSpec(None, axes))
+    constrain_partials = _constrainer(state_plan, partial_specs, hooks.grad_dtype)
+    constrain_inside = _constrainer(state_plan, specs, hooks.grad_dtype)
+    micro = NamedSharding(state_plan.mesh, PartitionSpec(None, axes))
 
     def value_and_grad(params, rows, scale):
         metrics, grads = _metrics_and_grad(_scaled(local, scale))(params, rows)
@@ -222,46 +222,46 @@ def partial_sums(layout: Layout, model: ModelFns, hooks: Hooks, microbatches: in
         metric_sums, partials = accumulate_partials(
             lambda p, rows: value_and_grad(p, rows, scale), params, batch, m, axes, n,
             constrain_partials, lambda x: jax.lax.with_sharding_constraint(x, micro))
-        grads = reduce_partials(partials, layout.specs.grads, layout.mesh, axes,
-                                layout.mesh_shape.shard_axes)
+        grads = reduce_partials(partials, state_plan.specs.grads, state_plan.mesh, axes,
+                                state_plan.mesh_shape.shard_axes)
         return jax.tree.map(lambda x: x.sum(0), metric_sums), constrain_grads(grads)
 
     return loss_and_grads
 
 
-def pipelined(layout: Layout, model: ModelFns, hooks: Hooks, sched: Schedule,
+def pipelined(state_plan: StatePlan, model: ModelFns, hooks: Hooks, sched: Schedule,
               constrain_grads: Callable, gather_once: bool, reduce_once: bool,
               row_blocks: bool = True) -> Callable:
     """loss_and_grads through the pipeline schedule `sched` (pipeline/executor.py);
     `row_blocks`: the tables used in the row blocks they are stored in."""
     fns = model.pipeline
-    axes = unreduced_axes(layout, sched.m, reduce_once, runs_per_device(model, hooks))
-    sizes = layout.mesh_shape.sizes
+    axes = unreduced_axes(state_plan, sched.m, reduce_once, runs_per_device(model, hooks))
+    sizes = state_plan.mesh_shape.sizes
     # Partial sums over every data-parallel axis are accumulated unreduced
     # (compute layout); otherwise in the gradient layout.
-    accumulated = layout.specs.compute if set(axes) == set(layout.data_axes) and axes \
-        else layout.specs.grads
-    outer_specs, stack_specs = fns.split(layout.specs.params)
+    accumulated = state_plan.specs.compute if set(axes) == set(state_plan.data_axes) and axes \
+        else state_plan.specs.grads
+    outer_specs, stack_specs = fns.split(state_plan.specs.params)
     outer_acc, stack_acc = fns.split(accumulated)
-    outer_compute, stack_compute = fns.split(layout.specs.compute)
-    where = StageLayout(
+    outer_compute, stack_compute = fns.split(state_plan.specs.compute)
+    where = StagePlan(
         stack=stack_specs, stage_grads=_within_stage(stack_acc, (None,)),
         outer_grads=map_specs(_without_pipe, outer_acc),
-        grad_dtype=layout.grad_dtype,
+        grad_dtype=state_plan.grad_dtype,
         gather=(outer_compute, _within_stage(stack_compute, ())) if gather_once else None,
-        shard_axes=axes, shards=math.prod(sizes[a] for a in axes), stages=layout.stages,
-        outer=outer_specs, names=fns.split(layout.names)[0], row_blocks=row_blocks)
+        shard_axes=axes, shards=math.prod(sizes[a] for a in axes), stages=state_plan.stages,
+        outer=outer_specs, names=fns.split(state_plan.names)[0], row_blocks=row_blocks)
 
     def loss_and_grads(params, batch, scale):
         loss, router, grads = pipeline_lib.loss_and_grads(
-            fns, hooks, sched, layout.mesh, params, batch,
+            fns, hooks, sched, state_plan.mesh, params, batch,
             jnp.float32(1.0) if scale is None else scale, where)
-        if "expert_load" in router and layout.stages is not None:  # stored slots -> layers
-            router["expert_load"] = layout.stages.unpad(router["expert_load"])
+        if "expert_load" in router and state_plan.stages is not None:  # stored slots -> layers
+            router["expert_load"] = state_plan.stages.unpad(router["expert_load"])
         metrics = {"loss": loss if scale is None else loss / scale, **router}
         if axes:
-            grads = reduce_partials(grads, layout.specs.grads, layout.mesh, axes,
-                                    layout.mesh_shape.shard_axes)
+            grads = reduce_partials(grads, state_plan.specs.grads, state_plan.mesh, axes,
+                                    state_plan.mesh_shape.shard_axes)
         else:
             grads = jax.tree.map(lambda g: g[0], grads)
         return metrics, constrain_grads(grads)
@@ -281,13 +281,13 @@ def _without_pipe(spec: PartitionSpec) -> PartitionSpec:
     return without_axis(spec, "pipe")
 
 
-def _constrainer(layout: Layout, specs: Any, dtype) -> Callable[[Any], Any]:
-    shardings = layout.named(specs)
+def _constrainer(state_plan: StatePlan, specs: Any, dtype) -> Callable[[Any], Any]:
+    shardings = state_plan.named(specs)
     return lambda tree: jax.lax.with_sharding_constraint(
         jax.tree.map(lambda g: g.astype(dtype), tree), shardings)
 
 
-def make_loss_and_grads(layout: Layout, model: ModelFns, hooks: Hooks, microbatches: int,
+def make_loss_and_grads(state_plan: StatePlan, model: ModelFns, hooks: Hooks, microbatches: int,
                         sched: Schedule | None = None, gather_once: bool = False,
                         reduce_once: bool = True, row_blocks: bool = True) -> Callable:
     """`(params, batch, scale) -> (loss, grads)` for a layout: pipelined over
@@ -295,25 +295,25 @@ def make_loss_and_grads(layout: Layout, model: ModelFns, hooks: Hooks, microbatc
     reduced once per step (`reduce_once`) or once per microbatch.
     Gradients come out in the layout's gradient sharding and dtype. `batch`
     is what `weighted` takes, or gives."""
-    constrain_grads = _constrainer(layout, layout.specs.grads, hooks.grad_dtype)
+    constrain_grads = _constrainer(state_plan, state_plan.specs.grads, hooks.grad_dtype)
     if sched is not None:
-        fn = pipelined(layout, model, hooks, sched, constrain_grads, gather_once, reduce_once,
+        fn = pipelined(state_plan, model, hooks, sched, constrain_grads, gather_once, reduce_once,
                        row_blocks)
-    elif axes := unreduced_axes(layout, microbatches, reduce_once, runs_per_device(model, hooks)):
-        fn = partial_sums(layout, model, hooks, microbatches, axes, constrain_grads)
+    elif axes := unreduced_axes(state_plan, microbatches, reduce_once, runs_per_device(model, hooks)):
+        fn = partial_sums(state_plan, model, hooks, microbatches, axes, constrain_grads)
     else:
-        micro = NamedSharding(layout.mesh, PartitionSpec(None, *layout.batch_sharding.spec))
+        micro = NamedSharding(state_plan.mesh, PartitionSpec(None, *state_plan.batch_sharding.spec))
         fn = accumulated(functools.partial(lm_loss, model, hooks), microbatches, constrain_grads,
                          lambda x: jax.lax.with_sharding_constraint(x, micro))
     # A working copy narrower than the master weights is differentiated as
     # its exact float32 widening, so that gradients come out in float32 (and
     # are then cast to the gradient dtype), as they do from float32 parameters.
-    widen = (master_lib.cast_to(jax.tree.map(lambda m: m.dtype, layout.master_params))
-             if layout.master else lambda params: params)
+    widen = (master_lib.cast_to(jax.tree.map(lambda m: m.dtype, state_plan.master_params))
+             if state_plan.master else lambda params: params)
     return lambda params, batch, scale: fn(widen(params), weighted(batch), scale)
 
 
-def jit_train_step(layout: Layout, model: ModelFns, hooks: Hooks, tx: optax.GradientTransformation,
+def jit_train_step(state_plan: StatePlan, model: ModelFns, hooks: Hooks, tx: optax.GradientTransformation,
                    lr: optax.Schedule, microbatches: int,
                    scale_cfg: loss_scale_lib.LossScaleConfig, sched: Schedule | None = None,
                    gather_once: bool = False, reduce_once: bool = True, row_blocks: bool = True,
@@ -324,47 +324,47 @@ def jit_train_step(layout: Layout, model: ModelFns, hooks: Hooks, tx: optax.Grad
     # Traced without the float32 roundings remat adds to what it keeps: no-ops
     # that XLA:GPU deletes and XLA:CPU runs as copies (rounding.py).
     loss_and_grads = rounding.without_no_op_rounding(make_loss_and_grads(
-        layout, model, hooks, microbatches, sched, gather_once, reduce_once, row_blocks))
+        state_plan, model, hooks, microbatches, sched, gather_once, reduce_once, row_blocks))
     # The new parameters go where they are stored: to the device, or left in
     # host memory under parameter offload.
-    host = offload_lib.HostUpdate(layout.shardings.params) if layout.host_opt else None
-    fetch = layout.named(layout.specs.params) if layout.host_params and not layout.host_opt \
+    host = offload_lib.HostUpdate(state_plan.shardings.params) if state_plan.host_opt else None
+    fetch = state_plan.named(state_plan.specs.params) if state_plan.host_params and not state_plan.host_opt \
         else None
     step = functools.partial(train_step, loss_and_grads=loss_and_grads, tx=tx, lr=lr,
-                             scale_cfg=scale_cfg, to_working=layout.to_working, host=host,
+                             scale_cfg=scale_cfg, to_working=state_plan.to_working, host=host,
                              fetch=fetch)
-    replicated = NamedSharding(layout.mesh, PartitionSpec())
-    return jax.jit(step, in_shardings=(layout.shardings, layout.batch_sharding),
-                   out_shardings=(layout.shardings, replicated), donate_argnums=0,
-                   compiler_options=compiler_options(layout, overlap))
+    replicated = NamedSharding(state_plan.mesh, PartitionSpec())
+    return jax.jit(step, in_shardings=(state_plan.shardings, state_plan.batch_sharding),
+                   out_shardings=(state_plan.shardings, replicated), donate_argnums=0,
+                   compiler_options=compiler_options(state_plan, overlap))
 
 
-def compiler_options(layout: Layout, overlap: bool,
+def compiler_options(state_plan: StatePlan, overlap: bool,
                      backend: str | None = None) -> dict[str, xla_options.Value] | None:
     """The XLA options a step of `layout` compiles with on `backend` (the
     running one by default): offload's prefetch, and with `overlap` the
     collective pipelining of overlap.py, spelled as this XLA spells them."""
-    wants = offload_lib.wants(layout.host_params) + (
-        overlap_lib.wants(layout.zero_stage) if overlap else ())
+    wants = offload_lib.wants(state_plan.host_params) + (
+        overlap_lib.wants(state_plan.zero_stage) if overlap else ())
     return xla_options.spell(wants, backend)
 
 
-def jit_eval_step(layout: Layout, model: ModelFns, hooks: Hooks, sched: Schedule | None = None,
+def jit_eval_step(state_plan: StatePlan, model: ModelFns, hooks: Hooks, sched: Schedule | None = None,
                   row_blocks: bool = True, overlap: bool = True):
     """The mean loss over a batch's targets, with the parameters where they
     are stored: under a pipeline, through `sched`'s forwards (each stage
     runs the layers it stores; only activations cross `pipe`)."""
     if sched is not None:
         fns = model.pipeline
-        outer_specs, stack_specs = fns.split(layout.specs.params)
-        where = StageLayout(stack=stack_specs, stage_grads=None, outer_grads=None,
-                                         grad_dtype=layout.grad_dtype, stages=layout.stages,
-                                         outer=outer_specs, names=fns.split(layout.names)[0],
+        outer_specs, stack_specs = fns.split(state_plan.specs.params)
+        where = StagePlan(stack=stack_specs, stage_grads=None, outer_grads=None,
+                                         grad_dtype=state_plan.grad_dtype, stages=state_plan.stages,
+                                         outer=outer_specs, names=fns.split(state_plan.names)[0],
                                          row_blocks=row_blocks)
         forwards = sched_lib.forward_only(sched.name, sched.p, sched.m, sched.v)
 
         def loss_fn(params, batch):
-            return pipeline_lib.loss(fns, hooks, forwards, layout.mesh, params, batch, where)
+            return pipeline_lib.loss(fns, hooks, forwards, state_plan.mesh, params, batch, where)
     else:
         def loss_fn(params, batch):
             return lm_loss(model, hooks, params, batch)[1]["loss"]
@@ -372,6 +372,6 @@ def jit_eval_step(layout: Layout, model: ModelFns, hooks: Hooks, sched: Schedule
     def eval_step(params, batch):
         return loss_fn(params, weighted(batch))
 
-    return jax.jit(eval_step, in_shardings=(layout.shardings.params, layout.batch_sharding),
-                   out_shardings=NamedSharding(layout.mesh, PartitionSpec()),
-                   compiler_options=compiler_options(layout, overlap))
+    return jax.jit(eval_step, in_shardings=(state_plan.shardings.params, state_plan.batch_sharding),
+                   out_shardings=NamedSharding(state_plan.mesh, PartitionSpec()),
+                   compiler_options=compiler_options(state_plan, overlap))
