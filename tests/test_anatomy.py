@@ -1,20 +1,9 @@
-"""scripts/anatomy.py's accounting of a profile: an op's time is its own,
-not that of the ops nested in its event."""
+"""The step anatomy's accounting of a profile (zero_jax/report/anatomy.py):
+an op's time is its own, not that of the ops nested in its event."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "anatomy.py"
-
-
-def _anatomy():
-    spec = importlib.util.spec_from_file_location("scripts_anatomy", SCRIPT)
-    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from zero_jax.report import anatomy
 
 
 def _event(op, ts, dur, tid=1):
@@ -26,7 +15,7 @@ def test_a_loop_event_counts_only_the_time_its_body_ops_do_not():
     collective, inside its own event on its thread."""
     events = [_event("while", 0, 100), _event("slice", 10, 20), _event("all-gather", 40, 50),
               _event("nested", 45, 10), _event("after", 100, 5), _event("other", 0, 70, tid=2)]
-    own = {e["args"]["hlo_op"]: us for e, us in _anatomy().self_times(events)}
+    own = {e["args"]["hlo_op"]: us for e, us in anatomy.self_times(events)}
     assert own == {"while": 30, "slice": 20, "all-gather": 40, "nested": 10, "after": 5,
                    "other": 70}
     assert sum(own.values()) == 175  # the union of busy time per thread: 105 + 70
@@ -53,7 +42,6 @@ ENTRY %main (a: f32[2,4,4], b: f32[2,4,4]) -> f32[2,4] {
 def test_a_fusion_with_a_product_in_it_is_the_products():
     """XLA:CPU fuses the softmax into the scores' product under the softmax's
     reduce_sum metadata: the fusion is attention, not a norm."""
-    anatomy = _anatomy()
     table = anatomy.op_table(MODULE, layers=4)
     assert anatomy.category(*table["ynn_fusion.5"]) == "attention (forward)"
     assert anatomy.category(*table["norm"]) == "norms, activations, residuals (forward)"
@@ -67,7 +55,7 @@ def test_a_pipeline_stage_is_counted_as_the_model_in_each_pass():
     ops sit there too, one level down), rebuilds it in the backward tick
     under the stage's checkpoint without any jvp, then transposes it; the
     tick loop around them is the schedule, not the optimizer."""
-    category = _anatomy().category
+    category = anatomy.category
     assert category("fusion", PIPE + "jvp()/while/body/closed_call/Block/btd,df->btf/dot_general") \
         == "matmuls (forward)"
     assert category("fusion", PIPE + "while/body/closed_call/checkpoint/Block/btd,df->btf/"
@@ -103,7 +91,6 @@ ENTRY %main (a: f32[]) -> f32[2,4,4] {
 def test_a_stage_stack_zero_fill_is_the_scans():
     """A pipeline stage scans its share of the layers (2 of 4 here): the
     zero-fill of a buffer stacked over a loop's trip count is stacking."""
-    anatomy = _anatomy()
     table = anatomy.op_table(STAGE_FILL, layers=4)
     assert table["wrapped_broadcast.26"][2]
     assert anatomy.category(*table["wrapped_broadcast.26"]) == "scan slicing/stacking"
