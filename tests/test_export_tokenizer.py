@@ -5,7 +5,6 @@ already in --hf-dir never replaced unasked. tests/interop/test_tokenizer_export.
 loads the export in transformers."""
 
 import hashlib
-import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -19,24 +18,14 @@ from zero_jax.checkpoint import manager as ckpt_lib
 from zero_jax.cli import export as export_cli
 from zero_jax.cli import prepare_data
 from zero_jax.data import corpus as corpus_lib
+from zero_jax.data import train_tokenizer
 
-ROOT = Path(__file__).resolve().parent.parent
 FAST = "PreTrainedTokenizerFast"
-
-
-def _script(name: str):
-    """scripts/<name>.py as a module: a tool of the tests, not of the package."""
-    path = ROOT / "scripts" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"scripts_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def make_tokenizer(out: Path) -> Path:
     """A small byte-level BPE tokenizer (tokenizer.json, tokenizer_config.json)."""
-    assert _script("make_tokenizer").main(["--out", str(out), "--vocab-size", "300",
-                                           "--sample-mb", "0.05"]) == 0
+    train_tokenizer.write(out, vocab_size=300, sample_bytes=50_000)
     return out
 
 

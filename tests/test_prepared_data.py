@@ -3,7 +3,6 @@ documents in shards, chat data with a loss mask, bad data refused before
 anything compiles, the same batches on every layout and process count, and
 a masked loss that any microbatching gives alike."""
 
-import importlib.util
 import json
 import os
 import shutil
@@ -23,19 +22,11 @@ from zero_jax.data import prepare as prepare_lib
 from zero_jax.data import sampler
 from zero_jax.data import token_files as shards
 from zero_jax.data import tokenizers as tok_lib
+from zero_jax.data import train_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _script(name: str):
-    """scripts/<name>.py as a module: a tool of the tests, not of the package."""
-    spec = importlib.util.spec_from_file_location(f"scripts_{name}", ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-make_tokenizer = _script("make_tokenizer")
 ENV = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
 
 
@@ -85,8 +76,7 @@ def sft(chat_file, tmp_path_factory):
 def bpe(tmp_path_factory):
     """A byte-level BPE tokenizer.json with a ChatML template, trained here."""
     d = tmp_path_factory.mktemp("tokenizer")
-    assert make_tokenizer.main(["--out", str(d), "--vocab-size", "512", "--sample-mb", "0.5",
-                                "--chat-template"]) == 0
+    train_tokenizer.write(d, vocab_size=512, sample_bytes=500_000, chat=True)
     return d
 
 
