@@ -10,8 +10,8 @@ seen. Each run is labelled by its file name, or by --label (one per file).
 Values written as null (non-finite: a skipped step) are left out.
 
 The records hold no token count of their own: each step's tokens are its
-`tokens_per_s` times its `step_time_s` (zero_jax/loop.py divides the step's
-tokens by that same time), summed over the steps before it.
+`tokens_per_s` times its `step_time_s`, summed over the steps before it
+(zero_jax/runtime/metrics.py reads the records).
 
 Needs matplotlib (`pip install -e '.[plot]'`).
 """
@@ -19,64 +19,14 @@ Needs matplotlib (`pip install -e '.[plot]'`).
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import sys
 from pathlib import Path
 
+from zero_jax.runtime import metrics
+
 
 class PlotError(ValueError):
-    """A metrics file or an argument that cannot be plotted."""
-
-
-def read_records(path: Path) -> list[dict]:
-    """The records of one metrics file. A last line cut short (a run that
-    crashed while writing it) is dropped; a bad line elsewhere is an error."""
-    try:
-        lines = [line for line in path.read_text().splitlines() if line.strip()]
-    except FileNotFoundError:
-        raise PlotError(f"{path}: no such file") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise PlotError(f"{path}: cannot read it ({e})") from None
-    records = []
-    for number, line in enumerate(lines, 1):
-        try:
-            record = json.loads(line)
-        except ValueError:
-            if number == len(lines):
-                break
-            raise PlotError(f"{path}:{number}: not a JSON object; is this a --metrics-out file?") from None
-        if not isinstance(record, dict) or "step" not in record:
-            raise PlotError(f"{path}:{number}: a record without a 'step'; is this a --metrics-out file?")
-        records.append(record)
-    if not records:
-        raise PlotError(f"{path}: no records (an empty metrics file)")
-    return records
-
-
-def finite(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def tokens_seen(records: list[dict]) -> list[float]:
-    """Tokens seen by the end of each record's step. A step whose rate or time
-    is null counts the tokens of the last step that had both: a run's steps
-    all see the same batch shape."""
-    total, per_step, out = 0.0, 0.0, []
-    for r in records:
-        rate, seconds = r.get("tokens_per_s"), r.get("step_time_s")
-        if finite(rate) and finite(seconds):
-            per_step = rate * seconds
-        total += per_step
-        out.append(total)
-    return out
-
-
-def series(records: list[dict], tokens: list[float], key: str
-           ) -> tuple[list[float], list[float], list[float]]:
-    """(steps, tokens, values) of `key`, where the record has a finite value."""
-    kept = [(r["step"], t, r[key]) for r, t in zip(records, tokens) if finite(r.get(key))]
-    return tuple(map(list, zip(*kept))) if kept else ([], [], [])
+    """An argument that cannot be plotted (a bad metrics file is metrics.RecordsError)."""
 
 
 def labels(paths: list[Path], given: list[str] | None) -> list[str]:
@@ -100,10 +50,10 @@ def draw(runs: list[tuple[str, list[dict]]], out: Path) -> None:
     fig, (by_step, by_tokens) = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
     for i, (label, records) in enumerate(runs):
         color = f"C{i % 10}"
-        tokens = tokens_seen(records)
+        tokens = metrics.tokens_seen(records)
         for key, style in (("loss", dict(lw=1.2)),
                            ("val_loss", dict(ls="--", marker="o", ms=4, lw=1))):
-            steps, seen, values = series(records, tokens, key)
+            steps, seen, values = metrics.series(records, tokens, key)
             if not values:  # no validation in this run: no empty legend entry
                 continue
             name = label if key == "loss" else f"{label} (validation)"
@@ -143,9 +93,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         names = labels(args.files, args.label)
-        runs = [(name, read_records(path)) for name, path in zip(names, args.files)]
+        runs = [(name, metrics.read_records(path)) for name, path in zip(names, args.files)]
         draw(runs, args.out)
-    except PlotError as e:
+    except (PlotError, metrics.RecordsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {args.out}: {len(runs)} run(s), "

@@ -1,11 +1,12 @@
-"""scripts/plot.py and `zero-jax bench` (zero_jax/cli/bench.py, the suites
-in zero_jax/bench/), called in this process as a user calls them (their
-main(argv)), on small inputs."""
+"""scripts/plot.py (its records read by zero_jax/runtime/metrics.py) and
+`zero-jax bench` (zero_jax/cli/bench.py, the suites in zero_jax/bench/):
+the plot run as a user runs it, the bench called in this process as a user
+calls it (its main(argv)), on small inputs."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -14,21 +15,15 @@ import pytest
 import models
 from zero_jax.bench import suites
 from zero_jax.cli import bench
+from zero_jax.runtime import metrics
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPTS = ROOT / "scripts"
 
 
-def script(name: str):
-    """scripts/<name>.py as a module (registered first: dataclasses look their
-    module up while it loads)."""
-    spec = importlib.util.spec_from_file_location(f"scripts_{name}", SCRIPTS / f"{name}.py")
-    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-plot = script("plot")
+def plot(*args) -> subprocess.CompletedProcess:
+    """scripts/plot.py ARGS..., as a user runs it."""
+    return subprocess.run([sys.executable, "scripts/plot.py", *map(str, args)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
 
 
 def metrics_file(path: Path, steps: int, val_every: int, null_val: bool = False) -> Path:
@@ -51,21 +46,23 @@ def test_plot_writes_a_png_of_two_runs(tmp_path):
     a = metrics_file(tmp_path / "a.jsonl", 12, 4)
     b = metrics_file(tmp_path / "b.jsonl", 8, 2, null_val=True)
     out = tmp_path / "curves.png"
-    assert plot.main([str(a), str(b), "-o", str(out)]) == 0
+    p = plot(a, b, "-o", out)
+    assert p.returncode == 0, p.stderr
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 1000
 
 
 def test_plot_counts_tokens_and_skips_nulls(tmp_path):
-    records = plot.read_records(metrics_file(tmp_path / "m.jsonl", 4, 2, null_val=True))
-    tokens = plot.tokens_seen(records)
+    records = metrics.read_records(metrics_file(tmp_path / "m.jsonl", 4, 2, null_val=True))
+    tokens = metrics.tokens_seen(records)
     assert tokens == [4096, 8192, 12288, 16384]
-    steps, seen, values = plot.series(records, tokens, "val_loss")
+    steps, seen, values = metrics.series(records, tokens, "val_loss")
     assert steps == [4] and seen == [16384]  # step 2's null left out
 
 
-def test_plot_missing_file_is_one_line_exit_2(tmp_path, capsys):
-    assert plot.main([str(tmp_path / "none.jsonl"), "-o", str(tmp_path / "c.png")]) == 2
-    err = capsys.readouterr().err
+def test_plot_missing_file_is_one_line_exit_2(tmp_path):
+    p = plot(tmp_path / "none.jsonl", "-o", tmp_path / "c.png")
+    assert p.returncode == 2
+    err = p.stderr
     assert err.startswith("error: ") and err.count("\n") == 1 and "none.jsonl" in err
     assert not (tmp_path / "c.png").exists()
 

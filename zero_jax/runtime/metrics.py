@@ -8,6 +8,9 @@ once in either. Every writer (these two, and W&B's in wandb_log.py) has
 when a checkpoint of `step` commits, and returns once every record up to
 that step is where a crash cannot take it, so a run resumed from that
 checkpoint has lost nothing it does not train again.
+
+`read_records` reads a JSON-lines file back, for plots of it: its records,
+the tokens seen by each step, and one key's finite values.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import json
 import math
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -170,6 +174,63 @@ class Writers:
     def close(self) -> None:
         for writer in self.writers:
             writer.close()
+
+
+class RecordsError(ValueError):
+    """A metrics file that cannot be read as a run's records."""
+
+
+def read_records(path: Path) -> list[dict]:
+    """The records of one metrics file. A last line cut short (a run that
+    crashed while writing it) is dropped; a bad line elsewhere is an error."""
+    try:
+        lines = [line for line in path.read_text().splitlines() if line.strip()]
+    except FileNotFoundError:
+        raise RecordsError(f"{path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise RecordsError(f"{path}: cannot read it ({e})") from None
+    records = []
+    for number, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            if number == len(lines):
+                break
+            raise RecordsError(f"{path}:{number}: not a JSON object; is this a --metrics-out file?") from None
+        if not isinstance(record, dict) or "step" not in record:
+            raise RecordsError(f"{path}:{number}: a record without a 'step'; is this a --metrics-out file?")
+        records.append(record)
+    if not records:
+        raise RecordsError(f"{path}: no records (an empty metrics file)")
+    return records
+
+
+def finite(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def tokens_seen(records: list[dict]) -> list[float]:
+    """Tokens seen by the end of each record's step. The records hold no
+    token count of their own: each step's tokens are its `tokens_per_s`
+    times its `step_time_s` (zero_jax/loop.py divides the step's tokens by
+    that same time), summed over the steps before it. A step whose rate or
+    time is null counts the tokens of the last step that had both: a run's
+    steps all see the same batch shape."""
+    total, per_step, out = 0.0, 0.0, []
+    for r in records:
+        rate, seconds = r.get("tokens_per_s"), r.get("step_time_s")
+        if finite(rate) and finite(seconds):
+            per_step = rate * seconds
+        total += per_step
+        out.append(total)
+    return out
+
+
+def series(records: list[dict], tokens: list[float], key: str
+           ) -> tuple[list[float], list[float], list[float]]:
+    """(steps, tokens, values) of `key`, where the record has a finite value."""
+    kept = [(r["step"], t, r[key]) for r, t in zip(records, tokens) if finite(r.get(key))]
+    return tuple(map(list, zip(*kept))) if kept else ([], [], [])
 
 
 def memory() -> dict[str, int]:
