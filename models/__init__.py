@@ -2,15 +2,19 @@
 Llama family (models/llama.py: Llama 2 and 3, Mistral, Qwen2, and the
 mixtures of experts Mixtral and Qwen3-MoE, models/moe.py). Each names
 logical axes only. A model is chosen by preset name, or by "hf:DIR" for the
-shape in a Hugging Face directory's config.json; shape fields override it."""
+shape in a Hugging Face directory's config.json; shape fields override it.
+A Hugging Face directory is read and written by models/hf.py, through the
+mapping (models/gpt_hf.py, models/llama_hf.py) of the family its
+config.json names."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from zero_jax.model.contract import ModelFns
 
-from models import decoder, gpt, hf, llama
+from models import decoder, gpt, gpt_hf, hf, llama, llama_hf
 
 GPT_FIELDS = ("n_layer", "n_head", "d_model", "d_mlp", "vocab_size", "max_seq_len")
 
@@ -20,7 +24,7 @@ def _resolve(name: str, overrides: dict) -> tuple[str, str, dict]:
     shape with `overrides` on top; checks the fields belong to the family."""
     given = decoder.given(overrides)
     if name.startswith("hf:"):
-        family, fields = hf.shape(Path(name[3:]))
+        family, fields = hf_shape(Path(name[3:]))
         return family, "", {**fields, **given}
     if name in llama.PRESETS:
         return "llama", name, given
@@ -89,7 +93,7 @@ def preset_vocab(name: str) -> int:
     if name in llama.PRESETS:
         return llama.PRESETS[name]["vocab_size"]
     if name.startswith("hf:"):
-        return hf.shape(Path(name[3:]))[1].get("vocab_size", 0)
+        return hf_shape(Path(name[3:]))[1].get("vocab_size", 0)
     return 0
 
 
@@ -135,19 +139,89 @@ def weight_dirs(name: str, init_from: str) -> list[str]:
     return dirs + ([init_from] if init_from and Path(init_from).is_dir() else [])
 
 
+def hf_shape(path: Path) -> tuple[str, dict]:
+    """(family, shape fields) from a Hugging Face directory's config.json."""
+    found = hf.read_config(path)
+    kind, where = found.get("model_type"), str(path / "config.json")
+    if kind == "gpt2":
+        return "gpt", gpt_hf.shape_from(found, where=where)
+    if kind in llama_hf.MODEL_TYPES:
+        return "llama", llama_hf.shape_from(found, where=where)
+    raise ValueError(f"{path}/config.json: model_type {kind!r} is not supported; supported: "
+                     f"gpt2, {', '.join(llama_hf.MODEL_TYPES)}")
+
+
+def _hf_mapping(cfg):
+    """The Hugging Face mapping (names, shapes, config.json) of cfg's family."""
+    return llama_hf if isinstance(cfg, llama.LlamaConfig) else gpt_hf
+
+
+def _check_hf_matches(path: Path, cfg, model_name: str) -> str:
+    """The family of the weights in `path`, whose config.json must give the
+    model shape `cfg` (read before anything compiles: the weights are loaded
+    only after)."""
+    family, fields = hf_shape(path)
+    mine = dataclasses.asdict(cfg)
+    # Rotary embeddings have no table: a Llama-family model may be run at
+    # another length than its config's max_position_embeddings.
+    # The router's loss weights and capacity are training choices, not shape.
+    free = ("max_seq_len", "router_aux_loss_coef", "router_z_loss_coef",
+            "capacity_factor") if family == "llama" else ()
+    differ = {k: (v, mine[k]) for k, v in fields.items()
+              if k in mine and k not in free and not hf.same(v, mine[k])}
+    if (family == "llama") != isinstance(cfg, llama.LlamaConfig) or differ:
+        what = ", ".join(f"{k} {a} there, {b} in the model" for k, (a, b) in differ.items()) \
+            or f"a {family} model there, not a {type(cfg).__name__}"
+        named = model_name.startswith("hf:") and Path(model_name[3:]).resolve() == path.resolve()
+        fix = ("leave out the shape flags that change it" if named
+               else f"use --model hf:{path} to take the shape from it")
+        if "vocab_size" in differ:
+            fix = (f"the weights' vocabulary is their tokenizer's: prepare the data with it "
+                   f"(scripts/prepare_data.py --tokenizer {path}) and leave --vocab-size unset")
+        raise ValueError(f"{path}/config.json does not match the model ({model_name}): "
+                         f"{what}; {fix}")
+    return family
+
+
 def check_init_from(init_from: str, job) -> None:
     """A Hugging Face --init-from directory's config.json gives the job's
     model shape: checked before compiling, as the weights load only after."""
     if init_from and hf.is_hf_dir(Path(init_from)):
-        hf.check_matches(Path(init_from), job.model.config, job.run.model.name)
+        _check_hf_matches(Path(init_from), job.model.config, job.run.model.name)
         hf.Tensors(Path(init_from))  # reads each file's header: a damaged one is named now
 
 
 def hf_loader(source: str, job) -> dict | None:
     """Parameters from a Hugging Face directory, placed in the job's layout
-    one tensor at a time (hf.py), or None if `source` is not one."""
+    one tensor at a time (hf.load), or None if `source` is not one."""
     path = Path(source)
     if not hf.is_hf_dir(path):
         return None
-    return hf.load(path, job)
+    cfg = job.model.config
+    family = _check_hf_matches(path, cfg, job.run.model.name)
+    return hf.load(path, job, _hf_mapping(cfg).sources(cfg), family)
 
+
+def hf_config_json(cfg, dtype: str = "float32", token_ids: dict | None = None) -> dict:
+    """config.json for `cfg`, saying the weights' dtype (`torch_dtype`:
+    what `from_pretrained(torch_dtype="auto")` loads them as) and the
+    special tokens' ids in `token_ids` (tokenizer_files.Export). An id not
+    known is written as null rather than left to the architecture's default
+    (GPT-2's 50256, Llama's 1 and 2), which names another token or none:
+    `generate` would not stop at the end of a document. GPT-2 begins text
+    with its end-of-text token, so its bos is its eos."""
+    is_llama = isinstance(cfg, llama.LlamaConfig)
+    out = _hf_mapping(cfg).config_json(cfg)
+    ids = {"bos_token_id": None, "eos_token_id": None, **(token_ids or {})}
+    if not is_llama and "bos_token_id" not in (token_ids or {}):
+        ids["bos_token_id"] = ids["eos_token_id"]
+    return {**out, **ids, "torch_dtype": dtype}
+
+
+def save_hf(out: Path, cfg, read: hf.Read, max_shard_bytes: int = hf.MAX_SHARD_BYTES,
+            dtype: str = "float32", token_ids: dict | None = None) -> list[Path]:
+    """Write `cfg`'s Hugging Face directory (hf.save): its family's tensors,
+    `read(path, layer)` giving our parameters, in `dtype`, and config.json
+    (hf_config_json, naming `token_ids`). Returns the files written."""
+    return hf.save(out, _hf_mapping(cfg).pieces(cfg, read),
+                   lambda: hf_config_json(cfg, dtype, token_ids), max_shard_bytes, dtype)

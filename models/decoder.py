@@ -1,12 +1,13 @@
-"""What the two decoder families share: the scanned layer stack, and the
+"""What the two decoder families share: the scanned layer stack, the
 functions the train step needs from a module with `embed`, `stack` and
-`head` methods over parameters {..., "blocks": the stack}."""
+`head` methods over parameters {..., "blocks": the stack}, and the parts
+of their activation bytes."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -14,6 +15,14 @@ import jax.numpy as jnp
 
 from zero_jax.model.contract import Op, PipelineFns
 from zero_jax.model.hooks import Hooks
+
+
+class ActivationParts(NamedTuple):
+    """Activation bytes of one microbatch, by when they are live."""
+
+    kept: float  # what the layers keep for the backward pass, through all of it
+    rebuilt: float  # one layer rebuilt in the backward pass (0 when nothing is rebuilt)
+    head: float  # the head's logits-sized buffers, during its own backward only
 
 
 def scanned(block: type[nn.Module], cfg: Any, hooks: Hooks) -> nn.Module:

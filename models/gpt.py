@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import NamedTuple
 
 import flax.linen as nn
 import jax.numpy as jnp
@@ -20,14 +19,6 @@ from models import decoder, layers
 from zero_jax.model.hooks import Hooks
 from zero_jax.model.contract import ModelFns, Op
 from zero_jax.model.remat import Remat
-
-
-class ActivationParts(NamedTuple):
-    """Activation bytes of one microbatch, by when they are live."""
-
-    kept: float  # what the layers keep for the backward pass, through all of it
-    rebuilt: float  # one layer rebuilt in the backward pass (0 when nothing is rebuilt)
-    head: float  # the head's logits-sized buffers, during its own backward only
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,7 +99,7 @@ class GPTConfig:
     def activation_parts(self, rows: int, seq_len: int, dtype_bytes: int, remat: Remat,
                          tensor: int = 1, sequence_parallel: bool = False,
                          attention: str = "xla", context: int = 1,
-                         context_attention: str = "") -> "ActivationParts":
+                         context_attention: str = "") -> decoder.ActivationParts:
         """Activation bytes per device for one microbatch, in three parts.
 
         Per layer the block names what its backward pass needs (elements per
@@ -154,7 +145,7 @@ class GPTConfig:
         }[remat.policy]
         rebuilt = 0 if remat.policy == "none" else layer
         head = 3 * s * b * self.padded_vocab / t * 4 / dtype_bytes + 2 * res
-        return ActivationParts(kept * dtype_bytes, rebuilt * dtype_bytes, head * dtype_bytes)
+        return decoder.ActivationParts(kept * dtype_bytes, rebuilt * dtype_bytes, head * dtype_bytes)
 
 
 # name -> (n_layer, n_head, d_model, max_seq_len, vocab_size); d_mlp = 4 d_model. A

@@ -13,8 +13,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from models.gpt import GPTConfig
-
-Read = Callable[[str, int | None], np.ndarray]  # (our path, layer or None) -> array
+from models.hf import Get, Read, padded_rows
 
 
 def config_json(cfg: GPTConfig) -> dict:
@@ -80,17 +79,6 @@ def shape_from(hf: dict, where: str = "config.json") -> dict:
             "d_mlp": hf.get("n_inner") or 4 * d, "vocab_size": hf["vocab_size"],
             "max_seq_len": hf["n_positions"],
             "ln_eps": float(hf.get("layer_norm_epsilon", 1e-5))}
-
-
-Get = Callable[[str], np.ndarray]  # Hugging Face tensor by name
-
-
-def padded_rows(table: np.ndarray, rows: int) -> np.ndarray:
-    """`table` with zero rows appended up to `rows` (the padded vocabulary);
-    itself where none are needed, so that no copy is made."""
-    if table.shape[0] == rows:
-        return table
-    return np.concatenate([table, np.zeros((rows - table.shape[0],) + table.shape[1:], table.dtype)])
 
 
 def sources(cfg: GPTConfig) -> dict[str, Callable[[Get, int | None], np.ndarray]]:

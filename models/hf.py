@@ -1,30 +1,32 @@
-"""Hugging Face directories: config.json <-> our model shapes, and weights in
-(`load`: one tensor at a time into the job's sharded layout) and out
-(`save`: 5 GB safetensors files with an index, as `save_pretrained` writes).
-
-Architectures: GPT2LMHeadModel (models/gpt_hf.py), and LlamaForCausalLM,
-MistralForCausalLM, Qwen2ForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM
-and Qwen3MoeForCausalLM (models/llama_hf.py). A directory
-holds `model.safetensors`, or `model-0000k-of-0000n.safetensors` files with
-`model.safetensors.index.json` mapping each tensor to its file.
+"""A Hugging Face model directory, whichever family's: config.json and the
+weights, in `model.safetensors` or in `model-0000k-of-0000n.safetensors`
+files with `model.safetensors.index.json` mapping each tensor to its file.
+Read one tensor at a time (`Tensors`, and `load`: into the job's sharded
+layout), written as `save_pretrained` writes (`save`: files of at most 5 GB
+with an index). What each tensor is called, how it maps to our parameters
+and what config.json says are the family's (models/gpt_hf.py,
+models/llama_hf.py); models/__init__.py picks the family.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable
 
 import numpy as np
 
-from models import gpt_hf, llama, llama_hf
 from zero_jax.checkpoint import export
 from zero_jax.checkpoint import stream
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 MAX_SHARD_BYTES = 5 * 10**9  # save_pretrained's default max_shard_size, "5GB"
+
+Get = Callable[[str], np.ndarray]  # Hugging Face tensor by name
+Read = Callable[[str, int | None], np.ndarray]  # (our path, layer or None) -> array
+# (Hugging Face name, shape, producer) of one tensor, as a family's `pieces` yields it
+Piece = tuple[str, tuple[int, ...], Callable[[], np.ndarray]]
 
 
 def is_hf_dir(path: Path) -> bool:
@@ -37,18 +39,6 @@ def read_config(path: Path) -> dict:
     if not file.exists():
         raise FileNotFoundError(f"{path}: no config.json (a Hugging Face model directory has one)")
     return json.loads(file.read_text())
-
-
-def shape(path: Path) -> tuple[str, dict]:
-    """(family, shape fields) from a Hugging Face config.json."""
-    hf = read_config(path)
-    kind = hf.get("model_type")
-    if kind == "gpt2":
-        return "gpt", gpt_hf.shape_from(hf, where=str(path / "config.json"))
-    if kind in llama_hf.MODEL_TYPES:
-        return "llama", llama_hf.shape_from(hf, where=str(path / "config.json"))
-    raise ValueError(f"{path}/config.json: model_type {kind!r} is not supported; supported: "
-                     f"gpt2, {', '.join(llama_hf.MODEL_TYPES)}")
 
 
 class Tensors:
@@ -84,42 +74,31 @@ class Tensors:
         return self.files[name].get(name)
 
 
-def check_matches(path: Path, cfg, model_name: str) -> str:
-    """The family of the weights in `path`, whose config.json must give the
-    model shape `cfg` (read before anything compiles: the weights are loaded
-    only after)."""
-    family, fields = shape(path)
-    mine = dataclasses.asdict(cfg)
-    # Rotary embeddings have no table: a Llama-family model may be run at
-    # another length than its config's max_position_embeddings.
-    # The router's loss weights and capacity are training choices, not shape.
-    free = ("max_seq_len", "router_aux_loss_coef", "router_z_loss_coef",
-            "capacity_factor") if family == "llama" else ()
-    differ = {k: (v, mine[k]) for k, v in fields.items()
-              if k in mine and k not in free and not _same(v, mine[k])}
-    if (family == "llama") != isinstance(cfg, llama.LlamaConfig) or differ:
-        what = ", ".join(f"{k} {a} there, {b} in the model" for k, (a, b) in differ.items()) \
-            or f"a {family} model there, not a {type(cfg).__name__}"
-        named = model_name.startswith("hf:") and Path(model_name[3:]).resolve() == path.resolve()
-        fix = ("leave out the shape flags that change it" if named
-               else f"use --model hf:{path} to take the shape from it")
-        if "vocab_size" in differ:
-            fix = (f"the weights' vocabulary is their tokenizer's: prepare the data with it "
-                   f"(scripts/prepare_data.py --tokenizer {path}) and leave --vocab-size unset")
-        raise ValueError(f"{path}/config.json does not match the model ({model_name}): "
-                         f"{what}; {fix}")
-    return family
+def padded_rows(table: np.ndarray, rows: int) -> np.ndarray:
+    """`table` with zero rows appended up to `rows` (the padded vocabulary);
+    itself where none are needed, so that no copy is made."""
+    if table.shape[0] == rows:
+        return table
+    return np.concatenate([table, np.zeros((rows - table.shape[0],) + table.shape[1:], table.dtype)])
 
 
-def load(path: Path, job) -> Any:
+def same(a, b) -> bool:
+    """A config.json value and a model field agree (floats to 1e-9, lists as tuples)."""
+    if isinstance(a, float) or isinstance(b, float):
+        return abs(float(a) - float(b)) <= 1e-9 * max(abs(float(a)), abs(float(b)), 1.0)
+    if isinstance(a, (list, tuple)) or isinstance(b, (list, tuple)):
+        return tuple(a or ()) == tuple(b or ())
+    return a == b
+
+
+def load(path: Path, job, sources: dict[str, Callable[[Get, int | None], np.ndarray]],
+         family: str) -> Any:
     """The job's master parameters (its layout's saved form, layer order)
-    from a Hugging Face directory, placed one tensor at a time: each is read,
-    converted to our layout (transposes, head splits) and put into its
-    sharded place before the next is read (zero_jax/checkpoint/stream.py)."""
-    cfg = job.model.config
-    family = check_matches(path, cfg, job.run.model.name)
+    from the directory, placed one tensor at a time: each is read, converted
+    to our layout by `sources` (the family's: transposes, head splits) and
+    put into its sharded place before the next is read
+    (zero_jax/checkpoint/stream.py)."""
     tensors = Tensors(path)
-    sources = llama_hf.sources(cfg) if family == "llama" else gpt_hf.sources(cfg)
     try:
         return stream.place(job.state_plan.targets.params, job.state_plan.names,
                             lambda leaf, layer: sources[leaf](tensors.get, layer))
@@ -128,48 +107,17 @@ def load(path: Path, job) -> Any:
                          f"config.json's {family} shape needs") from None
 
 
-def _same(a, b) -> bool:
-    if isinstance(a, float) or isinstance(b, float):
-        return abs(float(a) - float(b)) <= 1e-9 * max(abs(float(a)), abs(float(b)), 1.0)
-    if isinstance(a, (list, tuple)) or isinstance(b, (list, tuple)):
-        return tuple(a or ()) == tuple(b or ())
-    return a == b
-
-
-def pieces(cfg, read) -> Iterator[tuple[str, tuple[int, ...], Callable[[], np.ndarray]]]:
-    """(Hugging Face name, shape, producer) of every tensor, `read(path, layer)`
-    giving our parameters."""
-    if isinstance(cfg, llama.LlamaConfig):
-        return llama_hf.pieces(cfg, read)
-    return gpt_hf.pieces(cfg, read)
-
-
-def config_json(cfg, dtype: str = "float32", token_ids: dict | None = None) -> dict:
-    """config.json for `cfg`, saying the weights' dtype (`torch_dtype`:
-    what `from_pretrained(torch_dtype="auto")` loads them as) and the
-    special tokens' ids in `token_ids` (tokenizer_files.Export). An id not
-    known is written as null rather than left to the architecture's default
-    (GPT-2's 50256, Llama's 1 and 2), which names another token or none:
-    `generate` would not stop at the end of a document. GPT-2 begins text
-    with its end-of-text token, so its bos is its eos."""
-    is_llama = isinstance(cfg, llama.LlamaConfig)
-    out = llama_hf.config_json(cfg) if is_llama else gpt_hf.config_json(cfg)
-    ids = {"bos_token_id": None, "eos_token_id": None, **(token_ids or {})}
-    if not is_llama and "bos_token_id" not in (token_ids or {}):
-        ids["bos_token_id"] = ids["eos_token_id"]
-    return {**out, **ids, "torch_dtype": dtype}
-
-
-def save(out: Path, cfg, read, max_shard_bytes: int = MAX_SHARD_BYTES,
-         dtype: str = "float32", token_ids: dict | None = None) -> list[Path]:
-    """Write a Hugging Face directory: config.json and the weights, in files
-    of at most `max_shard_bytes` (a tensor larger than that gets a file of
-    its own) with an index when there is more than one, each tensor produced
-    and written before the next is read, in `dtype` (float32, bfloat16 or float16,
-    cast as it is written); config.json names `token_ids` (config_json).
-    Returns the files written."""
+def save(out: Path, pieces: Iterable[Piece], config: Callable[[], dict],
+         max_shard_bytes: int = MAX_SHARD_BYTES, dtype: str = "float32") -> list[Path]:
+    """Write a Hugging Face directory: the tensors of `pieces` (a family's,
+    which may refuse at the first one, before anything is written), in
+    files of at most `max_shard_bytes` (a tensor larger than that gets a
+    file of its own) with an index when there is more than one, each tensor
+    produced and written before the next is read, in `dtype` (float32,
+    bfloat16 or float16, cast as it is written); then `config()` as
+    config.json. Returns the files written."""
     out.mkdir(parents=True, exist_ok=True)
-    items = list(pieces(cfg, read))
+    items = list(pieces)
     def size(shape):
         return int(np.prod(shape)) * np.dtype(dtype).itemsize
     groups: list[list] = [[]]
@@ -193,6 +141,5 @@ def save(out: Path, cfg, read, max_shard_bytes: int = MAX_SHARD_BYTES,
         index = {"metadata": {"total_size": sum(size(s) for _, s, _ in items)},
                  "weight_map": {t: name for name, group in zip(names, groups) for t, _, _ in group}}
         (out / INDEX).write_text(json.dumps(index, indent=1))
-    (out / "config.json").write_text(json.dumps(config_json(cfg, dtype, token_ids), indent=1))
+    (out / "config.json").write_text(json.dumps(config(), indent=1))
     return written
-

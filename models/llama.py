@@ -25,7 +25,6 @@ import jax
 import jax.numpy as jnp
 
 from models import decoder, layers, moe
-from models.gpt import ActivationParts
 from models.llama_presets import PRESETS
 from zero_jax.model.hooks import Hooks
 from zero_jax.model.contract import ModelFns, Op
@@ -178,7 +177,7 @@ class LlamaConfig:
     def activation_parts(self, rows: int, seq_len: int, dtype_bytes: int, remat: Remat,
                          tensor: int = 1, sequence_parallel: bool = False,
                          attention: str = "xla", context: int = 1,
-                         context_attention: str = "") -> ActivationParts:
+                         context_attention: str = "") -> decoder.ActivationParts:
         """Activation bytes per device for one microbatch (models/gpt.py has
         the method). Per layer the block names: the block input, both norm
         outputs and the residual after attention (4 s b h), q, k, v and the
@@ -218,7 +217,7 @@ class LlamaConfig:
         }[remat.policy]
         rebuilt = 0 if remat.policy == "none" else layer
         head = 3 * s * b * self.padded_vocab / t * 4 / dtype_bytes + 2 * res
-        return ActivationParts(kept * dtype_bytes, rebuilt * dtype_bytes, head * dtype_bytes)
+        return decoder.ActivationParts(kept * dtype_bytes, rebuilt * dtype_bytes, head * dtype_bytes)
 
 
 

@@ -19,7 +19,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from models.gpt_hf import padded_rows as _padded
+from models.hf import Get, Read, padded_rows
 from models.llama import LlamaConfig
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "mixtral", "qwen2_moe", "qwen3_moe")
@@ -43,9 +43,6 @@ EXPERTS = {"mixtral": ("block_sparse_moe.gate.weight",
                           "mlp.experts.{j}.down_proj.weight"))}
 EXPERTS["qwen2_moe"] = EXPERTS["qwen3_moe"]
 STACKED = ("blocks.moe.w_experts_gate", "blocks.moe.w_experts_up", "blocks.moe.w_experts_down")
-
-Get = Callable[[str], np.ndarray]  # Hugging Face tensor by name
-Read = Callable[[str, int | None], np.ndarray]  # (our path, layer or None) -> array
 
 
 def shape_from(hf: dict, where: str = "config.json") -> dict:
@@ -318,7 +315,7 @@ def sources(cfg: LlamaConfig) -> dict[str, Callable[[Get, int | None], np.ndarra
             w = get(tensors, name)
             if w.shape != (V, D):
                 raise ValueError(f"{name} is {w.shape}; the model expects ({V}, {D})")
-            return _padded(w, cfg.padded_vocab)
+            return padded_rows(w, cfg.padded_vocab)
         return build
 
     out = {ours: table(theirs) for ours, theirs in _tables(cfg).items()}

@@ -112,7 +112,7 @@ def _save_hf(tmp, cfg, params, max_shard_bytes=hf.MAX_SHARD_BYTES, dtype="float3
         for key in path.split("."):
             x = x[key]
         return np.asarray(x if layer is None else x[layer])
-    return hf.save(tmp, cfg, read, max_shard_bytes, dtype)
+    return models.save_hf(tmp, cfg, read, max_shard_bytes, dtype)
 
 
 @pytest.mark.parametrize("name,mesh", [("llama-tiny", "fsdp=4,tensor=2")]
@@ -179,7 +179,7 @@ def test_import_holds_about_one_tensor_in_host_memory(tmp_path, dtype):
                             d_mlp=1024, max_seq_len=256, tie_embeddings=True)
     rng = np.random.default_rng(0)
     shapes = jax.eval_shape(models.model_fns(cfg).init, jax.random.key(0))
-    hf.save(tmp_path, cfg, lambda path, layer: rng.standard_normal(
+    models.save_hf(tmp_path, cfg, lambda path, layer: rng.standard_normal(
         _leaf_shape(shapes, path)[0 if layer is None else 1:], np.float32), dtype=dtype)
     out = subprocess.run([sys.executable, "scripts/import_memory.py", str(tmp_path), "--json"],
                          cwd=ROOT,
@@ -317,7 +317,7 @@ def test_an_export_its_architecture_cannot_compute_is_refused_before_writing(tmp
                             d_mlp=128, max_seq_len=64, **fields)
     read = _random_reader(cfg)
     with pytest.raises(ValueError, match=message):
-        hf.save(tmp_path / "hf", cfg, read)
+        models.save_hf(tmp_path / "hf", cfg, read)
     assert not list((tmp_path / "hf").iterdir())
 
 
@@ -335,7 +335,7 @@ def test_a_missing_shard_is_named_before_any_shard_is_read(corpus, tmp_path):
     is not even a safetensors file, and is not what the error is about)."""
     cfg = llama.LlamaConfig(vocab_size=256, n_layer=2, n_head=4, n_kv_head=2, d_model=64,
                             d_mlp=128, max_seq_len=64)
-    files = hf.save(tmp_path, cfg, _random_reader(cfg), max_shard_bytes=40_000)
+    files = models.save_hf(tmp_path, cfg, _random_reader(cfg), max_shard_bytes=40_000)
     assert len(files) >= 4 and (tmp_path / hf.INDEX).exists()
     files[0].write_bytes(b"not a safetensors file")
     files[2].unlink()

@@ -35,7 +35,6 @@ torch = pytest.importorskip("torch", reason="make test-interop installs torch")
 transformers = pytest.importorskip("transformers", reason="make test-interop installs transformers")
 
 import models  # noqa: E402
-from models import hf  # noqa: E402
 from tests.interop.roundtrip import exported, imported, logits  # noqa: E402
 
 T, WINDOW = 64, 16
@@ -170,5 +169,5 @@ def test_a_config_this_model_cannot_compute_is_refused_naming_the_key(name, tmp_
     config, message = REFUSED[name]
     config.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=message) as e:
-        hf.shape(tmp_path)
+        models.hf_shape(tmp_path)
     assert "\n" not in str(e.value) and str(tmp_path / "config.json") in str(e.value)

@@ -50,7 +50,7 @@ class Export:
 
     files: dict[str, bytes]
     line: str
-    # What config.json says of the special tokens (hf.config_json): those of
+    # What config.json says of the special tokens (models.hf_config_json): those of
     # the model whose tokenizer this is (model_ids), else the data's
     # end-of-document id and the tokenizer's own tokens; {} where nothing is known.
     token_ids: dict[str, Any] = dataclasses.field(default_factory=dict)

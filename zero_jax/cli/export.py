@@ -135,10 +135,10 @@ def tokenizer_for(args: argparse.Namespace, meta: dict) -> tokenizer_files.Expor
 def special_ids(cfg, tokenizer: tokenizer_files.Export | None) -> tuple[dict, dict, str]:
     """(config.json's special tokens' ids, generation_config.json, the line
     saying which were written and why) of a Hugging Face export. config.json
-    names the ids as hf.config_json writes them; generation_config.json is
-    the model's own where the tokenizer's model has one, else those ids."""
+    names the ids as models.hf_config_json writes them; generation_config.json
+    is the model's own where the tokenizer's model has one, else those ids."""
     given = tokenizer.token_ids if tokenizer else {}
-    written = hf.config_json(cfg, token_ids=given)
+    written = models.hf_config_json(cfg, token_ids=given)
     ids = {k: written[k] for k in tokenizer_files.IDS if k in written}
     generation = {**{k: v for k, v in ids.items() if v is not None},
                   **(tokenizer.generation if tokenizer else {})}
@@ -247,8 +247,9 @@ def write(args: argparse.Namespace, reader: export.ParamReader, step: int,
             out = staged.directory(args.hf_dir)
             cfg = models.config_from(reader.meta["model"])
             written += [Path(args.hf_dir) / p.name
-                        for p in hf.save(out, cfg, reader.read, int(args.max_shard_size),
-                                         dtype["hf"], tokenizer.token_ids if tokenizer else None)]
+                        for p in models.save_hf(out, cfg, reader.read, int(args.max_shard_size),
+                                                dtype["hf"],
+                                                tokenizer.token_ids if tokenizer else None)]
             if tokenizer:
                 tokenizer_files.write(tokenizer, out)
             generation = special_ids(cfg, tokenizer)[1]
@@ -289,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         reader = export.ParamReader(directory / str(step))
         tokenizer = tokenizer_for(args, reader.meta)
         if args.hf_dir:  # a model its architecture cannot express is refused before any write
-            hf.config_json(models.config_from(reader.meta["model"]))
+            models.hf_config_json(models.config_from(reader.meta["model"]))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
