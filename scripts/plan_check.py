@@ -22,23 +22,23 @@ import models
 from zero_jax.runtime import cpu
 from zero_jax.runtime import device_kinds
 from zero_jax.analysis import memory
-from zero_jax.planner import choices as layouts, cost as planner
+from zero_jax.planner import choices, cost
 from zero_jax import job as job_lib, config as config_lib
 
 # (pipe, tensor, data, zero, remat, micro, microbatches, schedule, v) on 8 devices, global batch 16.
 LAYOUTS = [
-    layouts.Choice(1, 1, 8, 0, "full", 2, 1),
-    layouts.Choice(1, 1, 8, 1, "full", 2, 1),
-    layouts.Choice(1, 1, 8, 2, "full", 1, 2),
-    layouts.Choice(1, 1, 8, 3, "full", 1, 2),
-    layouts.Choice(1, 1, 8, 3, "none", 2, 1),
-    layouts.Choice(1, 1, 8, 2, "dots_saveable", 2, 1),
-    layouts.Choice(1, 2, 4, 1, "full", 2, 2),
-    layouts.Choice(1, 2, 4, 3, "none", 4, 1),
-    layouts.Choice(2, 1, 4, 1, "full", 1, 4, "1f1b"),
-    layouts.Choice(2, 1, 4, 3, "none", 2, 2, "1f1b"),
-    layouts.Choice(4, 1, 2, 1, "full", 2, 4, "interleaved", 2),
-    layouts.Choice(2, 2, 2, 2, "full", 2, 4, "1f1b"),
+    choices.Choice(1, 1, 8, 0, "full", 2, 1),
+    choices.Choice(1, 1, 8, 1, "full", 2, 1),
+    choices.Choice(1, 1, 8, 2, "full", 1, 2),
+    choices.Choice(1, 1, 8, 3, "full", 1, 2),
+    choices.Choice(1, 1, 8, 3, "none", 2, 1),
+    choices.Choice(1, 1, 8, 2, "dots_saveable", 2, 1),
+    choices.Choice(1, 2, 4, 1, "full", 2, 2),
+    choices.Choice(1, 2, 4, 3, "none", 4, 1),
+    choices.Choice(2, 1, 4, 1, "full", 1, 4, "1f1b"),
+    choices.Choice(2, 1, 4, 3, "none", 2, 2, "1f1b"),
+    choices.Choice(4, 1, 2, 1, "full", 2, 4, "interleaved", 2),
+    choices.Choice(2, 2, 2, 2, "full", 2, 4, "1f1b"),
 ]
 
 
@@ -49,12 +49,12 @@ def held_bytes(tree) -> int:
                if s.device == first)
 
 
-def check(choice: layouts.Choice, seq_len: int, cluster: layouts.Cluster) -> dict:
+def check(choice: choices.Choice, seq_len: int, cluster: choices.Cluster) -> dict:
     base = {"model.name": "gpt-small", "model.vocab_size": 50257, "precision.policy": "fp32",
             "data.seq_len": seq_len, "train.batch_size": 16}
     flat = choice.flat(base)
     build = models.for_run(config_lib.build(None, flat).model, 50257)[0]
-    est = planner.estimate(layouts.abstract_job(flat, build, 8), choice, cluster, platform="cpu")
+    est = cost.estimate(choices.abstract_job(flat, build, 8), choice, cluster, platform="cpu")
     job = job_lib.prepare(config_lib.build(None, flat), build)
     m = memory.compiled(job.compile_train_step())
     compiled = m["argument_bytes"] + m["temp_bytes"]
@@ -74,7 +74,7 @@ def main(argv=None) -> int:
                         help="check the first N layouts of the list (default: all %(default)s)")
     cpu.add_devices_flag(parser, default_help="XLA_FLAGS's, else 8")
     args = cpu.parse_args(parser, argv, default=8)
-    cluster = layouts.Cluster(device_kinds.load("a100-80gb"), 1, 8)
+    cluster = choices.Cluster(device_kinds.load("a100-80gb"), 1, 8)
     rows = []
     print(f"{'layout':<58}{'seq':>6}{'analytic MB':>13}{'compiled MB':>13}{'error':>8}"
           f"{'state exact':>13}")
