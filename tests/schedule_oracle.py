@@ -1,5 +1,6 @@
 """A schedule's table checked against what the loop needs of it: the tests'
-oracle for every schedule schedule.py builds."""
+oracle for every schedule zero_jax/pipeline/schedule.py builds (each action
+once, in dependency order, within a tick's limits)."""
 
 from __future__ import annotations
 
