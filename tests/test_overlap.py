@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import pytest
 
 from tests.helpers import compile_step, make_job
+from tests.hlo_loops import inside_loops
 from zero_jax.sharding import overlap
 from zero_jax.train import step
 from zero_jax.runtime import xla_options
@@ -15,7 +16,7 @@ from zero_jax.analysis import hlo
 
 def _in_loops_and_after(job):
     text = compile_step(job).as_text()
-    inside = hlo.counts(hlo.inside_loops(text))
+    inside = hlo.counts(inside_loops(text))
     return inside, hlo.counts(text)
 
 

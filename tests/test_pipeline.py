@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from tests.helpers import assert_close, compile_step, first_step, host, initial_state, make_job, train
+from tests.hlo_loops import inside_loops
 from zero_jax.data import corpus as corpus_lib
 from zero_jax.analysis import hlo
 
@@ -79,7 +80,7 @@ def test_gather_once_matches_and_leaves_no_gather_in_the_loop(corpus, reference)
         text = compile_step(job).as_text()
         weights = {tuple(a.shape[i:]) for a in jax.tree.leaves(job.state_plan.abstract.params)
                    for i in (0, 1)}
-        gathers[once] = [c for c in hlo.collectives(hlo.inside_loops(text))
+        gathers[once] = [c for c in hlo.collectives(inside_loops(text))
                          if c.op == "all-gather" and c.shape in weights]
     assert gathers[False], "ZeRO-3 gathers each stage's weights inside the loop"
     assert not gathers[True], [c.line[:160] for c in gathers[True]]
@@ -91,7 +92,7 @@ def _assert_only_the_embedding_crosses_pipe(job, text):
     and head, stored split over `pipe`)."""
     mesh = job.state_plan.mesh
     over_pipe = lambda cs: [c for c in cs if c.op == "all-gather" and "pipe" in (c.axes(mesh) or ("pipe",))]
-    in_loop = over_pipe(hlo.collectives(hlo.inside_loops(text)))
+    in_loop = over_pipe(hlo.collectives(inside_loops(text)))
     assert not in_loop, [c.line[:200] for c in in_loop]
     outer = sum(np.prod(p.shape) for k, sub in job.state_plan.abstract.params.items() if k != "blocks"
                 for p in jax.tree.leaves(sub))
@@ -114,7 +115,7 @@ def test_stages_talk_by_collective_permute_over_pipe_only(corpus, schedule):
     job = _job(corpus, schedule, "pipe4-data2", 4, 3)
     mesh = job.state_plan.mesh
     text = compile_step(job).as_text()
-    found = hlo.collectives(hlo.inside_loops(text))
+    found = hlo.collectives(inside_loops(text))
     coords = {int(i): c for c, i in np.ndenumerate(np.arange(mesh.devices.size).reshape(mesh.devices.shape))}
     pipe = list(mesh.axis_names).index("pipe")
     permutes = [c for c in found if c.op == "collective-permute"]
@@ -148,7 +149,7 @@ def test_pipe_traffic_is_one_activation_per_route_and_tick(corpus, schedule, mes
     m = 8
     job = _job(corpus, schedule, mesh, m, 1)
     mesh_ = job.state_plan.mesh
-    text = hlo.inside_loops(compile_step(job).as_text())
+    text = inside_loops(compile_step(job).as_text())
     pipe = list(mesh_.axis_names).index("pipe")
     coord = {int(i): c for c, i in np.ndenumerate(np.arange(mesh_.devices.size).reshape(mesh_.devices.shape))}
     payload = {}  # pipe-coordinate pair list -> bytes per device

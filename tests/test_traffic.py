@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from tests.helpers import make_job, train
+from tests.hlo_loops import inside_loops
 from zero_jax.analysis import hlo
 from zero_jax.analysis import memory
 from zero_jax.analysis import traffic
@@ -58,7 +59,7 @@ def test_accumulation_adds_no_traffic_below_stage_3(fsdp8):
 @pytest.mark.parametrize("stage", [0, 1, 2])
 def test_no_collective_runs_inside_the_microbatch_loop(fsdp8, stage):
     text = fsdp8[stage, 4][3]
-    inside = hlo.collectives(hlo.inside_loops(text))
+    inside = hlo.collectives(inside_loops(text))
     assert not inside, [c.line[:160] for c in inside]
 
 

@@ -227,17 +227,3 @@ def computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None]:
         elif name is not None and line.startswith(" "):
             bodies[name].append(line)
     return bodies, entry
-
-
-def inside_loops(hlo_text: str) -> str:
-    """The HLO of every computation reachable from a while loop's body: what
-    runs once per iteration (e.g. per pipeline tick), not once per step."""
-    bodies, _ = computations(hlo_text)
-    todo = [c for lines in bodies.values() for line in lines for c in callees(line, ("body",))]
-    seen: set[str] = set()
-    while todo:
-        c = todo.pop()
-        if c not in seen and c in bodies:
-            seen.add(c)
-            todo += [callee for line in bodies[c] for callee in callees(line)]
-    return "\n".join(line for c in seen for line in bodies[c])
