@@ -40,9 +40,14 @@ def test_every_mesh_file_resolves_for_its_cluster(name, devices, sizes):
     assert shape.num_devices == devices
 
 
+def crosses_hosts(shape: mesh_lib.MeshShape, axis: str) -> bool:
+    """Whether `axis` spans hosts: its size over the network between them is above 1."""
+    return shape.dcn[mesh_lib.AXES.index(axis)] > 1
+
+
 def test_gpu_4x8_is_hybrid_sharding_across_nodes():
     shape = mesh_lib.load(str(MESHES / "gpu-4x8.toml")).resolve(32)
-    assert shape.crosses_hosts("data") and not shape.crosses_hosts("fsdp")
+    assert crosses_hosts(shape, "data") and not crosses_hosts(shape, "fsdp")
     assert shape.shard_axes == ("fsdp",)  # replicate across nodes, shard inside
 
 
@@ -91,4 +96,4 @@ def test_one_process_may_simulate_several_hosts():
     # One process holding 8 devices may simulate 2 hosts (planning, tests).
     cfg = MeshConfig(ici=(1, 1, 4, 1, 1, 1), dcn=(1, 2, 1, 1, 1, 1))
     mesh, shape = mesh_lib.build_mesh(cfg, jax.devices())
-    assert shape.crosses_hosts("data")
+    assert crosses_hosts(shape, "data")

@@ -78,11 +78,6 @@ class Stages:
         return np.array([[self.counts[k * self.p + d] for k in range(self.v)]
                          for d in range(self.p)], np.int32)
 
-    def stage_costs(self, ends: float = 1.0) -> tuple[float, ...]:
-        """Each chunk's work in layers, the embedding and head `ends` layers each."""
-        return tuple(c + ends * ((g == 0) + (g == self.chunks - 1))
-                     for g, c in enumerate(self.counts))
-
     # -- between the stored slots and layer order --------------------------
     def pad(self, x: jax.Array) -> jax.Array:
         """(L, ...) in layer order -> (G * S, ...) stored slots, zeros in the padding."""

@@ -149,9 +149,6 @@ class MeshShape:
         axes = ZERO_AXES if self.zero_shard_axes is None else self.zero_shard_axes
         return tuple(a for a in axes if self.sizes[a] > 1)
 
-    def crosses_hosts(self, axis: str) -> bool:
-        return self.dcn[AXES.index(axis)] > 1
-
 
 def parse_inline(spec: str) -> MeshConfig:
     """`data=2,fsdp=4` -> MeshConfig (all axes inside one host; omitted axes 1)."""
