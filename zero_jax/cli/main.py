@@ -19,7 +19,7 @@ import importlib.util
 import sys
 
 PACKAGE = "zero_jax.cli"
-# subcommand -> its module in zero_jax/cli/ (and script in scripts/)
+# subcommand -> its module in zero_jax/cli/ (and the source tree's shim of the same stem)
 COMMANDS: dict[str, str] = {"train": "train", "plan": "plan", "memory": "memory_report",
                             "export": "export", "launch": "launch", "bench": "bench",
                             "prepare-data": "prepare_data"}

@@ -27,7 +27,7 @@ import jax
 
 from zero_jax.runtime import host_allocator
 
-# Set by scripts/launch.py in each process it starts: that process's device count.
+# Set by `zero-jax launch` in each process it starts: that process's device count.
 ENV_LAUNCHED = "ZERO_JAX_DEVICES_PER_PROCESS"
 _XLA_COUNT = "--xla_force_host_platform_device_count="
 
