@@ -1,11 +1,11 @@
-"""Reference models for zero_jax, by family: the GPT (models/gpt.py) and the
-Llama family (models/llama.py: Llama 2 and 3, Mistral, Qwen2, and the
-mixtures of experts Mixtral and Qwen3-MoE, models/moe.py). Each names
-logical axes only. A model is chosen by preset name, or by "hf:DIR" for the
-shape in a Hugging Face directory's config.json; shape fields override it.
-A Hugging Face directory is read and written by models/hf.py, through the
-mapping (models/gpt_hf.py, models/llama_hf.py) of the family its
-config.json names."""
+"""Reference models for zero_jax, one folder per family: the GPT (models/gpt/)
+and the Llama family (models/llama/: Llama 2 and 3, Mistral, Qwen2, and the
+mixtures of experts Mixtral and Qwen3-MoE), over what both share
+(models/common/). Each names logical axes only. A model is chosen by preset
+name, or by "hf:DIR" for the shape in a Hugging Face directory's
+config.json; shape fields override it. A Hugging Face directory is read and
+written by models/common/hf_files.py, through the mapping (gpt/hf.py,
+llama/hf.py) of the family its config.json names."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from pathlib import Path
 
 from zero_jax.model.contract import ModelFns
 
-from models import decoder, gpt, gpt_hf, hf, llama, llama_hf
+from models import gpt, llama
+from models.common import decoder, hf_files
 
 GPT_FIELDS = ("n_layer", "n_head", "d_model", "d_mlp", "vocab_size", "max_seq_len")
 
@@ -26,11 +27,12 @@ def _resolve(name: str, overrides: dict) -> tuple[str, str, dict]:
     if name.startswith("hf:"):
         family, fields = hf_shape(Path(name[3:]))
         return family, "", {**fields, **given}
-    if name in llama.PRESETS:
+    if name in llama.presets.PRESETS:
         return "llama", name, given
-    if name and name not in gpt.PRESETS:
-        raise ValueError(f"--model {name!r}: no such preset; choose from {', '.join(gpt.PRESETS)}, "
-                         f"{', '.join(llama.PRESETS)}, hf:DIR (a Hugging Face config.json), or "
+    if name and name not in gpt.model.PRESETS:
+        raise ValueError(f"--model {name!r}: no such preset; choose from "
+                         f"{', '.join(gpt.model.PRESETS)}, {', '.join(llama.presets.PRESETS)}, "
+                         "hf:DIR (a Hugging Face config.json), or "
                          "give every shape (--model '' --n-layer .. --n-head .. --d-model ..)")
     other = sorted(set(given) - set(GPT_FIELDS))
     if other:
@@ -43,15 +45,17 @@ def config(name: str, data_vocab: int, vocab_multiple: int = 1, **overrides):
     """The model's frozen shape dataclass."""
     family, preset, fields = _resolve(name, overrides)
     if family == "gpt":
-        return gpt.config(preset, data_vocab, vocab_multiple=vocab_multiple, **fields)
+        return gpt.model.config(preset, data_vocab, vocab_multiple=vocab_multiple, **fields)
     if preset:
-        return llama.config(preset, data_vocab, vocab_multiple=vocab_multiple, **fields)
+        return llama.model.config(preset, data_vocab, vocab_multiple=vocab_multiple, **fields)
     fields.setdefault("vocab_size", data_vocab)
-    return llama.LlamaConfig(vocab_multiple=vocab_multiple, **fields)
+    return llama.model.LlamaConfig(vocab_multiple=vocab_multiple, **fields)
 
 
 def model_fns(cfg) -> ModelFns:
-    return llama.model_fns(cfg) if isinstance(cfg, llama.LlamaConfig) else gpt.model_fns(cfg)
+    if isinstance(cfg, llama.model.LlamaConfig):
+        return llama.model.model_fns(cfg)
+    return gpt.model.model_fns(cfg)
 
 
 def build(name: str, data_vocab: int, vocab_multiple: int = 1, **overrides) -> ModelFns:
@@ -71,7 +75,7 @@ def describe(name: str, data_vocab: int, vocab_multiple: int = 1, **overrides) -
     vocab = f"{c.vocab_size}" + (f" padded to {c.padded_vocab}" if c.padded_vocab != c.vocab_size else "")
     changed = list(decoder.given(overrides))
     head = f"{name or 'custom'}{' with ' + ', '.join(changed) + ' set' if name and changed else ''}"
-    if isinstance(c, llama.LlamaConfig):
+    if isinstance(c, llama.model.LlamaConfig):
         mlp = f"mlp {c.d_mlp}"
         if c.n_experts:
             shared = f" + {c.n_shared_experts} shared" if c.n_shared_experts else ""
@@ -88,10 +92,10 @@ def describe(name: str, data_vocab: int, vocab_multiple: int = 1, **overrides) -
 
 def preset_vocab(name: str) -> int:
     """The vocabulary a preset names (0: the data's)."""
-    if name in gpt.PRESETS:
-        return gpt.PRESETS[name][4]
-    if name in llama.PRESETS:
-        return llama.PRESETS[name]["vocab_size"]
+    if name in gpt.model.PRESETS:
+        return gpt.model.PRESETS[name][4]
+    if name in llama.presets.PRESETS:
+        return llama.presets.PRESETS[name]["vocab_size"]
     if name.startswith("hf:"):
         return hf_shape(Path(name[3:]))[1].get("vocab_size", 0)
     return 0
@@ -128,8 +132,8 @@ def config_from(recorded: dict):
     fields = {k: v for k, v in recorded.items() if k != "name"}
     if "n_kv_head" in fields:
         fields["rope_scaling"] = tuple(fields.get("rope_scaling") or ())
-        return llama.LlamaConfig(**fields)
-    return gpt.GPTConfig(**fields)
+        return llama.model.LlamaConfig(**fields)
+    return gpt.model.GPTConfig(**fields)
 
 
 def weight_dirs(name: str, init_from: str) -> list[str]:
@@ -141,19 +145,19 @@ def weight_dirs(name: str, init_from: str) -> list[str]:
 
 def hf_shape(path: Path) -> tuple[str, dict]:
     """(family, shape fields) from a Hugging Face directory's config.json."""
-    found = hf.read_config(path)
+    found = hf_files.read_config(path)
     kind, where = found.get("model_type"), str(path / "config.json")
     if kind == "gpt2":
-        return "gpt", gpt_hf.shape_from(found, where=where)
-    if kind in llama_hf.MODEL_TYPES:
-        return "llama", llama_hf.shape_from(found, where=where)
+        return "gpt", gpt.hf.shape_from(found, where=where)
+    if kind in llama.hf.MODEL_TYPES:
+        return "llama", llama.hf.shape_from(found, where=where)
     raise ValueError(f"{path}/config.json: model_type {kind!r} is not supported; supported: "
-                     f"gpt2, {', '.join(llama_hf.MODEL_TYPES)}")
+                     f"gpt2, {', '.join(llama.hf.MODEL_TYPES)}")
 
 
 def _hf_mapping(cfg):
     """The Hugging Face mapping (names, shapes, config.json) of cfg's family."""
-    return llama_hf if isinstance(cfg, llama.LlamaConfig) else gpt_hf
+    return llama.hf if isinstance(cfg, llama.model.LlamaConfig) else gpt.hf
 
 
 def _check_hf_matches(path: Path, cfg, model_name: str) -> str:
@@ -168,8 +172,8 @@ def _check_hf_matches(path: Path, cfg, model_name: str) -> str:
     free = ("max_seq_len", "router_aux_loss_coef", "router_z_loss_coef",
             "capacity_factor") if family == "llama" else ()
     differ = {k: (v, mine[k]) for k, v in fields.items()
-              if k in mine and k not in free and not hf.same(v, mine[k])}
-    if (family == "llama") != isinstance(cfg, llama.LlamaConfig) or differ:
+              if k in mine and k not in free and not hf_files.same(v, mine[k])}
+    if (family == "llama") != isinstance(cfg, llama.model.LlamaConfig) or differ:
         what = ", ".join(f"{k} {a} there, {b} in the model" for k, (a, b) in differ.items()) \
             or f"a {family} model there, not a {type(cfg).__name__}"
         named = model_name.startswith("hf:") and Path(model_name[3:]).resolve() == path.resolve()
@@ -186,20 +190,20 @@ def _check_hf_matches(path: Path, cfg, model_name: str) -> str:
 def check_init_from(init_from: str, job) -> None:
     """A Hugging Face --init-from directory's config.json gives the job's
     model shape: checked before compiling, as the weights load only after."""
-    if init_from and hf.is_hf_dir(Path(init_from)):
+    if init_from and hf_files.is_hf_dir(Path(init_from)):
         _check_hf_matches(Path(init_from), job.model.config, job.run.model.name)
-        hf.Tensors(Path(init_from))  # reads each file's header: a damaged one is named now
+        hf_files.Tensors(Path(init_from))  # reads each file's header: a damaged one is named now
 
 
 def hf_loader(source: str, job) -> dict | None:
     """Parameters from a Hugging Face directory, placed in the job's layout
-    one tensor at a time (hf.load), or None if `source` is not one."""
+    one tensor at a time (hf_files.load), or None if `source` is not one."""
     path = Path(source)
-    if not hf.is_hf_dir(path):
+    if not hf_files.is_hf_dir(path):
         return None
     cfg = job.model.config
     family = _check_hf_matches(path, cfg, job.run.model.name)
-    return hf.load(path, job, _hf_mapping(cfg).sources(cfg), family)
+    return hf_files.load(path, job, _hf_mapping(cfg).sources(cfg), family)
 
 
 def hf_config_json(cfg, dtype: str = "float32", token_ids: dict | None = None) -> dict:
@@ -210,7 +214,7 @@ def hf_config_json(cfg, dtype: str = "float32", token_ids: dict | None = None) -
     (GPT-2's 50256, Llama's 1 and 2), which names another token or none:
     `generate` would not stop at the end of a document. GPT-2 begins text
     with its end-of-text token, so its bos is its eos."""
-    is_llama = isinstance(cfg, llama.LlamaConfig)
+    is_llama = isinstance(cfg, llama.model.LlamaConfig)
     out = _hf_mapping(cfg).config_json(cfg)
     ids = {"bos_token_id": None, "eos_token_id": None, **(token_ids or {})}
     if not is_llama and "bos_token_id" not in (token_ids or {}):
@@ -218,10 +222,11 @@ def hf_config_json(cfg, dtype: str = "float32", token_ids: dict | None = None) -
     return {**out, **ids, "torch_dtype": dtype}
 
 
-def save_hf(out: Path, cfg, read: hf.Read, max_shard_bytes: int = hf.MAX_SHARD_BYTES,
+def save_hf(out: Path, cfg, read: hf_files.Read, max_shard_bytes: int = hf_files.MAX_SHARD_BYTES,
             dtype: str = "float32", token_ids: dict | None = None) -> list[Path]:
-    """Write `cfg`'s Hugging Face directory (hf.save): its family's tensors,
-    `read(path, layer)` giving our parameters, in `dtype`, and config.json
-    (hf_config_json, naming `token_ids`). Returns the files written."""
-    return hf.save(out, _hf_mapping(cfg).pieces(cfg, read),
-                   lambda: hf_config_json(cfg, dtype, token_ids), max_shard_bytes, dtype)
+    """Write `cfg`'s Hugging Face directory (hf_files.save): its family's
+    tensors, `read(path, layer)` giving our parameters, in `dtype`, and
+    config.json (hf_config_json, naming `token_ids`). Returns the files
+    written."""
+    return hf_files.save(out, _hf_mapping(cfg).pieces(cfg, read),
+                       lambda: hf_config_json(cfg, dtype, token_ids), max_shard_bytes, dtype)

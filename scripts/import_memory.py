@@ -4,8 +4,8 @@ tensor in it.
     python scripts/import_memory.py DIR [--mesh fsdp=-1] [--zero-stage 3] [--param-dtype bfloat16]
 
 Builds the job for the directory's own shape (`--model hf:DIR`), then
-imports its weights (models/hf.py: one tensor at a time into the sharded
-layout) and prints (as JSON under `--json`, in bytes) the peak resident memory the import added, the
+imports its weights (models/common/hf_files.py: one tensor at a time into the
+sharded layout) and prints (as JSON under `--json`, in bytes) the peak resident memory the import added, the
 bytes of the parameters it placed, the difference, and the largest tensor.
 On a CPU the devices' memory is the process's, so the placed parameters are
 part of the peak; what the import itself holds is the difference. The
@@ -28,14 +28,14 @@ import jax
 import numpy as np
 
 import models
-from models import hf
+from models.common import hf_files
 from zero_jax import config as config_lib, job as job_lib
 from zero_jax.runtime import cpu, procmem
 
 
 def largest_tensor_bytes(path: Path, itemsize: int = 4) -> int:
     """In the dtype the import places parameters in (float32 by default)."""
-    tensors = hf.Tensors(path)
+    tensors = hf_files.Tensors(path)
     return max(int(np.prod(tensors.shape(name))) * itemsize for name in tensors.files)
 
 

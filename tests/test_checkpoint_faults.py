@@ -159,10 +159,11 @@ import sys; sys.path.insert(0, {str(ROOT)!r})
 from models import gpt
 from zero_jax import config as config_lib, job as job_lib, run
 from zero_jax.checkpoint import manager as ckpt_lib
-cfg = gpt.GPTConfig(vocab_size=256, n_layer=8, n_head=16, d_model=1024, d_mlp=4096, max_seq_len=64)
+cfg = gpt.model.GPTConfig(vocab_size=256, n_layer=8, n_head=16, d_model=1024, d_mlp=4096,
+                          max_seq_len=64)
 r = config_lib.build(None, {{"optim.name": "sgd", "optim.momentum": 0.0, "data.seq_len": 32,
                              "train.batch_size": 8}})
-job = job_lib.prepare(r, lambda m: gpt.model_fns(cfg))
+job = job_lib.prepare(r, lambda m: gpt.model.model_fns(cfg))
 c = ckpt_lib.Checkpointer(ckpt_lib.CheckpointConfig(dir={str(tmp_path / 'ckpt')!r}), job.state_plan.names,
                           writer=True)
 c.save(1, job.init_state(), run.checkpoint_meta(job, 1)); c.wait()

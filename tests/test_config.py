@@ -61,12 +61,12 @@ def test_model_shape_from_the_run_config(corpus, tmp_path):
     custom = make_job(corpus, model="", n_layer=2, n_head=4, d_model=64, max_seq_len=64)
     assert custom.model.config.d_mlp == 256 and custom.model.layers == 2
     assert run_lib.checkpoint_meta(custom, 0)["model"]["d_model"] == 64
-    bloom = models.gpt.config("bloom-176b", 256)  # the preset's own vocabulary
+    bloom = models.gpt.model.config("bloom-176b", 256)  # the preset's own vocabulary
     assert (bloom.n_layer, bloom.d_model, bloom.n_head, bloom.vocab_size, bloom.max_seq_len) == \
         (70, 14336, 112, 250880, 2048)
     assert 176.2e9 < bloom.param_count < 176.3e9
-    assert 174e9 < models.gpt.config("gpt3-175b", 256).param_count < 175e9
-    assert 529e9 < models.gpt.config("mt-nlg-530b", 256).param_count < 530e9
+    assert 174e9 < models.gpt.model.config("gpt3-175b", 256).param_count < 175e9
+    assert 529e9 < models.gpt.model.config("mt-nlg-530b", 256).param_count < 530e9
 
 
 def test_toml_file_then_flags(tmp_path):

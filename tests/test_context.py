@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec
 
-from models import layers
+from models.common import layers
 from tests.helpers import assert_close, compile_step, host, initial_state, make_job
 from zero_jax import config as config_lib
 from zero_jax.analysis import hlo, traffic

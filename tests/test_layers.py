@@ -1,4 +1,4 @@
-"""The attention scores' hand-written backward (models/layers.py): the
+"""The attention scores' hand-written backward (models/common/layers.py): the
 gradients autodiff gives the einsum in float32, rounded once in bfloat16,
 and a keys' product the CPU's matmul library takes whole."""
 
@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import layers
+from models.common import layers
 
 
 def _grads(scores, q, k, g):

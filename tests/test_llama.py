@@ -1,8 +1,8 @@
-"""The Llama family (models/llama.py): attention against its formula, the
-published parameter counts, every layout against one device, key/value heads
-the tensor axis does not divide, and Hugging Face weights in and out
-(models/hf.py) without transformers (tests/interop has the checks that
-need it).
+"""The Llama family (models/llama/model.py): attention against its formula,
+the published parameter counts, every layout against one device, key/value
+heads the tensor axis does not divide, and Hugging Face weights in and out
+(models/common/hf_files.py, models/llama/hf.py) without transformers
+(tests/interop has the checks that need it).
 
 CI runs one layout of the numerics grid (ZeRO-3 with tensor and sequence
 parallelism) and the Llama round trip; ZERO_JAX_FULL_GRID=1 runs every stage
@@ -22,7 +22,8 @@ import numpy as np
 import pytest
 
 import models
-from models import hf, layers, llama, llama_hf
+from models import llama
+from models.common import hf_files, layers
 from tests.helpers import assert_close, host, initial_state, make_job, train
 from zero_jax import run
 
@@ -105,7 +106,7 @@ def test_kv_heads_the_tensor_axis_does_not_divide_are_replicated(corpus, referen
     np.testing.assert_allclose(losses, reference[0][:2], rtol=RTOL)
 
 
-def _save_hf(tmp, cfg, params, max_shard_bytes=hf.MAX_SHARD_BYTES, dtype="float32"):
+def _save_hf(tmp, cfg, params, max_shard_bytes=hf_files.MAX_SHARD_BYTES, dtype="float32"):
     """Our parameters (layer order) written as a Hugging Face directory."""
     def read(path, layer):
         x = params
@@ -123,9 +124,9 @@ def test_hugging_face_weights_round_trip_exactly(corpus, tmp_path, name, mesh):
     bit, in the layout's shardings. The shape comes from config.json."""
     job = make_job(corpus, model=name, mesh=mesh, zero_stage=3)
     params = host(job.state_plan.saved_form(initial_state(job)).params)
-    for out, shard in ((tmp_path / "whole", hf.MAX_SHARD_BYTES), (tmp_path / "sharded", 65536)):
+    for out, shard in ((tmp_path / "whole", hf_files.MAX_SHARD_BYTES), (tmp_path / "sharded", 65536)):
         files = _save_hf(out, job.model.config, params, shard)
-        assert (len(files) > 1) == (out.name == "sharded") == (out / hf.INDEX).exists()
+        assert (len(files) > 1) == (out.name == "sharded") == (out / hf_files.INDEX).exists()
         imported_job = make_job(corpus, model=f"hf:{out}", mesh=mesh, zero_stage=3)
         assert imported_job.model.config == job.model.config
         imported = run.load_params(str(out), imported_job, loaders=[models.hf_loader])
@@ -143,8 +144,8 @@ def test_a_bf16_directory_is_placed_as_its_values_cast_per_policy(corpus, tmp_pa
     job = make_job(corpus, model="llama-tiny", mesh="fsdp=4,tensor=2", zero_stage=3)
     params = host(job.state_plan.saved_form(initial_state(job)).params)
     _save_hf(tmp_path, job.model.config, params, dtype="bfloat16")
-    sources = llama_hf.sources(job.model.config)
-    tensors = hf.Tensors(tmp_path)
+    sources = llama.hf.sources(job.model.config)
+    tensors = hf_files.Tensors(tmp_path)
     assert sources["wte"](tensors.get, None).dtype == jnp.bfloat16
     assert sources["blocks.w_q"](tensors.get, 1).dtype == jnp.bfloat16
     in_file = jax.tree.map(lambda x: np.asarray(jnp.asarray(x).astype(jnp.bfloat16)), params)
@@ -175,8 +176,8 @@ def test_import_holds_about_one_tensor_in_host_memory(tmp_path, dtype):
     placed (on CPU the devices' memory is the host's) stays within 3 x 64
     MiB, and the numpy arrays it holds at once within 1.5 x that tensor in
     the file's dtype: a bf16 file is not widened on the host."""
-    cfg = llama.LlamaConfig(vocab_size=16384, n_layer=2, n_head=8, n_kv_head=4, d_model=1024,
-                            d_mlp=1024, max_seq_len=256, tie_embeddings=True)
+    cfg = llama.model.LlamaConfig(vocab_size=16384, n_layer=2, n_head=8, n_kv_head=4, d_model=1024,
+                                  d_mlp=1024, max_seq_len=256, tie_embeddings=True)
     rng = np.random.default_rng(0)
     shapes = jax.eval_shape(models.model_fns(cfg).init, jax.random.key(0))
     models.save_hf(tmp_path, cfg, lambda path, layer: rng.standard_normal(
@@ -245,13 +246,13 @@ WINDOWS = [  # (model_type, keys, the window every layer gets)
 
 @pytest.mark.parametrize("kind,keys,window", WINDOWS)
 def test_each_family_reads_the_window_its_transformers_class_applies(kind, keys, window):
-    fields = llama_hf.shape_from(_config(kind, **keys))
+    fields = llama.hf.shape_from(_config(kind, **keys))
     assert fields.get("sliding_window", 0) == window
     if window:  # and writes it back so that the class applies it again
-        cfg = llama.LlamaConfig(**fields)
-        written = llama_hf.config_json(cfg)
-        assert llama_hf.layer_windows(written, kind) == [window] * cfg.n_layer
-        assert llama.LlamaConfig(**llama_hf.shape_from(written)) == cfg
+        cfg = llama.model.LlamaConfig(**fields)
+        written = llama.hf.config_json(cfg)
+        assert llama.hf.layer_windows(written, kind) == [window] * cfg.n_layer
+        assert llama.model.LlamaConfig(**llama.hf.shape_from(written)) == cfg
 
 
 REFUSED = [  # (model_type, keys, what the one-line error says)
@@ -277,7 +278,7 @@ REFUSED = [  # (model_type, keys, what the one-line error says)
 @pytest.mark.parametrize("kind,keys,message", REFUSED)
 def test_a_key_the_model_cannot_compute_is_refused_in_one_line(kind, keys, message):
     with pytest.raises(ValueError, match=message) as e:
-        llama_hf.shape_from(_config(kind, **keys), where="dir/config.json")
+        llama.hf.shape_from(_config(kind, **keys), where="dir/config.json")
     assert str(e.value).startswith("dir/config.json: ") and "\n" not in str(e.value)
 
 
@@ -287,7 +288,7 @@ def test_keys_a_class_ignores_are_ignored_and_defaults_are_its_own():
     qkv_bias is false; a Mixtral without rope_theta rotates at 1e6, as
     MixtralConfig does; rope_scaling wins over rope_parameters, as in
     transformers, and partial_rotary_factor acts only with scaling."""
-    shape = llama_hf.shape_from
+    shape = llama.hf.shape_from
     assert not shape(_config("mistral", attention_bias=True))["qkv_bias"]
     assert shape(_config("qwen2", attention_bias=False))["qkv_bias"]
     assert shape(_config("qwen2_moe"))["qkv_bias"]
@@ -313,8 +314,8 @@ def test_keys_a_class_ignores_are_ignored_and_defaults_are_its_own():
 ])
 def test_an_export_its_architecture_cannot_compute_is_refused_before_writing(tmp_path, fields,
                                                                              message):
-    cfg = llama.LlamaConfig(vocab_size=256, n_layer=2, n_head=4, n_kv_head=2, d_model=64,
-                            d_mlp=128, max_seq_len=64, **fields)
+    cfg = llama.model.LlamaConfig(vocab_size=256, n_layer=2, n_head=4, n_kv_head=2, d_model=64,
+                                  d_mlp=128, max_seq_len=64, **fields)
     read = _random_reader(cfg)
     with pytest.raises(ValueError, match=message):
         models.save_hf(tmp_path / "hf", cfg, read)
@@ -333,19 +334,19 @@ def test_a_missing_shard_is_named_before_any_shard_is_read(corpus, tmp_path):
     """A directory whose index names files that are not there: the import
     says which, in one line, before opening any shard (the first one here
     is not even a safetensors file, and is not what the error is about)."""
-    cfg = llama.LlamaConfig(vocab_size=256, n_layer=2, n_head=4, n_kv_head=2, d_model=64,
-                            d_mlp=128, max_seq_len=64)
+    cfg = llama.model.LlamaConfig(vocab_size=256, n_layer=2, n_head=4, n_kv_head=2, d_model=64,
+                                  d_mlp=128, max_seq_len=64)
     files = models.save_hf(tmp_path, cfg, _random_reader(cfg), max_shard_bytes=40_000)
-    assert len(files) >= 4 and (tmp_path / hf.INDEX).exists()
+    assert len(files) >= 4 and (tmp_path / hf_files.INDEX).exists()
     files[0].write_bytes(b"not a safetensors file")
     files[2].unlink()
     job = make_job(corpus, model=f"hf:{tmp_path}", mesh="fsdp=8")
     with pytest.raises(FileNotFoundError) as e:
         models.hf_loader(str(tmp_path), job)
-    assert str(e.value) == (f"{tmp_path / hf.INDEX} names {files[2].name}, which is missing "
+    assert str(e.value) == (f"{tmp_path / hf_files.INDEX} names {files[2].name}, which is missing "
                             f"from {tmp_path}: copy or download every file the index names")
     files[3].unlink()
     with pytest.raises(FileNotFoundError, match=rf"names {files[2].name}, {files[3].name} "
                                                 rf"\(2 of its {len(files)} files\), which are "
                                                 rf"missing from {tmp_path}: "):
-        hf.Tensors(tmp_path)
+        hf_files.Tensors(tmp_path)

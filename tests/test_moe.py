@@ -1,4 +1,4 @@
-"""Mixtures of experts (models/moe.py): routing and both dispatch modes
+"""Mixtures of experts (models/llama/moe.py): routing and both dispatch modes
 against a per-token reference, the published parameter counts, every
 expert-parallel layout against one device, the all-to-alls of the compiled
 step against their formula, and bad input.
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import models
-from models import moe
+from models.llama import moe
 from tests.helpers import assert_close, compile_step, host, initial_state, make_job
 from zero_jax import config as config_lib
 from zero_jax.analysis import hlo, traffic

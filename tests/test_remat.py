@@ -36,8 +36,8 @@ def test_analytic_activations_order_and_scale_like_the_compiled_ones(temps):
 
 def _compiled(n_layer: int):
     run = config_lib.build(None, {"data.seq_len": 32, "train.batch_size": 16})
-    cfg = gpt.config("gpt-tiny", 256, n_layer=n_layer)
-    job = job_lib.prepare(run, lambda multiple: gpt.model_fns(cfg))
+    cfg = gpt.model.config("gpt-tiny", 256, n_layer=n_layer)
+    job = job_lib.prepare(run, lambda multiple: gpt.model.model_fns(cfg))
     start = time.perf_counter()
     text = job.compile_train_step().as_text()
     return text, time.perf_counter() - start

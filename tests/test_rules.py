@@ -25,11 +25,11 @@ def test_two_logical_axes_on_one_mesh_axis_is_an_error():
 
 
 def _job(corpus, mesh, vocab_multiple=1, **model):
-    cfg = gpt.GPTConfig(**{"vocab_size": 256, "n_layer": 2, "n_head": 8, "d_model": 192,
+    cfg = gpt.model.GPTConfig(**{"vocab_size": 256, "n_layer": 2, "n_head": 8, "d_model": 192,
                            "d_mlp": 768, "max_seq_len": 64, **model})
     run = config_lib.build(None, {"parallel.mesh": mesh, "data.seq_len": 32,
                                   "train.batch_size": 16, "model.vocab_multiple": vocab_multiple})
-    return job_lib.prepare(run, lambda multiple: gpt.model_fns(
+    return job_lib.prepare(run, lambda multiple: gpt.model.model_fns(
         dataclasses.replace(cfg, vocab_multiple=multiple)))
 
 

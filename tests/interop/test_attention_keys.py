@@ -1,5 +1,5 @@
 """Every config.json key that shapes attention, per family, imports and
-exports as transformers reads it (models/llama_hf.py, models/gpt_hf.py).
+exports as transformers reads it (models/llama/hf.py, models/gpt/hf.py).
 
 Each case is a transformers model built from a small config that sets the
 keys (a sliding window and the flags and layer lists that switch it on,
@@ -133,7 +133,7 @@ def test_export_has_the_keys_and_transformers_computes_our_logits(corpus, saved,
     print(f"{name}: export reloaded, max |logits difference| {np.abs(again - ours).max():.2e} "
           f"from ours, {np.abs(again - theirs).max():.2e} from the original's")
     # The same weights, so the same logits; but for GPT-2's key bias, which
-    # the softmax cancels and the export writes as zeros (models/gpt_hf.py).
+    # the softmax cancels and the export writes as zeros (models/gpt/hf.py).
     np.testing.assert_allclose(again, theirs, atol=1e-5 if name == "gpt2_eps" else 0, rtol=0)
     np.testing.assert_allclose(again, ours, atol=atol, rtol=0)
 

@@ -1,5 +1,6 @@
 """Llama-family checkpoints written by transformers import into zero_jax and
-export back (models/hf.py, scripts/export.py).
+export back (models/common/hf_files.py, models/llama/hf.py,
+scripts/export.py).
 
 For each of LlamaForCausalLM (4 query heads over 2 key/value heads),
 MistralForCausalLM and Qwen2ForCausalLM (q/k/v biases, tied head), built by

@@ -1,5 +1,5 @@
 """Mixture-of-experts checkpoints written by transformers import into
-zero_jax and export back (models/llama_hf.py, scripts/export.py).
+zero_jax and export back (models/llama/hf.py, scripts/export.py).
 
 For MixtralForCausalLM (8 experts, top-2), Qwen2MoeForCausalLM (q/k/v
 biases, a sigmoid-gated shared expert of its own width, top-2 not

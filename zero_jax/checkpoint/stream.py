@@ -1,6 +1,6 @@
 """Parameters placed into their sharded layout one tensor at a time.
 
-An import from another framework's files (models/hf.py) must not hold the
+An import from another framework's files (models/common/hf_files.py) must not hold the
 model in host memory: `place` asks for one leaf, or one layer of a stacked
 leaf, at a time, puts it into the target's sharding and lets it go before
 asking for the next. A stacked leaf is created on the devices first and

@@ -52,7 +52,7 @@ import sys
 from pathlib import Path
 
 import models
-from models import hf
+from models.common import hf_files
 from zero_jax.checkpoint import export
 from zero_jax.checkpoint import manager as ckpt_lib
 from zero_jax.checkpoint import tokenizer_files
@@ -70,7 +70,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--step", type=int, help="default: the newest complete checkpoint")
     parser.add_argument("--out", help="consolidated .safetensors file to write")
     parser.add_argument("--hf-dir", help="directory for a Hugging Face export")
-    parser.add_argument("--max-shard-size", type=float, default=hf.MAX_SHARD_BYTES,
+    parser.add_argument("--max-shard-size", type=float, default=hf_files.MAX_SHARD_BYTES,
                         help="bytes per safetensors file of the Hugging Face export")
     parser.add_argument("--tokenizer",
                         help="tokenizer files to copy into --hf-dir (a directory with "
@@ -355,7 +355,7 @@ def check_outputs(out: str | None, hf_dir: str | None, max_shard_size: float,
                          "replace the directory, or export into another")
     if hf_dir and not (max_shard_size >= 1 and math.isfinite(max_shard_size)):
         raise ValueError(f"--max-shard-size {max_shard_size:g}: must be a number of bytes >= 1 "
-                         f"(default {hf.MAX_SHARD_BYTES:g}, as save_pretrained)")
+                         f"(default {hf_files.MAX_SHARD_BYTES:g}, as save_pretrained)")
 
 
 def choose_step(directory: Path, step: int | None) -> int:

@@ -90,7 +90,7 @@ class ModelFns:
     replicable: dict[str, int] = dataclasses.field(default_factory=dict)
     # A mixture of experts: `apply` returns (logits, router statistics), and
     # this maps them and the rows' weights (B,) to (the term the router
-    # losses add to the loss, their metrics) (models/moe.py `penalty`)
+    # losses add to the loss, their metrics) (models/llama/moe.py `penalty`)
     router_penalty: Callable[[Any, jax.Array], tuple[jax.Array, dict]] | None = None
     experts: int = 0  # routed experts per block (0: dense), split over the `expert` axis
 

@@ -201,7 +201,7 @@ def _expert_time(job: job_lib.Job, choice: Choice, cluster: Cluster, work: _Work
     """Per mixture-of-experts layer and microbatch, two all-to-alls over
     `expert` per forward pass (the token copies to their experts and back)
     and two in the backward. Dropless, each device sends every peer a block
-    sized for all of its k copies (models/moe.py), e times the copies."""
+    sized for all of its k copies (models/llama/moe.py), e times the copies."""
     c, _ = dtype_bytes(job)
     e, cfg = choice.expert, job.model.config
     payload = (e * choice.micro * job.run.data.seq_len / choice.context * cfg.n_experts_per_tok

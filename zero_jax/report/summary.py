@@ -58,7 +58,7 @@ def _attention_line(job: Job) -> str:
     """The attention implementation, and how it crosses `context`."""
     ctx = job.hooks.context
     inner = ("cudnn: jax.nn.dot_product_attention's fused kernel" if job.hooks.attention == "cudnn"
-             else "xla: scores and softmax written out in float32 (models/layers.py)")
+             else "xla: scores and softmax written out in float32 (models/common/layers.py)")
     if ctx is None:
         return inner
     if ctx.strategy == "ulysses":

@@ -166,7 +166,7 @@ def accumulated(loss_fn: Callable, microbatches: int, constrain_grads: Callable,
 
 def runs_per_device(model: ModelFns, hooks: Hooks) -> bool:
     """Whether the model runs per-device code over the axes that split the
-    batch (`Hooks.local`): a mixture of experts' dispatch (models/moe.py),
+    batch (`Hooks.local`): a mixture of experts' dispatch (models/llama/moe.py),
     attention across `context` (zero_jax/context). The per-shard `vmap` of
     partial sums would split it, so such a step reduces each microbatch."""
     return bool(model.experts) or hooks.context is not None

@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from models import layers
+from models.common import layers
 from zero_jax.model.hooks import Hooks
 
 

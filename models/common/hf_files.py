@@ -4,8 +4,8 @@ files with `model.safetensors.index.json` mapping each tensor to its file.
 Read one tensor at a time (`Tensors`, and `load`: into the job's sharded
 layout), written as `save_pretrained` writes (`save`: files of at most 5 GB
 with an index). What each tensor is called, how it maps to our parameters
-and what config.json says are the family's (models/gpt_hf.py,
-models/llama_hf.py); models/__init__.py picks the family.
+and what config.json says are the family's (models/gpt/hf.py,
+models/llama/hf.py); models/__init__.py picks the family.
 """
 
 from __future__ import annotations

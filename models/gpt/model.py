@@ -15,7 +15,7 @@ import math
 import flax.linen as nn
 import jax.numpy as jnp
 
-from models import decoder, layers
+from models.common import decoder, layers
 from zero_jax.model.hooks import Hooks
 from zero_jax.model.contract import ModelFns, Op
 from zero_jax.model.remat import Remat

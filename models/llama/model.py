@@ -1,12 +1,12 @@
 """The decoder behind Llama 2 and 3, Mistral, Qwen2, and the mixtures of
 experts Mixtral and Qwen3-MoE, in Flax: RMSNorm, rotary embeddings (Hugging
 Face's half-rotation layout), SwiGLU MLP or a mixture of SwiGLU experts
-(models/moe.py), grouped-query attention, an untied head (tied as an
+(models/llama/moe.py), grouped-query attention, an untied head (tied as an
 option), q/k/v biases for Qwen2, q/k norms for Qwen3, and no other biases;
 the blocks are one scanned, stacked layer.
 
 The model names logical axes only; `Hooks` (zero_jax.model.hooks) turn them into
-sharding constraints, exactly as for the GPT (models/gpt.py), so every ZeRO
+sharding constraints, exactly as for the GPT (models/gpt/model.py), so every ZeRO
 stage, tensor and sequence parallelism, pipelines and remat apply unchanged.
 Key/value heads have their own logical axis, `kv_heads`: split over `tensor`
 where it divides them, else replicated within the tensor group (job.py).
@@ -24,8 +24,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from models import decoder, layers, moe
-from models.llama_presets import PRESETS
+from models.common import decoder, layers
+from models.llama import moe
+from models.llama.presets import PRESETS
 from zero_jax.model.hooks import Hooks
 from zero_jax.model.contract import ModelFns, Op
 from zero_jax.model.remat import Remat
@@ -54,7 +55,7 @@ class LlamaConfig:
     vocab_multiple: int = 1  # embedding rows padded to a multiple of this (masked in the logits)
     family: str = "llama"  # llama | mistral | qwen2 | mixtral | qwen2_moe | qwen3_moe: the HF architecture
     qk_norm: bool = False  # RMSNorm of each head's q and k before rotation (Qwen3)
-    # A mixture of experts (models/moe.py) in place of every block's MLP:
+    # A mixture of experts (models/llama/moe.py) in place of every block's MLP:
     n_experts: int = 0  # routed experts (0: a dense MLP)
     n_experts_per_tok: int = 0  # experts each token is routed to (top-k)
     d_expert: int = 0  # each expert's SwiGLU width (0: d_mlp)
@@ -178,8 +179,8 @@ class LlamaConfig:
                          tensor: int = 1, sequence_parallel: bool = False,
                          attention: str = "xla", context: int = 1,
                          context_attention: str = "") -> decoder.ActivationParts:
-        """Activation bytes per device for one microbatch (models/gpt.py has
-        the method). Per layer the block names: the block input, both norm
+        """Activation bytes per device for one microbatch (models/gpt/model.py
+        has the method). Per layer the block names: the block input, both norm
         outputs and the residual after attention (4 s b h), q, k, v and the
         attention context ((2 H + 2 K) Q s b / t), the attention
         probabilities (a s^2 b / t; none under cuDNN's fused attention), the

@@ -19,8 +19,8 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from models.hf import Get, Read, padded_rows
-from models.llama import LlamaConfig
+from models.common.hf_files import Get, Read, padded_rows
+from models.llama.model import LlamaConfig
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "mixtral", "qwen2_moe", "qwen3_moe")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",

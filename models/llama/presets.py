@@ -1,5 +1,5 @@
 """The Llama family's presets: published shapes (each model's config.json),
-as fields of models.llama.LlamaConfig."""
+as fields of models.llama.model.LlamaConfig."""
 
 # Published shapes (each model's config.json): name -> fields. Vocabulary 0 takes the data's.
 PRESETS: dict[str, dict] = {
@@ -27,7 +27,7 @@ PRESETS: dict[str, dict] = {
     "qwen2-7b": dict(n_layer=28, n_head=28, n_kv_head=4, d_model=3584, d_mlp=18944,
                      max_seq_len=32768, vocab_size=152064, rope_theta=1000000.0,
                      rms_eps=1e-6, qkv_bias=True, family="qwen2"),
-    # Mixtures of experts (models/moe.py). moe-tiny computes with as many
+    # Mixtures of experts (models/llama/moe.py). moe-tiny computes with as many
     # parameters per token as llama-tiny: 2 experts of 344 for one MLP of 688.
     "moe-tiny": dict(n_layer=4, n_head=8, n_kv_head=4, d_model=256, d_mlp=344,
                      max_seq_len=256, vocab_size=0, n_experts=8, n_experts_per_tok=2,

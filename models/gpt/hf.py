@@ -12,8 +12,8 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from models.gpt import GPTConfig
-from models.hf import Get, Read, padded_rows
+from models.common.hf_files import Get, Read, padded_rows
+from models.gpt.model import GPTConfig
 
 
 def config_json(cfg: GPTConfig) -> dict:
