@@ -13,7 +13,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from zero_jax.model.contract import Op, PipelineFns
+from zero_jax.model.contract import PipelineFns
 from zero_jax.model.hooks import Hooks
 
 
@@ -36,24 +36,6 @@ def scanned(block: type[nn.Module], cfg: Any, hooks: Hooks) -> nn.Module:
     return nn.scan(remat, variable_axes={"params": 0}, split_rngs={"params": True},
                    in_axes=nn.broadcast, length=cfg.n_layer, unroll=unroll,
                    metadata_params={nn.PARTITION_NAME: "layers"})(cfg, hooks)
-
-
-def block_ops(seq_len: int, d_model: int, heads: int, head_dim: int, qkv_features: int,
-              mlp: list[Op]) -> list[Op]:
-    """One pre-norm block as contract.Op's, named as the blocks name their
-    activations: norm, q/k/v projections (`qkv_features` outputs per token),
-    attention, output projection and residual, norm ("norm_2", what `mlp`'s
-    first ops read), then `mlp`, whose last matmul feeds the residual only."""
-    D, H, Q, T = d_model, heads, head_dim, seq_len
-    return [Op("norm_1", "ln_out", 0, ("x",)),
-            Op("qkv", "qkv", 2 * D * qkv_features, ("norm_1",), dot=True),
-            Op("scores", None, 2 * T * H * Q, ("qkv",), dot=True),
-            Op("probs", "attn_probs", 0, ("scores",), needs=("self",)),
-            Op("ctx", "attn_ctx", 2 * T * H * Q, ("probs", "qkv"), dot=True),
-            Op("out", None, 2 * H * Q * D, ("ctx",), dot=True),
-            Op("mid", "resid_mid", 0, ("x", "out"), needs=()),
-            Op("norm_2", "ln_out", 0, ("mid",)),
-            *mlp]
 
 
 def fns(module: type[nn.Module], block: type[nn.Module], cfg: Any,

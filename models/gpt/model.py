@@ -15,7 +15,7 @@ import math
 import flax.linen as nn
 import jax.numpy as jnp
 
-from models.common import decoder, layers
+from models.common import block, decoder, layers
 from zero_jax.model.hooks import Hooks
 from zero_jax.model.contract import ModelFns, Op
 from zero_jax.model.remat import Remat
@@ -55,8 +55,8 @@ class GPTConfig:
     @property
     def param_count(self) -> int:
         D, F, L = self.d_model, self.d_mlp, self.n_layer
-        block = 4 * D + (3 * D * D + 2 * D) + (D * D + D) + (D * F + F) + (F * D + D)
-        return self.padded_vocab * D + self.max_seq_len * D + L * block + 2 * D
+        per_layer = 4 * D + (3 * D * D + 2 * D) + (D * D + D) + (D * F + F) + (F * D + D)
+        return self.padded_vocab * D + self.max_seq_len * D + L * per_layer + 2 * D
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token, 6 N + 12 L H Q T (PaLM, appendix B).
@@ -73,7 +73,7 @@ class GPTConfig:
         """One block as the tensors `Block` computes, named as it names them
         (contract.Op): what a remat policy recomputes."""
         D, F, H, Q = self.d_model, self.d_mlp, self.n_head, self.head_dim
-        return decoder.block_ops(seq_len, D, H, Q, qkv_features=3 * H * Q, mlp=[
+        return block.ops(seq_len, D, H, Q, qkv_features=3 * H * Q, mlp=[
             Op("fc", "mlp_hidden", 2 * D * F, ("norm_2",), dot=True),
             Op("gelu", "mlp_act", 0, ("fc",)),
             Op("proj", None, 2 * F * D, ("gelu",), dot=True)])
@@ -209,7 +209,8 @@ class LayerNorm(nn.Module):
 
 
 class Block(nn.Module):
-    """One pre-LayerNorm transformer block; scanned over `layers` by GPT.
+    """One pre-LayerNorm transformer block (block.pre_norm); scanned over
+    `layers` by GPT.
 
     Matrices are used through `hooks.dense`, biases are added in float32 (so
     their gradients are reduced in float32), and every activation the
@@ -236,43 +237,39 @@ class Block(nn.Module):
             b = h.weight(param(name, shape, names, zeros), names, jnp.float32)
             return (x.astype(jnp.float32) + b).astype(x.dtype)
 
-        x_BxTxD = h.act(x_BxTxD, ("batch", "res_seq", "embed"))
+        def attention(y):
+            # Fused q/k/v (column-parallel over heads), output row-parallel.
+            # There is no key bias: it adds q . b_k to every score of a row, which the
+            # softmax cancels, so its gradient is zero and Adam would only amplify
+            # rounding noise in it. (GPT-2's key bias is dropped exactly on import.)
+            qkv_BxTx3xHxQ = dense("btd,dchq->btchq", y, "w_qkv", (D, 3, H, Q),
+                                  ("embed", None, "heads", "kv"), normal)
+            q = add_bias(qkv_BxTx3xHxQ[:, :, 0], "b_q", (H, Q), ("heads", "kv"))
+            k = qkv_BxTx3xHxQ[:, :, 1]
+            v = add_bias(qkv_BxTx3xHxQ[:, :, 2], "b_v", (H, Q), ("heads", "kv"))
+            q, k, v = (h.act(t, ("batch", "seq", "heads", "kv"), name="qkv") for t in (q, k, v))
+            # Causal attention, scores and softmax in float32 (layers.attention).
+            def probs(p):
+                return h.act(p, ("batch", "heads", "seq", None), name="attn_probs")
+            att_BxTxHxQ = h.act(h.attend(layers.attention, q, k, v, keep=probs,
+                                         segments_BxT=segments_BxT),
+                                ("batch", "seq", "heads", "kv"), name="attn_ctx")
+            out_BxTxD = dense("bthq,hqd->btd", att_BxTxHxQ, "w_o", (H, Q, D),
+                              ("heads", "kv", "embed"), residual)
+            return add_bias(out_BxTxD, "b_o", (D,), ("embed",))
 
-        # Attention: fused q/k/v (column-parallel over heads), output row-parallel.
-        # There is no key bias: it adds q . b_k to every score of a row, which the
-        # softmax cancels, so its gradient is zero and Adam would only amplify
-        # rounding noise in it. (GPT-2's key bias is dropped exactly on import.)
-        # The LayerNorm output is kept (name) in the residual layout, split along
-        # the sequence under sequence parallelism, and gathered for the matmul.
-        y = h.act(LayerNorm(c, h, name="ln_1")(x_BxTxD), ("batch", "res_seq", "embed"), name="ln_out")
-        y = h.act(y, ("batch", "seq", "embed"))
-        qkv_BxTx3xHxQ = dense("btd,dchq->btchq", y, "w_qkv", (D, 3, H, Q),
-                              ("embed", None, "heads", "kv"), normal)
-        q = add_bias(qkv_BxTx3xHxQ[:, :, 0], "b_q", (H, Q), ("heads", "kv"))
-        k = qkv_BxTx3xHxQ[:, :, 1]
-        v = add_bias(qkv_BxTx3xHxQ[:, :, 2], "b_v", (H, Q), ("heads", "kv"))
-        q, k, v = (h.act(t, ("batch", "seq", "heads", "kv"), name="qkv") for t in (q, k, v))
-        # Causal attention, scores and softmax in float32 (layers.attention).
-        def probs(p):
-            return h.act(p, ("batch", "heads", "seq", None), name="attn_probs")
-        att_BxTxHxQ = h.act(h.attend(layers.attention, q, k, v, keep=probs,
-                                     segments_BxT=segments_BxT),
-                            ("batch", "seq", "heads", "kv"), name="attn_ctx")
-        out_BxTxD = dense("bthq,hqd->btd", att_BxTxHxQ, "w_o", (H, Q, D),
-                          ("heads", "kv", "embed"), residual)
-        out_BxTxD = h.act(add_bias(out_BxTxD, "b_o", (D,), ("embed",)), ("batch", "res_seq", "embed"))
-        x_BxTxD = h.act(x_BxTxD + out_BxTxD, ("batch", "res_seq", "embed"), name="resid_mid")
+        def mlp(y):
+            # Column-parallel in, row-parallel out.
+            fc_BxTxF = dense("btd,df->btf", y, "w_fc", (D, F), ("embed", "mlp"), normal)
+            fc_BxTxF = h.act(add_bias(fc_BxTxF, "b_fc", (F,), ("mlp",)), ("batch", "seq", "mlp"),
+                             name="mlp_hidden")
+            hid_BxTxF = h.act(layers.gelu(fc_BxTxF), ("batch", "seq", "mlp"), name="mlp_act")
+            out_BxTxD = dense("btf,fd->btd", hid_BxTxF, "w_proj", (F, D), ("mlp", "embed"),
+                              residual)
+            return add_bias(out_BxTxD, "b_proj", (D,), ("embed",)), None
 
-        # MLP: column-parallel in, row-parallel out.
-        y = h.act(LayerNorm(c, h, name="ln_2")(x_BxTxD), ("batch", "res_seq", "embed"), name="ln_out")
-        y = h.act(y, ("batch", "seq", "embed"))
-        fc_BxTxF = dense("btd,df->btf", y, "w_fc", (D, F), ("embed", "mlp"), normal)
-        fc_BxTxF = h.act(add_bias(fc_BxTxF, "b_fc", (F,), ("mlp",)), ("batch", "seq", "mlp"),
-                         name="mlp_hidden")
-        hid_BxTxF = h.act(layers.gelu(fc_BxTxF), ("batch", "seq", "mlp"), name="mlp_act")
-        out_BxTxD = dense("btf,fd->btd", hid_BxTxF, "w_proj", (F, D), ("mlp", "embed"), residual)
-        out_BxTxD = h.act(add_bias(out_BxTxD, "b_proj", (D,), ("embed",)), ("batch", "res_seq", "embed"))
-        return x_BxTxD + out_BxTxD, None
+        return block.pre_norm(h, x_BxTxD, LayerNorm(c, h, name="ln_1"), attention,
+                              LayerNorm(c, h, name="ln_2"), mlp)
 
 
 def stack(cfg, hooks: Hooks) -> nn.Module:

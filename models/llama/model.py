@@ -24,7 +24,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from models.common import decoder, layers
+from models.common import block, decoder, layers
 from models.llama import moe
 from models.llama.presets import PRESETS
 from zero_jax.model.hooks import Hooks
@@ -122,9 +122,9 @@ class LlamaConfig:
         H, K = self.n_head, self.n_kv_head
         attn = self._attn_params() + ((H + 2 * K) * Q if self.qkv_bias else 0) \
             + (2 * Q if self.qk_norm else 0)
-        block = 2 * D + attn + self._mlp_params(active=False)
+        per_layer = 2 * D + attn + self._mlp_params(active=False)
         tables = self.padded_vocab * D * (1 if self.tie_embeddings else 2)
-        return tables + L * block + D
+        return tables + L * per_layer + D
 
     @property
     def active_param_count(self) -> int:
@@ -146,7 +146,7 @@ class LlamaConfig:
         D, H, K, Q = self.d_model, self.n_head, self.n_kv_head, self.q_dim
         # A mixture of experts computes its k experts (and shared ones) per token.
         F = self.active_mlp
-        return decoder.block_ops(seq_len, D, H, Q, qkv_features=(H + 2 * K) * Q, mlp=[
+        return block.ops(seq_len, D, H, Q, qkv_features=(H + 2 * K) * Q, mlp=[
             Op("gate", "mlp_hidden", 2 * D * F, ("norm_2",), dot=True),
             Op("up", "mlp_hidden", 2 * D * F, ("norm_2",), dot=True),
             Op("act", "mlp_act", 0, ("gate", "up")),
@@ -163,8 +163,8 @@ class LlamaConfig:
     def head_cost(self, seq_len: int) -> float:
         """The head's forward FLOPs in units of one block's forward."""
         D, F, Q, H, K = self.d_model, self.active_mlp, self.q_dim, self.n_head, self.n_kv_head
-        block = 2 * (2 * D * H * Q + 2 * D * K * Q + 3 * D * F) + 4 * seq_len * H * Q
-        return 2 * self.padded_vocab * D / block
+        block_flops = 2 * (2 * D * H * Q + 2 * D * K * Q + 3 * D * F) + 4 * seq_len * H * Q
+        return 2 * self.padded_vocab * D / block_flops
 
     def activation_bytes(self, rows: int, seq_len: int, dtype_bytes: int, remat: Remat,
                          tensor: int = 1, sequence_parallel: bool = False,
@@ -246,7 +246,7 @@ class RMSNorm(nn.Module):
 
 
 class Block(nn.Module):
-    """One pre-norm Llama block; scanned over `layers` by Llama."""
+    """One pre-norm Llama block (block.pre_norm); scanned over `layers` by Llama."""
 
     cfg: LlamaConfig
     hooks: Hooks
@@ -268,45 +268,38 @@ class Block(nn.Module):
             b = h.weight(param(name, shape, names, nn.initializers.zeros), names, jnp.float32)
             return (x.astype(jnp.float32) + b).astype(x.dtype)
 
-        x_BxTxD = h.act(x_BxTxD, ("batch", "res_seq", "embed"))
-        y = h.act(RMSNorm(c, h, name="attn_norm")(x_BxTxD), ("batch", "res_seq", "embed"),
-                  name="ln_out")
-        y = h.act(y, ("batch", "seq", "embed"))
-        q = bias(dense("btd,dhq->bthq", y, "w_q", (D, H, Q), ("embed", "heads", "kv")),
-                 "b_q", (H, Q), ("heads", "kv"))
-        k = bias(dense("btd,dhq->bthq", y, "w_k", (D, K, Q), ("embed", "kv_heads", "kv")),
-                 "b_k", (K, Q), ("kv_heads", "kv"))
-        v = bias(dense("btd,dhq->bthq", y, "w_v", (D, K, Q), ("embed", "kv_heads", "kv")),
-                 "b_v", (K, Q), ("kv_heads", "kv"))
-        if c.qk_norm:  # Qwen3: each head's q and k normalised over its Q dimensions
-            q, k = (_head_norm(c, h, param, x, name) for x, name in ((q, "q_norm"), (k, "k_norm")))
-        inv_freq = layers.rope_frequencies(Q, c.rope_theta, c.rope_scaling)
-        at = h.positions(x_BxTxD.shape[1], segments_BxT)  # laid out over `context`
-        if at is None and segments_BxT is not None:
-            at = layers.positions(segments_BxT)
-        q = h.act(layers.rope(q, inv_freq, at), ("batch", "seq", "heads", "kv"), name="qkv")
-        k = h.act(layers.rope(k, inv_freq, at), ("batch", "seq", "kv_heads", "kv"), name="qkv")
-        v = h.act(v, ("batch", "seq", "kv_heads", "kv"), name="qkv")
-        def probs(p):
-            return h.act(p, ("batch", "heads", "seq", None), name="attn_probs")
-        att_BxTxHxQ = h.act(h.attend(layers.attention, q, k, v, window=c.sliding_window,
-                                     keep=probs, segments_BxT=segments_BxT),
-                            ("batch", "seq", "heads", "kv"), name="attn_ctx")
-        out_BxTxD = dense("bthq,hqd->btd", att_BxTxHxQ, "w_o", (H, Q, D),
-                          ("heads", "kv", "embed"), residual)
-        out_BxTxD = h.act(out_BxTxD, ("batch", "res_seq", "embed"))
-        x_BxTxD = h.act(x_BxTxD + out_BxTxD, ("batch", "res_seq", "embed"), name="resid_mid")
+        def attention(y):
+            q = bias(dense("btd,dhq->bthq", y, "w_q", (D, H, Q), ("embed", "heads", "kv")),
+                     "b_q", (H, Q), ("heads", "kv"))
+            k = bias(dense("btd,dhq->bthq", y, "w_k", (D, K, Q), ("embed", "kv_heads", "kv")),
+                     "b_k", (K, Q), ("kv_heads", "kv"))
+            v = bias(dense("btd,dhq->bthq", y, "w_v", (D, K, Q), ("embed", "kv_heads", "kv")),
+                     "b_v", (K, Q), ("kv_heads", "kv"))
+            if c.qk_norm:  # Qwen3: each head's q and k normalised over its Q dimensions
+                q, k = (_head_norm(c, h, param, x, name)
+                        for x, name in ((q, "q_norm"), (k, "k_norm")))
+            inv_freq = layers.rope_frequencies(Q, c.rope_theta, c.rope_scaling)
+            at = h.positions(y.shape[1], segments_BxT)  # laid out over `context`
+            if at is None and segments_BxT is not None:
+                at = layers.positions(segments_BxT)
+            q = h.act(layers.rope(q, inv_freq, at), ("batch", "seq", "heads", "kv"), name="qkv")
+            k = h.act(layers.rope(k, inv_freq, at), ("batch", "seq", "kv_heads", "kv"), name="qkv")
+            v = h.act(v, ("batch", "seq", "kv_heads", "kv"), name="qkv")
+            def probs(p):
+                return h.act(p, ("batch", "heads", "seq", None), name="attn_probs")
+            att_BxTxHxQ = h.act(h.attend(layers.attention, q, k, v, window=c.sliding_window,
+                                         keep=probs, segments_BxT=segments_BxT),
+                                ("batch", "seq", "heads", "kv"), name="attn_ctx")
+            return dense("bthq,hqd->btd", att_BxTxHxQ, "w_o", (H, Q, D),
+                         ("heads", "kv", "embed"), residual)
 
-        y = h.act(RMSNorm(c, h, name="mlp_norm")(x_BxTxD), ("batch", "res_seq", "embed"),
-                  name="ln_out")
-        y = h.act(y, ("batch", "seq", "embed"))
-        stats = None
-        if c.n_experts:
-            out_BxTxD, stats = moe.MoEMLP(c, h, name="moe")(y)
-        else:
-            out_BxTxD = _swiglu(h, dense, y, D, F, residual)
-        out_BxTxD = h.act(out_BxTxD, ("batch", "res_seq", "embed"))
-        return x_BxTxD + out_BxTxD, stats
+        def mlp(y):
+            if c.n_experts:
+                return moe.MoEMLP(c, h, name="moe")(y)
+            return _swiglu(h, dense, y, D, F, residual), None
+
+        return block.pre_norm(h, x_BxTxD, RMSNorm(c, h, name="attn_norm"), attention,
+                              RMSNorm(c, h, name="mlp_norm"), mlp)
 
 
 def _head_norm(c: LlamaConfig, h: Hooks, param, x_BxTxHxQ, name: str):

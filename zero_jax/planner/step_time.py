@@ -44,7 +44,7 @@ from zero_jax.sharding import zero as zero_lib
 # the float32 master and two Adam moments read and written (24), the
 # gradient read, the new working parameter written.
 UPDATE_TOUCHES = 24
-ATTENTION_OPS = ("scores", "ctx")  # the block's products without weights (decoder.block_ops)
+ATTENTION_OPS = ("scores", "ctx")  # the block's products without weights (block.ops)
 
 
 @dataclasses.dataclass(frozen=True)
