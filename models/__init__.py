@@ -115,7 +115,7 @@ def for_run(model_cfg, data_vocab: int):
             # The weights' embedding is their tokenizer's: data with larger ids
             # was made with another tokenizer, and no --vocab-size mends that.
             source, fix = (f"{name[3:]}/config.json", "the data was prepared with another "
-                           f"tokenizer; prepare it with the model's own (scripts/prepare_data.py "
+                           f"tokenizer; prepare it with the model's own (zero-jax prepare-data "
                            f"--tokenizer {name[3:]})")
         else:
             source, fix = (f"the preset {name}", "prepare the data with the preset's tokenizer, "
@@ -181,7 +181,7 @@ def _check_hf_matches(path: Path, cfg, model_name: str) -> str:
                else f"use --model hf:{path} to take the shape from it")
         if "vocab_size" in differ:
             fix = (f"the weights' vocabulary is their tokenizer's: prepare the data with it "
-                   f"(scripts/prepare_data.py --tokenizer {path}) and leave --vocab-size unset")
+                   f"(zero-jax prepare-data --tokenizer {path}) and leave --vocab-size unset")
         raise ValueError(f"{path}/config.json does not match the model ({model_name}): "
                          f"{what}; {fix}")
     return family

@@ -170,11 +170,11 @@ CASES = [
      [*TRAIN, "--tensorboard-dir", "/proc/zero_jax/tb"], "--tensorboard-dir /proc/zero_jax/tb"),
     ("train-hf-vocab-below-the-data", "train", hf_model_and_larger_data,
      [*TRAIN, "--model", "hf:{d}/hf", "--init-from", "{d}/hf"],
-     "prepare it with the model's own (scripts/prepare_data.py --tokenizer {d}/hf)"),
+     "prepare it with the model's own (zero-jax prepare-data --tokenizer {d}/hf)"),
     ("train-hf-vocab-size-given", "train", hf_model_and_larger_data,
      [*TRAIN, "--model", "hf:{d}/hf", "--init-from", "{d}/hf", "--vocab-size", "8192"],
      "vocab_size 512 there, 8192 in the model; the weights' vocabulary is their tokenizer's: "
-     "prepare the data with it (scripts/prepare_data.py --tokenizer {d}/hf)"),
+     "prepare the data with it (zero-jax prepare-data --tokenizer {d}/hf)"),
     ("train-init-from-safetensors-header-not-json", "train", bad_header,
      [*TRAIN, "--init-from", "{d}/m.safetensors"],
      "{d}/m.safetensors: the safetensors header is not valid JSON (Expecting value at byte 14)"),
