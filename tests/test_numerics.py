@@ -33,7 +33,7 @@ import numpy as np
 import pytest
 
 from tests.helpers import assert_close, first_step, host, make_job, train
-from zero_jax.train import accumulate, step as step_lib
+from zero_jax.train import accumulate, grads as grads_lib
 from zero_jax.data import corpus as corpus_lib
 
 MESHES = {
@@ -95,7 +95,7 @@ def test_bf16_step_matches_one_device(corpus, reference, stage, mesh):
     _, _, (ref_loss, ref_grads) = reference["bf16"]
     job = _job(corpus, "bf16", stage, mesh)
     loss, grads = first_step(job, corpus)
-    per_shard = step_lib.unreduced_axes(job.state_plan, job.run.train.microbatches, job.reduce_once)
+    per_shard = grads_lib.unreduced_axes(job.state_plan, job.run.train.microbatches, job.reduce_once)
     split = "tensor" in mesh or "pipe" in mesh  # products summed across devices in bf16
     rtol = BF16_TENSOR_PARALLEL if split else BF16_PER_SHARD if per_shard else RTOL
     np.testing.assert_allclose(float(loss), ref_loss,
@@ -110,8 +110,8 @@ def test_four_microbatches_equal_one_whole_batch(corpus, stage):
     state_plan = job.state_plan
     state = job.init_state()
     raw = corpus_lib.global_batch(corpus, "train", 32, 32, 0, 0, state_plan.batch_sharding)
-    batch = step_lib.weighted(raw)
-    loss_fn = lambda p, b: step_lib.lm_loss(job.model, job.hooks, p, b)[0]
+    batch = grads_lib.weighted(raw)
+    loss_fn = lambda p, b: grads_lib.lm_loss(job.model, job.hooks, p, b)[0]
     grads_sharding = state_plan.named(state_plan.specs.grads)
     constrain = lambda g: jax.lax.with_sharding_constraint(g, grads_sharding)
     micro_sharding = jax.sharding.NamedSharding(state_plan.mesh, jax.sharding.PartitionSpec(

@@ -118,7 +118,9 @@ def test_zero3_gathers_parameters_in_bf16(corpus):
     job = make_job(corpus, mesh="fsdp=4,tensor=2", layout="fsdp_tp", zero_stage=3,
                    precision="bf16")
     from zero_jax.train import step
-    fn = step.jit_train_step(job.state_plan, job.model, job.hooks, job.tx, job.lr, 1, job.scale_cfg)
+    from zero_jax.train.options import StepOptions
+    fn = step.jit_train_step(job.state_plan, job.model, job.hooks, job.tx, job.lr,
+                             StepOptions(microbatches=1, loss_scale=job.scale_cfg))
     text = hlo.partitioned_text(fn.lower(job.state_plan.abstract, job.abstract_batch))
     mesh = job.state_plan.mesh
     found = hlo.collectives(text)

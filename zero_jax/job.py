@@ -18,7 +18,8 @@ import optax
 
 from zero_jax import config as config_lib
 from zero_jax.precision import loss_scale, master, policies
-from zero_jax.train import optim, state, step
+from zero_jax.train import grads, optim, state, step
+from zero_jax.train.options import StepOptions
 from zero_jax.model import remat
 from zero_jax.analysis import hlo
 from zero_jax.analysis import memory
@@ -74,20 +75,25 @@ class Job:
         """Gradients reduced once per optimizer step (else once per microbatch)."""
         return resolve_grad_reduce(self.run.parallel.grad_reduce, self.state_plan.zero_stage) == "step"
 
+    @property
+    def step_options(self) -> StepOptions:
+        """How this job's steps compute: microbatches, loss scaling, the
+        pipeline and its options, when gradients are reduced, overlap."""
+        par = self.run.parallel
+        return StepOptions(microbatches=self.run.train.microbatches, loss_scale=self.scale_cfg,
+                           schedule=self.schedule, gather_once=par.pipeline_gather_once,
+                           reduce_once=self.reduce_once, tables_in_rows=self.tables_in_rows,
+                           overlap=par.overlap_collectives)
+
     def jit_train_step(self):
         return step.jit_train_step(self.state_plan, self.model, self.hooks, self.tx, self.lr,
-                                   self.run.train.microbatches, self.scale_cfg, self.schedule,
-                                   self.run.parallel.pipeline_gather_once, self.reduce_once,
-                                   self.tables_in_rows, self.run.parallel.overlap_collectives)
+                                   self.step_options)
 
     def jit_loss_and_grads(self):
         """The step's loss and gradients alone, `(params, batch) -> (loss, grads)`:
         what tests compare between layouts and schedules. The gradients of a
         pipeline's layer stacks come back in layer order (as checkpoints hold them)."""
-        fn = step.make_loss_and_grads(self.state_plan, self.model, self.hooks,
-                                      self.run.train.microbatches, self.schedule,
-                                      self.run.parallel.pipeline_gather_once, self.reduce_once,
-                                      self.tables_in_rows)
+        fn = grads.make_loss_and_grads(self.state_plan, self.model, self.hooks, self.step_options)
         state_plan = self.state_plan
         replicated = jax.sharding.NamedSharding(state_plan.mesh, jax.sharding.PartitionSpec())
         grads_out = state_plan.named(state_plan.specs.grads)
@@ -95,16 +101,15 @@ class Job:
             grads_out = jax.tree.map(lambda t: t.sharding, state_plan.targets.params)
 
         def loss_and_grads(params, batch):
-            metrics, grads = fn(params, batch, None)
-            return metrics["loss"], state_plan.unpad_params(grads)
+            metrics, g = fn(params, batch, None)
+            return metrics["loss"], state_plan.unpad_params(g)
 
         return jax.jit(loss_and_grads,
                        in_shardings=(state_plan.shardings.params, state_plan.batch_sharding),
                        out_shardings=(replicated, grads_out))
 
     def compile_eval_step(self):
-        fn = step.jit_eval_step(self.state_plan, self.model, self.hooks, self.schedule,
-                                self.tables_in_rows, self.run.parallel.overlap_collectives)
+        fn = step.jit_eval_step(self.state_plan, self.model, self.hooks, self.step_options)
         return fn.lower(self.state_plan.abstract.params, self.abstract_batch).compile()
 
     @property
@@ -284,7 +289,7 @@ def check_combination(run: config_lib.RunConfig, zero_stage: int, shape: mesh_li
 def check_experts(model: ModelFns, sizes: dict[str, int], grad_reduce: str) -> None:
     """An `expert` axis needs a mixture of experts whose experts it divides;
     a mixture of experts reduces its gradients once per microbatch
-    (step.unreduced_axes)."""
+    (grads.unreduced_axes)."""
     if model.experts and grad_reduce == "step":
         raise config_lib.ConfigError(
             "--grad-reduce step with a mixture of experts: its dispatch runs per device over "

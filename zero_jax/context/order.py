@@ -54,7 +54,7 @@ def arrange(x_BxT: jax.Array, order: np.ndarray | None) -> jax.Array:
 
 
 def shifted(batch: dict, order: np.ndarray | None) -> dict[str, jax.Array]:
-    """A weighted batch (step.weighted: tokens (B, T + 1), weights (B, T))
+    """A weighted batch (grads.weighted: tokens (B, T + 1), weights (B, T))
     as inputs, targets and weights (B, T), and the inputs' segment ids
     ("segments") if it has them, laid out in `order`."""
     tokens = batch["tokens"]

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 def cross_entropy(logits_BxTxV: jax.Array, targets_BxT: jax.Array, weights_BxT: jax.Array,
                   vocab_axis: str | None = None) -> jax.Array:
     """Negative log-likelihood in nats, computed in float32: each target's
-    weighted by its weight and summed (step.weighted: the weights of a
+    weighted by its weight and summed (grads.weighted: the weights of a
     whole batch sum to one, so the sum over all its parts is the mean).
 
     `vocab_axis`: inside `shard_map`, the manual mesh axis over which the

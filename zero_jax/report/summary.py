@@ -12,7 +12,7 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from zero_jax.train import step
+from zero_jax.train import grads
 from zero_jax.analysis import formula_gap
 from zero_jax.report import pipeline_summary
 from zero_jax.analysis.memory import STATES, MemoryReport
@@ -146,9 +146,9 @@ def summary_rows(job: Job, data_line: str, model_line: str,
     master = ("; float32 master weights in the sharded optimizer state, a working copy "
               "stored replicated" if state_plan.master else "")
     # A mixture of experts, or attention across `context`, reduces each
-    # microbatch whatever --grad-reduce says (step.runs_per_device); into
+    # microbatch whatever --grad-reduce says (grads.runs_per_device); into
     # shards only where ZeRO shards the gradients.
-    each = t.microbatches > 1 and (step.runs_per_device(job.model, job.hooks)
+    each = t.microbatches > 1 and (grads.runs_per_device(job.model, job.hooks)
                                    or not job.reduce_once)
     reduce = ("every microbatch" + (", into shards" if stage.grads else "") if each
               else "once per step")

@@ -38,7 +38,7 @@ def accumulate(value_and_grad: Callable[[Any, Any], tuple[jax.Array, Any]],
                constrain_micro: Callable[[Any], Any]) -> tuple[jax.Array, Any]:
     """Sums of the loss (a tree of metrics) and gradient over `microbatches` equal microbatches,
     each microbatch's gradient reduced into the gradient layout. A
-    microbatch's loss is its share of the batch's (step.weighted: its
+    microbatch's loss is its share of the batch's (grads.weighted: its
     targets' weights), so the sums are the batch's loss and gradient.
 
     `constrain_grads` casts a gradient tree to the gradient dtype and pins it

@@ -4,14 +4,15 @@
 stage, layout, precision and pipeline schedule: those only change the
 shardings it is jitted with, the hooks the model is called with, the layout
 and dtype gradients are pinned to, and how the loss and gradients of the
-batch are computed (accumulated microbatches, or a pipeline schedule). The
-state is donated, so XLA updates it in place.
+batch are computed (grads.py: accumulated microbatches, per-device partial
+sums, or a pipeline schedule). Its options are one frozen record
+(`StepOptions`), bound with `functools.partial` before jitting, as nanodo
+binds its config. The state is donated, so XLA updates it in place.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any, Callable
 
 import jax
@@ -26,113 +27,45 @@ from zero_jax.sharding import overlap as overlap_lib
 from zero_jax.precision import rounding
 from zero_jax.pipeline import executor as pipeline_lib
 from zero_jax.pipeline.records import StagePlan
-from zero_jax.sharding import zero as zero_lib
-from zero_jax.sharding.specs import map_specs, without_axis
-from zero_jax.train.accumulate import accumulate, accumulate_partials, reduce_partials
-from zero_jax.context import order as context_order
+from zero_jax.train import grads
+from zero_jax.train.options import StepOptions
 from zero_jax.model.hooks import Hooks
-from zero_jax.model.loss import cross_entropy, expert_load_ratio
+from zero_jax.model.loss import expert_load_ratio
 from zero_jax.model.contract import ModelFns
 from zero_jax.pipeline import schedule as sched_lib
-from zero_jax.pipeline.schedule import Schedule
 from zero_jax.runtime import xla_options
 from zero_jax.train.state import StatePlan, TrainState
 
 
-def weighted(batch: Any) -> dict[str, jax.Array]:
-    """A batch as the loss functions take it: {"tokens": (B, T + 1), "weights":
-    (B, T) float32, optionally "segment_ids"}.
-
-    A target's weight is its share of the batch's loss, so the weights sum
-    to one over the batch: the loss of any part of it (a microbatch, a
-    device's rows, a pipeline's microbatch) is that part's weighted sum, and
-    the parts add up to the batch's mean over its targets, whatever their
-    sizes and loss-mask counts. data.global_batch computes them on the host
-    (the count of targets is known to every process, so no collective is
-    needed); a bare (B, T + 1) token array weighs every target 1 / (B T).
-    """
-    if isinstance(batch, dict):
-        return batch
-    return {"tokens": batch, "weights": jnp.full(batch[:, 1:].shape, 1.0 / batch[:, 1:].size,
-                                                 jnp.float32)}
-
-
-def lm_loss(model: ModelFns, hooks: Hooks, params: Any,
-            batch: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """The training loss of (part of) a `weighted` batch, and its metrics:
-    the next-token loss, its weighted sum ("loss"); for a mixture of
-    experts, plus the router losses times their weights (their values
-    among the metrics, ModelFns.router_penalty). Every metric is a sum over
-    the batch's parts."""
-    # Laid out over `context` where the sequence is split (context/order.py).
-    rows = context_order.shifted(batch, hooks.sequence_order(batch["tokens"].shape[1] - 1))
-    # With segment ids, each document in a row attends to itself only.
-    segments = {"segments_BxT": rows["segments"]} if "segments" in rows else {}
-    out = model.apply(params, rows["inputs"], hooks, **segments)
-    if model.router_penalty is None:
-        loss = cross_entropy(out, rows["targets"], rows["weights"])
-        return loss, {"loss": loss}
-    logits, stats = out
-    loss = cross_entropy(logits, rows["targets"], rows["weights"])
-    added, router = model.router_penalty(stats, jnp.sum(rows["weights"], axis=-1))
-    return loss + added, {"loss": loss, **router}
-
-
-def _scaled(loss_fn: Callable, scale) -> Callable:
-    """`loss_fn` whose training loss (not its metrics) is multiplied by `scale`."""
-    if scale is None:
-        return loss_fn
-
-    def scaled(params, batch):
-        objective, metrics = loss_fn(params, batch)
-        return objective * scale, metrics
-
-    return scaled
-
-
-def _metrics_and_grad(loss_fn: Callable) -> Callable:
-    """`(params, batch) -> (metrics, grads of the training loss)` of an lm_loss."""
-    grad_fn = jax.grad(loss_fn, has_aux=True)
-
-    def metrics_and_grad(params, batch):
-        grads, metrics = grad_fn(params, batch)
-        return metrics, grads
-
-    return metrics_and_grad
-
-
 def train_step(state: TrainState, batch: Any, *, loss_and_grads: Callable,
-               tx: optax.GradientTransformation, lr: optax.Schedule,
-               scale_cfg: loss_scale_lib.LossScaleConfig, to_working: Callable,
-               host: offload_lib.HostUpdate | None = None,
-               fetch: Any = None) -> tuple[TrainState, dict[str, jax.Array]]:
+               tx: optax.GradientTransformation, lr: optax.Schedule, state_plan: StatePlan,
+               options: StepOptions) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer step. `loss_and_grads(params, batch, scale)` returns the
     batch's metrics (lm_loss's: "loss", the mean next-token loss, and the
-    router's) and the training loss's gradients times `scale` (accumulated
-    or pipelined);
-    `to_working` casts new master weights to the working copy (master.py);
-    with `host` the update runs in host memory, where the optimizer state is
-    (offload.py); with `fetch` (device shardings) the parameters, stored in
-    host memory, are brought to the device for an update there."""
+    router's) and the training loss's gradients times `scale` (grads.py).
+    New master weights are cast to the working copy (master.py); the update
+    runs where `state_plan` keeps the optimizer state (`_update_placement`)."""
+    scale_cfg = options.loss_scale
     scale = state.loss_scale.scale
-    batch = weighted(batch)
-    measured, grads = loss_and_grads(state.params, batch, scale if scale_cfg.enabled else None)
+    batch = grads.weighted(batch)
+    measured, g = loss_and_grads(state.params, batch, scale if scale_cfg.enabled else None)
     if scale_cfg.enabled:
-        grads = jax.tree.map(lambda g: (g.astype(jnp.float32) / scale).astype(g.dtype), grads)
-    grad_norm = optax.tree.norm(grads)  # before clipping
+        g = jax.tree.map(lambda x: (x.astype(jnp.float32) / scale).astype(x.dtype), g)
+    grad_norm = optax.tree.norm(g)  # before clipping
     finite = jnp.isfinite(grad_norm)
 
-    def update(grads, opt_state, params, finite):
-        new_params, new_opt = master_lib.apply(tx, grads, opt_state, params, to_working)
+    def update(g, opt_state, params, finite):
+        new_params, new_opt = master_lib.apply(tx, g, opt_state, params, state_plan.to_working)
         # A step with non-finite gradients leaves parameters and optimizer state
         # bitwise as they were; only the step count and the loss scale move.
         def keep(new, old):
             return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
         return keep(new_params, params), keep(new_opt, opt_state)
 
+    host, fetch = _update_placement(state_plan)
     run = update if host is None else functools.partial(host.run, update)
     params = state.params if fetch is None else jax.device_put(state.params, fetch)
-    params, opt_state = run(grads, state.opt_state, params, finite)
+    params, opt_state = run(g, state.opt_state, params, finite)
     new_scale = loss_scale_lib.update(scale_cfg, state.loss_scale, finite)
     router = {}
     if "expert_load" in measured:
@@ -153,190 +86,32 @@ def train_step(state: TrainState, batch: Any, *, loss_and_grads: Callable,
     return new_state, metrics
 
 
-def accumulated(loss_fn: Callable, microbatches: int, constrain_grads: Callable,
-                constrain_micro: Callable) -> Callable:
-    """loss_and_grads by gradient accumulation over `microbatches` (accumulate.py)."""
-
-    def loss_and_grads(params, batch, scale):
-        return accumulate(_metrics_and_grad(_scaled(loss_fn, scale)), params, batch,
-                          microbatches, constrain_grads, constrain_micro)
-
-    return loss_and_grads
-
-
-def runs_per_device(model: ModelFns, hooks: Hooks) -> bool:
-    """Whether the model runs per-device code over the axes that split the
-    batch (`Hooks.local`): a mixture of experts' dispatch (models/llama/moe.py),
-    attention across `context` (zero_jax/context). The per-shard `vmap` of
-    partial sums would split it, so such a step reduces each microbatch."""
-    return bool(model.experts) or hooks.context is not None
+def _update_placement(state_plan: StatePlan) -> tuple[offload_lib.HostUpdate | None, Any]:
+    """(host, fetch): with `host` the update runs in host memory, where the
+    optimizer state is (offload.py), and the new parameters go where they
+    are stored; with `fetch` (device shardings) the parameters, stored in
+    host memory, are brought to the device for an update there."""
+    host = offload_lib.HostUpdate(state_plan.shardings.params) if state_plan.host_opt else None
+    fetch = state_plan.named(state_plan.specs.params) \
+        if state_plan.host_params and not state_plan.host_opt else None
+    return host, fetch
 
 
-def unreduced_axes(state_plan: StatePlan, microbatches: int, reduce_once: bool,
-                   per_device: bool = False) -> tuple[str, ...]:
-    """Data-parallel axes over which the step keeps per-device partial sums of
-    the gradients, to reduce them once at its end (accumulate.py).
-
-    Reducing once per step: every data-parallel axis. Even with one
-    microbatch this reduces a parameter used twice (a tied embedding) once,
-    where reducing at each use would reduce it twice; except at ZeRO-3,
-    whose one microbatch is better reduced layer by layer in the backward
-    pass (its accumulator stays 1/N). Reducing each microbatch into sharded
-    gradients: the axes ZeRO does not shard over (hybrid sharding), whose
-    all-reduce of the shards then runs once per step.
-
-    A step that runs code per device (`per_device`, `runs_per_device`)
-    reduces each microbatch.
-    """
-    if per_device:
-        return ()
-    stage = zero_lib.stage(state_plan.zero_stage)
-    if reduce_once and (microbatches > 1 or not stage.params):
-        return state_plan.data_axes
-    if stage.grads:
-        return tuple(a for a in state_plan.data_axes if a not in state_plan.mesh_shape.shard_axes)
-    return ()
-
-
-def partial_sums(state_plan: StatePlan, model: ModelFns, hooks: Hooks, microbatches: int,
-                 axes: tuple[str, ...], constrain_grads: Callable) -> Callable:
-    """loss_and_grads keeping partial sums over the data-parallel `axes` through
-    the microbatches and reducing them at the end (accumulate.py)."""
-    sizes = state_plan.mesh_shape.sizes
-    n, m = math.prod(sizes[a] for a in axes), microbatches
-    local = functools.partial(lm_loss, model, hooks.per_shard(axes))
-    # Over the other data-parallel axes (hybrid: the ZeRO axes) each shard's
-    # gradient is reduced into its stored layout as usual.
-    inside = set(axes) != set(state_plan.data_axes)
-    specs = state_plan.specs.grads if inside else state_plan.specs.compute
-    partial_specs = map_specs(lambda s: PartitionSpec(axes, *s), specs)
-    constrain_partials = _constrainer(state_plan, partial_specs, hooks.grad_dtype)
-    constrain_inside = _constrainer(state_plan, specs, hooks.grad_dtype)
-    micro = NamedSharding(state_plan.mesh, PartitionSpec(None, axes))
-
-    def value_and_grad(params, rows, scale):
-        metrics, grads = _metrics_and_grad(_scaled(local, scale))(params, rows)
-        return metrics, constrain_inside(grads) if inside else grads
-
-    def loss_and_grads(params, batch, scale):
-        metric_sums, partials = accumulate_partials(
-            lambda p, rows: value_and_grad(p, rows, scale), params, batch, m, axes, n,
-            constrain_partials, lambda x: jax.lax.with_sharding_constraint(x, micro))
-        grads = reduce_partials(partials, state_plan.specs.grads, state_plan.mesh, axes,
-                                state_plan.mesh_shape.shard_axes)
-        return jax.tree.map(lambda x: x.sum(0), metric_sums), constrain_grads(grads)
-
-    return loss_and_grads
-
-
-def pipelined(state_plan: StatePlan, model: ModelFns, hooks: Hooks, sched: Schedule,
-              constrain_grads: Callable, gather_once: bool, reduce_once: bool,
-              row_blocks: bool = True) -> Callable:
-    """loss_and_grads through the pipeline schedule `sched` (pipeline/executor.py);
-    `row_blocks`: the tables used in the row blocks they are stored in."""
-    fns = model.pipeline
-    axes = unreduced_axes(state_plan, sched.m, reduce_once, runs_per_device(model, hooks))
-    sizes = state_plan.mesh_shape.sizes
-    # Partial sums over every data-parallel axis are accumulated unreduced
-    # (compute layout); otherwise in the gradient layout.
-    accumulated = state_plan.specs.compute if set(axes) == set(state_plan.data_axes) and axes \
-        else state_plan.specs.grads
-    outer_specs, stack_specs = fns.split(state_plan.specs.params)
-    outer_acc, stack_acc = fns.split(accumulated)
-    outer_compute, stack_compute = fns.split(state_plan.specs.compute)
-    where = StagePlan(
-        stack=stack_specs, stage_grads=_within_stage(stack_acc, (None,)),
-        outer_grads=map_specs(_without_pipe, outer_acc),
-        grad_dtype=state_plan.grad_dtype,
-        gather=(outer_compute, _within_stage(stack_compute, ())) if gather_once else None,
-        shard_axes=axes, shards=math.prod(sizes[a] for a in axes), stages=state_plan.stages,
-        outer=outer_specs, names=fns.split(state_plan.names)[0], row_blocks=row_blocks)
-
-    def loss_and_grads(params, batch, scale):
-        loss, router, grads = pipeline_lib.loss_and_grads(
-            fns, hooks, sched, state_plan.mesh, params, batch,
-            jnp.float32(1.0) if scale is None else scale, where)
-        if "expert_load" in router and state_plan.stages is not None:  # stored slots -> layers
-            router["expert_load"] = state_plan.stages.unpad(router["expert_load"])
-        metrics = {"loss": loss if scale is None else loss / scale, **router}
-        if axes:
-            grads = reduce_partials(grads, state_plan.specs.grads, state_plan.mesh, axes,
-                                    state_plan.mesh_shape.shard_axes)
-        else:
-            grads = jax.tree.map(lambda g: g[0], grads)
-        return metrics, constrain_grads(grads)
-
-    return loss_and_grads
-
-
-def _within_stage(specs: Any, lead: tuple) -> Any:
-    """Specs of a layer stack as one stage sees them inside the pipeline's
-    shard_map: `lead` dimensions first, then the stack's own, `pipe` left out."""
-    return map_specs(lambda s: PartitionSpec(*lead, None, *tuple(s)[1:]), specs)
-
-
-def _without_pipe(spec: PartitionSpec) -> PartitionSpec:
-    """`spec` inside the pipeline's shard_map, where `pipe` is manual: the
-    embedding and head are stored split over `pipe` and used whole."""
-    return without_axis(spec, "pipe")
-
-
-def _constrainer(state_plan: StatePlan, specs: Any, dtype) -> Callable[[Any], Any]:
-    shardings = state_plan.named(specs)
-    return lambda tree: jax.lax.with_sharding_constraint(
-        jax.tree.map(lambda g: g.astype(dtype), tree), shardings)
-
-
-def make_loss_and_grads(state_plan: StatePlan, model: ModelFns, hooks: Hooks, microbatches: int,
-                        sched: Schedule | None = None, gather_once: bool = False,
-                        reduce_once: bool = True, row_blocks: bool = True) -> Callable:
-    """`(params, batch, scale) -> (loss, grads)` for a layout: pipelined over
-    `pipe` through `sched` if given, else accumulated over microbatches,
-    reduced once per step (`reduce_once`) or once per microbatch.
-    Gradients come out in the layout's gradient sharding and dtype. `batch`
-    is what `weighted` takes, or gives."""
-    constrain_grads = _constrainer(state_plan, state_plan.specs.grads, hooks.grad_dtype)
-    if sched is not None:
-        fn = pipelined(state_plan, model, hooks, sched, constrain_grads, gather_once, reduce_once,
-                       row_blocks)
-    elif axes := unreduced_axes(state_plan, microbatches, reduce_once, runs_per_device(model, hooks)):
-        fn = partial_sums(state_plan, model, hooks, microbatches, axes, constrain_grads)
-    else:
-        micro = NamedSharding(state_plan.mesh, PartitionSpec(None, *state_plan.batch_sharding.spec))
-        fn = accumulated(functools.partial(lm_loss, model, hooks), microbatches, constrain_grads,
-                         lambda x: jax.lax.with_sharding_constraint(x, micro))
-    # A working copy narrower than the master weights is differentiated as
-    # its exact float32 widening, so that gradients come out in float32 (and
-    # are then cast to the gradient dtype), as they do from float32 parameters.
-    widen = (master_lib.cast_to(jax.tree.map(lambda m: m.dtype, state_plan.master_params))
-             if state_plan.master else lambda params: params)
-    return lambda params, batch, scale: fn(widen(params), weighted(batch), scale)
-
-
-def jit_train_step(state_plan: StatePlan, model: ModelFns, hooks: Hooks, tx: optax.GradientTransformation,
-                   lr: optax.Schedule, microbatches: int,
-                   scale_cfg: loss_scale_lib.LossScaleConfig, sched: Schedule | None = None,
-                   gather_once: bool = False, reduce_once: bool = True, row_blocks: bool = True,
-                   overlap: bool = True):
-    """`train_step` bound to a layout, jitted with its shardings, state donated;
-    with `overlap`, XLA:GPU told to overlap the per-layer collectives with
-    the layer scan's compute (overlap.py)."""
+def jit_train_step(state_plan: StatePlan, model: ModelFns, hooks: Hooks,
+                   tx: optax.GradientTransformation, lr: optax.Schedule, options: StepOptions):
+    """`train_step` bound to a layout and its options, jitted with its
+    shardings, state donated; with `options.overlap`, XLA:GPU told to overlap
+    the per-layer collectives with the layer scan's compute (overlap.py)."""
     # Traced without the float32 roundings remat adds to what it keeps: no-ops
     # that XLA:GPU deletes and XLA:CPU runs as copies (rounding.py).
-    loss_and_grads = rounding.without_no_op_rounding(make_loss_and_grads(
-        state_plan, model, hooks, microbatches, sched, gather_once, reduce_once, row_blocks))
-    # The new parameters go where they are stored: to the device, or left in
-    # host memory under parameter offload.
-    host = offload_lib.HostUpdate(state_plan.shardings.params) if state_plan.host_opt else None
-    fetch = state_plan.named(state_plan.specs.params) if state_plan.host_params and not state_plan.host_opt \
-        else None
+    loss_and_grads = rounding.without_no_op_rounding(
+        grads.make_loss_and_grads(state_plan, model, hooks, options))
     step = functools.partial(train_step, loss_and_grads=loss_and_grads, tx=tx, lr=lr,
-                             scale_cfg=scale_cfg, to_working=state_plan.to_working, host=host,
-                             fetch=fetch)
+                             state_plan=state_plan, options=options)
     replicated = NamedSharding(state_plan.mesh, PartitionSpec())
     return jax.jit(step, in_shardings=(state_plan.shardings, state_plan.batch_sharding),
                    out_shardings=(state_plan.shardings, replicated), donate_argnums=0,
-                   compiler_options=compiler_options(state_plan, overlap))
+                   compiler_options=compiler_options(state_plan, options.overlap))
 
 
 def compiler_options(state_plan: StatePlan, overlap: bool,
@@ -349,29 +124,29 @@ def compiler_options(state_plan: StatePlan, overlap: bool,
     return xla_options.spell(wants, backend)
 
 
-def jit_eval_step(state_plan: StatePlan, model: ModelFns, hooks: Hooks, sched: Schedule | None = None,
-                  row_blocks: bool = True, overlap: bool = True):
+def eval_step(params: Any, batch: Any, *, state_plan: StatePlan, model: ModelFns, hooks: Hooks,
+              options: StepOptions) -> jax.Array:
     """The mean loss over a batch's targets, with the parameters where they
-    are stored: under a pipeline, through `sched`'s forwards (each stage
-    runs the layers it stores; only activations cross `pipe`)."""
-    if sched is not None:
-        fns = model.pipeline
-        outer_specs, stack_specs = fns.split(state_plan.specs.params)
-        where = StagePlan(stack=stack_specs, stage_grads=None, outer_grads=None,
-                                         grad_dtype=state_plan.grad_dtype, stages=state_plan.stages,
-                                         outer=outer_specs, names=fns.split(state_plan.names)[0],
-                                         row_blocks=row_blocks)
-        forwards = sched_lib.forward_only(sched.name, sched.p, sched.m, sched.v)
+    are stored: under a pipeline, through `options.schedule`'s forwards
+    (each stage runs the layers it stores; only activations cross `pipe`)."""
+    batch = grads.weighted(batch)
+    sched = options.schedule
+    if sched is None:
+        return grads.lm_loss(model, hooks, params, batch)[1]["loss"]
+    fns = model.pipeline
+    outer_specs, stack_specs = fns.split(state_plan.specs.params)
+    where = StagePlan(stack=stack_specs, stage_grads=None, outer_grads=None,
+                      grad_dtype=state_plan.grad_dtype, stages=state_plan.stages,
+                      outer=outer_specs, names=fns.split(state_plan.names)[0],
+                      row_blocks=options.tables_in_rows)
+    forwards = sched_lib.forward_only(sched.name, sched.p, sched.m, sched.v)
+    return pipeline_lib.loss(fns, hooks, forwards, state_plan.mesh, params, batch, where)
 
-        def loss_fn(params, batch):
-            return pipeline_lib.loss(fns, hooks, forwards, state_plan.mesh, params, batch, where)
-    else:
-        def loss_fn(params, batch):
-            return lm_loss(model, hooks, params, batch)[1]["loss"]
 
-    def eval_step(params, batch):
-        return loss_fn(params, weighted(batch))
-
-    return jax.jit(eval_step, in_shardings=(state_plan.shardings.params, state_plan.batch_sharding),
+def jit_eval_step(state_plan: StatePlan, model: ModelFns, hooks: Hooks, options: StepOptions):
+    """`eval_step` bound to a layout and its options, jitted with its shardings."""
+    step = functools.partial(eval_step, state_plan=state_plan, model=model, hooks=hooks,
+                             options=options)
+    return jax.jit(step, in_shardings=(state_plan.shardings.params, state_plan.batch_sharding),
                    out_shardings=NamedSharding(state_plan.mesh, PartitionSpec()),
-                   compiler_options=compiler_options(state_plan, overlap))
+                   compiler_options=compiler_options(state_plan, options.overlap))
