@@ -20,7 +20,7 @@ from zero_jax.model.loss import cross_entropy
 from zero_jax.pipeline.program import Row, Tables
 from zero_jax.model.contract import PipelineFns
 from zero_jax.pipeline.records import StagePlan
-from zero_jax.pipeline.stage import LocalStage, send
+from zero_jax.pipeline.stage import Held, LocalStage, send
 
 
 class EvalCarry(NamedTuple):
@@ -34,9 +34,9 @@ class EvalStage(LocalStage):
     """A device's stage in the evaluation loop. With `rows`, the embedding
     and head tables are this device's row blocks of them."""
 
-    def __init__(self, fns: PipelineFns, hooks, where: StagePlan, outer, chunks, micro,
+    def __init__(self, fns: PipelineFns, hooks, where: StagePlan, held: Held,
                  x_shape: jax.ShapeDtypeStruct, rows: RowSplit | None):
-        super().__init__(fns, hooks, where, outer, chunks, micro, x_shape)
+        super().__init__(fns, hooks, where, held, x_shape)
         self.rows = rows
         self.ends = dataclasses.replace(hooks, rows=rows)  # the embedding's and head's hooks
 

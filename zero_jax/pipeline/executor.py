@@ -49,7 +49,7 @@ from zero_jax.pipeline.program import Program, Tables
 from zero_jax.model.contract import PipelineFns
 from zero_jax.pipeline.records import StagePlan
 from zero_jax.pipeline.schedule import Schedule
-from zero_jax.pipeline.stage import chunks_of, constrain
+from zero_jax.pipeline.stage import Held, chunks_of, constrain
 from zero_jax.pipeline.train_stage import TrainStage
 from zero_jax.sharding.specs import entry_axes, map_specs, named_leaves, spec_leaves
 
@@ -66,6 +66,9 @@ class _Loop:
     program: Program
     tables: Tables  # the program's tables, as device arrays
     x_shape: jax.ShapeDtypeStruct  # a stage's input, one microbatch
+    outer_specs: Any  # how the parameters outside the stack enter: row blocks over pipe, or whole
+    rows: RowSplit | None  # the tables the loop uses in their row blocks (`_outer_in_specs`)
+    widen: bool  # sums over `pipe` of 16-bit gradients run in float32 (CPU: param_use.psum)
 
 
 def _prepare(fns: PipelineFns, hooks, schedule: Schedule, mesh: Mesh, params: Any,
@@ -80,7 +83,10 @@ def _prepare(fns: PipelineFns, hooks, schedule: Schedule, mesh: Mesh, params: An
     micro = split_microbatches(context_order.shifted(batch, order), schedule.m)
     tables = Tables(program, _layer_counts(where, stack, schedule.p, schedule.v))
     x_shape = jax.eval_shape(lambda o, t: fns.embed(o, t, hooks), outer, micro["inputs"][0])
-    return _Loop(fns, hooks, where, schedule, program, tables, x_shape), outer, stack, micro
+    cpu = mesh.devices.flat[0].platform == "cpu"
+    outer_specs, rows = _outer_in_specs(fns, outer, where, dict(mesh.shape), cpu)
+    loop = _Loop(fns, hooks, where, schedule, program, tables, x_shape, outer_specs, rows, cpu)
+    return loop, outer, stack, micro
 
 
 def _layer_counts(where: StagePlan, stack: Any, p: int, v: int) -> np.ndarray:
@@ -94,7 +100,7 @@ def loss_and_grads(fns: PipelineFns, hooks, schedule: Schedule, mesh: Mesh, para
                    batch: jax.Array, scale: jax.Array,
                    where: StagePlan) -> tuple[jax.Array, dict, Any]:
     """Mean loss (times `scale`), router metrics and gradients of `params`
-    over `batch` (a `step.weighted` batch), pipelined.
+    over `batch` (a `grads.weighted` batch), pipelined.
 
     The router metrics are a mixture of experts' (`fns.penalty`; {} for a
     dense model): aux_loss and z_loss, and expert_load per stored slot of
@@ -110,30 +116,27 @@ def loss_and_grads(fns: PipelineFns, hooks, schedule: Schedule, mesh: Mesh, para
     are taken whole and their gradients summed over `pipe`.
     """
     loop, outer, stack, micro = _prepare(fns, hooks, schedule, mesh, params, batch, where)
-    cpu = mesh.devices.flat[0].platform == "cpu"
-    outer_specs, rows = _outer_in_specs(fns, outer, where, dict(mesh.shape), cpu)
     ends = tuple(jnp.asarray(a) for a in loop.program.ends())
     piped = jax.tree.map(lambda _: PartitionSpec("pipe"), stack)
     per_shard_piped = jax.tree.map(lambda _: PartitionSpec(None, "pipe"), stack)
-    per_shard_outer = map_specs(lambda s: PartitionSpec(None, *s), outer_specs)
+    per_shard_outer = map_specs(lambda s: PartitionSpec(None, *s), loop.outer_specs)
     router = {} if fns.penalty is None else {"aux_loss": PartitionSpec(),
                                              "z_loss": PartitionSpec(),
                                              "expert_load": PartitionSpec("pipe")}
-    run = jax.shard_map(functools.partial(_train, loop, cpu, rows, ends, outer_specs), mesh=mesh,
-                        in_specs=(outer_specs, piped, PartitionSpec(), PartitionSpec()),
+    run = jax.shard_map(functools.partial(_train, loop, ends), mesh=mesh,
+                        in_specs=(loop.outer_specs, piped, PartitionSpec(), PartitionSpec()),
                         out_specs=(PartitionSpec(), router, per_shard_outer, per_shard_piped),
                         axis_names={"pipe"}, check_vma=False)
     loss, router, g_outer, g_stack = run(outer, stack, micro, scale)
     return loss, router, fns.merge(g_outer, g_stack)
 
 
-def _train(loop: _Loop, cpu: bool, rows: RowSplit | None, ends, outer_specs, outer, stack, micro,
-           scale):
+def _train(loop: _Loop, ends, outer, stack, micro, scale):
     """One device's training loop, inside `shard_map`: the loss summed over
     `pipe`, the embedding's and head's gradients (the row block of each
-    table taken in blocks, `outer_specs`; the rest summed over `pipe`, bf16
-    in float32 on CPU, param_use.psum) and its stage's gradients; the router
-    metrics, summed over `pipe` but expert_load, the device's slots'."""
+    table taken in blocks, `loop.outer_specs`; the rest summed over `pipe`,
+    bf16 in float32 on CPU, param_use.psum) and its stage's gradients; the
+    router metrics, summed over `pipe` but expert_load, the device's slots'."""
     # Inside, shardings refer to the context mesh, whose `pipe` is manual.
     inner = jax.sharding.get_abstract_mesh()
     hooks = dataclasses.replace(loop.hooks, mesh=inner)
@@ -143,13 +146,15 @@ def _train(loop: _Loop, cpu: bool, rows: RowSplit | None, ends, outer_specs, out
         hooks = dataclasses.replace(hooks, stored=None)
         outer = constrain(outer, inner, where.gather[0])
         stack = constrain(stack, inner, where.gather[1])
-    stage = TrainStage(loop.fns, hooks, where, outer, chunks_of(stack, loop.schedule.v), micro,
-                       loop.x_shape, scale, split=loop.schedule.split_backward, rows=rows)
+    held = Held(outer, chunks_of(stack, loop.schedule.v), micro)
+    stage = TrainStage(loop.fns, hooks, where, held, loop.x_shape, scale,
+                       split=loop.schedule.split_backward, rows=loop.rows)
     c = stage.loop(loop.tables, ends)
     # (shards, v, slots, ...) -> (shards, v * slots, ...): the device's part of the stack
     g_stack = jax.tree.map(lambda a: a.reshape(a.shape[0], -1, *a.shape[3:]), c.g_stack)
-    g_outer = jax.tree.map(lambda g, s: g if s == PartitionSpec("pipe") else psum(g, "pipe", cpu),
-                           c.g_outer, spec_leaves_like(c.g_outer, outer_specs))
+    g_outer = jax.tree.map(
+        lambda g, s: g if s == PartitionSpec("pipe") else psum(g, "pipe", loop.widen),
+        c.g_outer, spec_leaves_like(c.g_outer, loop.outer_specs))
     router = {k: a.reshape(-1, *a.shape[2:]) if k == "expert_load" else jax.lax.psum(a, "pipe")
               for k, a in c.router.items()}
     return jax.lax.psum(c.loss.sum(), "pipe"), router, g_outer, g_stack
@@ -157,7 +162,7 @@ def _train(loop: _Loop, cpu: bool, rows: RowSplit | None, ends, outer_specs, out
 
 def loss(fns: PipelineFns, hooks, schedule: Schedule, mesh: Mesh, params: Any, batch: jax.Array,
          where: StagePlan) -> jax.Array:
-    """Mean loss over `batch` (a `step.weighted` batch) through a forward-only schedule
+    """Mean loss over `batch` (a `grads.weighted` batch) through a forward-only schedule
     (`schedule.forward_only`): evaluation, with every stage's layers where
     they are stored. Only activations move over `pipe`; nothing is kept for
     a backward pass.
@@ -173,21 +178,20 @@ def loss(fns: PipelineFns, hooks, schedule: Schedule, mesh: Mesh, params: Any, b
     Otherwise those parameters are gathered once, at entry.
     """
     loop, outer, stack, micro = _prepare(fns, hooks, schedule, mesh, params, batch, where)
-    outer_specs, rows = _outer_in_specs(fns, outer, where, dict(mesh.shape),
-                                        mesh.devices.flat[0].platform == "cpu")
     enters, leaves, _ = (jnp.asarray(a) for a in loop.program.ends())
     piped = jax.tree.map(lambda _: PartitionSpec("pipe"), stack)
-    run = jax.shard_map(functools.partial(_evaluate, loop, rows, enters, leaves), mesh=mesh,
-                        in_specs=(outer_specs, piped, PartitionSpec()),
+    run = jax.shard_map(functools.partial(_evaluate, loop, enters, leaves), mesh=mesh,
+                        in_specs=(loop.outer_specs, piped, PartitionSpec()),
                         out_specs=PartitionSpec(), axis_names={"pipe"}, check_vma=False)
     return run(outer, stack, micro)
 
 
-def _evaluate(loop: _Loop, rows: RowSplit | None, enters, leaves, outer, stack, micro):
+def _evaluate(loop: _Loop, enters, leaves, outer, stack, micro):
     """One device's evaluation loop, inside `shard_map`: the loss summed over `pipe`."""
     hooks = dataclasses.replace(loop.hooks, mesh=jax.sharding.get_abstract_mesh())
-    stage = EvalStage(loop.fns, hooks, loop.where, outer, chunks_of(stack, loop.schedule.v),
-                      micro, loop.x_shape, rows)
+    stage = EvalStage(loop.fns, hooks, loop.where,
+                      Held(outer, chunks_of(stack, loop.schedule.v), micro), loop.x_shape,
+                      loop.rows)
     c = stage.loop(loop.tables, enters, leaves)
     return jax.lax.psum(c.loss, "pipe")
 

@@ -9,6 +9,7 @@ actions from these; the loop itself is in executor.py.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -37,6 +38,16 @@ def send(x: jax.Array, pairs) -> jax.Array:
     return jax.lax.ppermute(x, "pipe", pairs) if pairs else jnp.zeros_like(x)
 
 
+@dataclasses.dataclass(frozen=True)
+class Held:
+    """What one device holds inside the loop: traced, unlike the hooks and
+    plans the stage is built with."""
+
+    outer: Any  # the parameters outside the stack: embedding, head (whole, or row blocks)
+    chunks: Any  # the device's chunks of the layer stack: (v, slots, ...)
+    micro: Any  # the microbatches: inputs, targets and weights, each (m, rows, T)
+
+
 class LocalStage:
     """A device's chunks, embedding and head, and microbatches, with the
     hooks (and so the mesh) of the loop's inside.
@@ -47,10 +58,10 @@ class LocalStage:
     those axes inside the loop.
     """
 
-    def __init__(self, fns: PipelineFns, hooks, where: StagePlan, outer, chunks, micro,
+    def __init__(self, fns: PipelineFns, hooks, where: StagePlan, held: Held,
                  x_shape: jax.ShapeDtypeStruct):
         self.fns, self.hooks, self.where = fns, hooks, where
-        self.outer, self.chunks, self.micro = outer, chunks, micro
+        self.outer, self.chunks, self.micro = held.outer, held.chunks, held.micro
         self.x_zero = jnp.zeros(x_shape.shape, x_shape.dtype)  # "nothing" for a stage's input
         self.shard_hooks = hooks.per_shard(where.shard_axes)
         self.n = where.shards

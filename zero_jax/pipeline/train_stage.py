@@ -48,7 +48,7 @@ from zero_jax.pipeline.program import Row, Tables
 from zero_jax.model.contract import PipelineFns
 from zero_jax.pipeline.records import StagePlan
 from zero_jax.pipeline.schedule import W_PER_TICK
-from zero_jax.pipeline.stage import LocalStage, send
+from zero_jax.pipeline.stage import Held, LocalStage, send
 from zero_jax.pipeline.weight_grad import SplitBackward
 
 
@@ -75,10 +75,10 @@ class TrainStage(LocalStage):
     gradient and Ws the matrices' gradients; with `rows`, the embedding and
     head tables are this device's row blocks of them."""
 
-    def __init__(self, fns: PipelineFns, hooks, where: StagePlan, outer, chunks, micro,
+    def __init__(self, fns: PipelineFns, hooks, where: StagePlan, held: Held,
                  x_shape: jax.ShapeDtypeStruct, loss_scale: jax.Array, split: bool = False,
                  rows: RowSplit | None = None):
-        super().__init__(fns, hooks, where, outer, chunks, micro, x_shape)
+        super().__init__(fns, hooks, where, held, x_shape)
         self.loss_scale = loss_scale
         self.rows = rows
         self.ends = dataclasses.replace(hooks, rows=rows)  # the embedding's and head's hooks
@@ -87,7 +87,7 @@ class TrainStage(LocalStage):
         if split:
             rows = jax.ShapeDtypeStruct((x_shape.shape[0] // self.n, *x_shape.shape[1:]),
                                         x_shape.dtype)
-            slots = jax.tree.leaves(chunks)[0].shape[1]
+            slots = jax.tree.leaves(held.chunks)[0].shape[1]
             self.split_bwd = SplitBackward(functools.partial(self.run, layers=slots),
                                            self.chunk(0), rows, self.shard_hooks)
 
@@ -222,7 +222,7 @@ class TrainStage(LocalStage):
         """The last chunk's end: per shard, the loss of output y, the head's
         gradients, and the loss gradient the backward starts from."""
         def head_loss(outer, y, mb):
-            # Each shard's weighted sum (step.weighted): the shards' and
+            # Each shard's weighted sum (grads.weighted): the shards' and
             # microbatches' sum is the batch's mean.
             logits = self.fns.head(outer, y, self.shard_hooks)
             return cross_entropy(logits, mb["targets"], mb["weights"]) * self.loss_scale
