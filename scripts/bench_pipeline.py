@@ -84,7 +84,8 @@ def pinned(args, argv: list[str]) -> int:
     rows = []
     for name, job in jobs.items():
         head = job.model.head_cost(args.seq_len) if job.model.head_cost else 0.0
-        idle = sched_lib.cost(job.schedule, job.state_plan.stages.counts, head=head).bubble
+        idle = sched_lib.cost(job.schedule, job.state_plan.stages.counts,
+                              sched_lib.Prices(head=head)).bubble
         ideal = one / 2 / (1 - idle)
         rows.append({"schedule": name, "median_step_s": medians[name],
                      "vs_gpipe": medians[name] / medians.get("gpipe", medians[name]),

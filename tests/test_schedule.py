@@ -15,7 +15,7 @@ CASES = [(name, p, m, (2 if name == "interleaved" else 1))
 def _units(s):
     """The formulas' convention: a forward and a backward one unit each (a
     split backward's B and W half a unit each)."""
-    return sched.cost(s, [1 / s.v] * s.chunks, backward=1.0, weight=0.5)
+    return sched.cost(s, [1 / s.v] * s.chunks, sched.Prices(backward=1.0, weight=0.5))
 
 
 @pytest.mark.parametrize("name,p,m,v", CASES)
@@ -160,8 +160,8 @@ def test_fused_one_f_one_b_runs_a_forward_and_a_backward_per_tick():
     # The head runs forward and backward in the last stage's forward; each
     # of the 5 ticks pays for its two sends, which run whether they carry a
     # message or not (6 of the 10 do).
-    assert sched.cost(s, [1, 1], head=0.5).ticks[1] == 5.5
-    assert sched.cost(s, [1, 1], send=0.25).total == pytest.approx(16 + 10 * 0.25)
+    assert sched.cost(s, [1, 1], sched.Prices(head=0.5)).ticks[1] == 5.5
+    assert sched.cost(s, [1, 1], sched.Prices(send=0.25)).total == pytest.approx(16 + 10 * 0.25)
 
 
 @pytest.mark.parametrize("p,m", [(4, 8), (12, 128)])

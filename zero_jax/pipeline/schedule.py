@@ -104,10 +104,6 @@ class Schedule:
             out.append(worst)
         return out
 
-    def max_in_flight(self) -> int:
-        """The largest stash of any device."""
-        return max(self.stash_peak())
-
     def pending_w_peak(self) -> list[int]:
         """Per device, the most weight gradients waiting at once (0 unless
         the backward is split): each holds its chunk's matrix inputs and
@@ -152,10 +148,21 @@ class Cost(NamedTuple):
         return 1 - self.busy / (self.p * self.total) if self.total else 0.0
 
 
-def cost(s: Schedule, layers: Sequence[float], head: float = 0.0, embed: float = 0.0,
-         send: float = 0.0, backward: float = 3.0, weight: float = 1.0,
-         shared_ends: bool = False, end_sum: float = 0.0) -> Cost:
-    """The time of the loop that runs `s` (executor.py).
+@dataclasses.dataclass(frozen=True)
+class Prices:
+    """What the parts of a tick cost, in layer forwards of one microbatch (`cost`)."""
+
+    head: float = 0.0  # the head's forward (its forward and backward: 3 x this)
+    embed: float = 0.0  # the embedding's forward, and its backward
+    send: float = 0.0  # one send between neighbouring stages
+    backward: float = 3.0  # a layer's backward with its forward recomputed (4: remat inside)
+    weight: float = 1.0  # of `backward`, what a split backward leaves to W
+    end_sum: float = 0.0  # one sum of an activation over `pipe` (shared ends)
+
+
+def cost(s: Schedule, layers: Sequence[float], prices: Prices = Prices(),
+         shared_ends: bool = False) -> Cost:
+    """The time of the loop that runs `s` (executor.py), at `prices`.
 
     `layers[g]`: the work of global chunk g, in layer forwards. A forward
     costs its layers, plus the embedding on chunk 0 (`embed`) and, on the
@@ -177,6 +184,7 @@ def cost(s: Schedule, layers: Sequence[float], head: float = 0.0, embed: float =
     """
     G = s.chunks
     split = s.split_backward
+    head, embed, backward, weight = prices.head, prices.embed, prices.backward, prices.weight
 
     def ends(d: int, a: Action) -> tuple[float, int]:
         """The embedding's and head's work in action a, and its sums over `pipe`."""
@@ -203,12 +211,12 @@ def cost(s: Schedule, layers: Sequence[float], head: float = 0.0, embed: float =
     ticks_range = range(s.ticks)
     directions = sum(any(_sends(s, t, d, kind) for t in ticks_range for d in range(s.p))
                      for kind in ("F", "B"))
-    sends = [send * directions for _ in ticks_range]
+    sends = [prices.send * directions for _ in ticks_range]
     if shared_ends:
         for t, row in enumerate(s.table):
             parts = [ends(d, a) for d, acts in enumerate(row) for a in acts]
             work[t] = [w + sum(e for e, _ in parts) / s.p for w in work[t]]
-            sends[t] += end_sum * sum(n for _, n in parts)
+            sends[t] += prices.end_sum * sum(n for _, n in parts)
     ticks = tuple(max(row) + c for row, c in zip(work, sends))
     return Cost(sum(ticks), sum(map(sum, work)), sum(sends), ticks, s.p)
 

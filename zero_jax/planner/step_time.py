@@ -171,11 +171,11 @@ def _pipeline_compute(job: job_lib.Job, choice: Choice, cluster: Cluster,
     link = choice.link_bw(cluster, "pipe")
     send = _activation_bytes(job, choice) / link / unit
     p = choice.pipe
-    cost = sched_lib.cost(pipeline_schedule(choice), job.state_plan.stages.counts,
-                          head=work.head_flops / work.layer_flops, send=send,
-                          backward=work.passes + 1, weight=work.weight_share,
-                          shared_ends=any(tables_in_blocks(job, choice)),
-                          end_sum=send * 2 * (p - 1) / p)
+    prices = sched_lib.Prices(head=work.head_flops / work.layer_flops, send=send,
+                              backward=work.passes + 1, weight=work.weight_share,
+                              end_sum=send * 2 * (p - 1) / p)
+    cost = sched_lib.cost(pipeline_schedule(choice), job.state_plan.stages.counts, prices,
+                          shared_ends=any(tables_in_blocks(job, choice)))
     return cost.total * unit, cost.bubble
 
 

@@ -17,7 +17,7 @@ def rows(job: Job, full: bool = True) -> list[str]:
     s, stages = job.schedule, job.state_plan.stages
     head = job.model.head_cost(job.run.data.seq_len) if job.model.head_cost else 0.0
     shared = any(job.row_blocks())
-    cost = sched_lib.cost(s, stages.counts, head=head, shared_ends=shared)
+    cost = sched_lib.cost(s, stages.counts, sched_lib.Prices(head=head), shared_ends=shared)
     waiting = (f"; weight gradients waiting, per stage: {', '.join(map(str, s.pending_w_peak()))}"
                if s.split_backward else "")
     head_line = (f"pipeline   {s.name}: p={s.p} stages, m={s.m} microbatches, v={s.v} chunks per "
