@@ -236,10 +236,12 @@ def prepare_on(run: config_lib.RunConfig, build_model: Callable[[int], ModelFns]
                                     policy.dtype("opt_state"))
     if state.needs_master(zero_stage, policy.dtype("params"), policy.dtype("compute")):
         tx = master.wrap(tx)
-    state_plan = state.plan_state(model, tx, mesh, shape, axis_rules, zero_stage,
-                               run.parallel.min_shard_elements, policy.dtype("params"),
-                               policy.dtype("grads"), policy.dtype("compute"), cut,
-                               host_opt=run.offload.optimizer, host_params=run.offload.params)
+    layout = rules.Preset(axis_rules, zero_stage)  # the preset, as resolved for this mesh
+    # Offload moves states to host memory without changing how they are split.
+    state_plan = dataclasses.replace(
+        state.plan_state(model, tx, mesh, shape, layout, policy, run.parallel.min_shard_elements,
+                         cut),
+        host_opt=run.offload.optimizer, host_params=run.offload.params)
     stored = state_plan.placement if zero_lib.stage(zero_stage).params else None
     hooks = Hooks(mesh, axis_rules, policy.compute, policy.grads, remat_policy, stored,
                   host_params=run.offload.params, attention=attention,

@@ -25,7 +25,7 @@ import optax
 from jax.sharding import PartitionSpec
 
 from zero_jax.sharding.mesh import MeshShape
-from zero_jax.sharding.specs import entries, entry_axes, path_name
+from zero_jax.sharding.specs import entries, entry_axes, map_specs, path_name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,24 +140,29 @@ class StateSpecs:
     replicated: tuple[tuple[str, str], ...]  # (path, reason) of arrays ZeRO left whole
 
 
+def layer_stacks(names: Any) -> Any:
+    """Per parameter, whether it is a layer stack: its first logical axis is
+    `layers` (`names`: a tree of logical-name PartitionSpecs)."""
+    return map_specs(lambda n: len(n) > 0 and n[0] == "layers", names)
+
+
 def state_specs(abstract_params: Any, compute_specs: Any, names: Any, abstract_opt_state: Any,
-                tx: optax.GradientTransformation, zero: ZeroStage,
-                placement: Placement, outer: Any = None,
-                pipe: Placement | None = None, axis_sizes: dict[str, int] | None = None) -> StateSpecs:
+                tx: optax.GradientTransformation, zero: ZeroStage, placement: Placement,
+                over_pipe: PipeSplit | None = None) -> StateSpecs:
     """Storage specs of params, grads and optimizer state for one ZeRO stage.
 
     Optimizer-state leaves that mirror a parameter (Adam's moments, momentum)
     take that parameter's layout; the others (counts, factored second moments)
     are placed by the same `zero_dim` rule on their own shapes.
 
-    With a pipeline (`pipe`), the parameters outside the layer stack
-    (`outer`: a tree of bools; the embedding, head, final norm) are also
-    stored split over `pipe` (`PipeSplit`; `axis_sizes`: the mesh's).
-    Training gathers them once per step for the first and last stage.
+    With a pipeline (`over_pipe`), the parameters outside the layer stack
+    (those not `layer_stacks`: the embedding, head, final norm) are also
+    stored split over `pipe` (`PipeSplit`). Training gathers them once per
+    step for the first and last stage.
     """
-    if outer is None or pipe is None:
-        outer = jax.tree.map(lambda _: False, abstract_params)
-    over_pipe = PipeSplit(pipe, axis_sizes)
+    over_pipe = over_pipe or PipeSplit(None, None)
+    outer = (jax.tree.map(lambda _: False, abstract_params) if over_pipe.pipe is None
+             else jax.tree.map(lambda stacked: not stacked, layer_stacks(names)))
     replicated: list[tuple[str, str]] = []
 
     def sharded(path, leaf, spec, leaf_names, is_outer):

@@ -26,7 +26,7 @@ from zero_jax.precision import policies
 from zero_jax.sharding import zero as zero_lib
 from zero_jax.sharding.mesh import DATA_AXES, MeshShape
 from zero_jax.model.contract import ModelFns
-from zero_jax.sharding.rules import AxisRules
+from zero_jax.sharding.rules import AxisRules, Preset
 from zero_jax.sharding.specs import entries, entry_axes, map_specs, path_name
 from zero_jax.pipeline.cut import Stages
 
@@ -217,23 +217,26 @@ def needs_master(zero_stage: int, param_dtype, compute_dtype) -> bool:
 
 
 def plan_state(model: ModelFns, tx: optax.GradientTransformation, mesh: Mesh,
-                mesh_shape: MeshShape, rules: AxisRules, zero_stage: int,
-                min_shard_elements: int, param_dtype=jnp.float32,
-                grad_dtype=jnp.float32, compute_dtype=None, stages: Stages | None = None,
-                host_opt: bool = False, host_params: bool = False) -> StatePlan:
+               mesh_shape: MeshShape, layout: Preset, policy: policies.Policy,
+               min_shard_elements: int = 4096, stages: Stages | None = None) -> StatePlan:
     """Abstract state and the specs of every leaf; raises ShardingError early.
 
-    With master weights (`needs_master` for `compute_dtype`), `tx` must be
-    wrapped by `master.wrap`: it is initialised with the float32 parameters,
-    and the stored parameters are the working copy in the dtypes the model
-    uses them in. With `stages`, layer stacks (leaves whose first logical
-    axis is `layers`) are stored in the pipeline's slots (pipeline/cut.py).
+    `layout`: the axis rules and ZeRO stage, as the job resolved them;
+    `policy`: each state's dtype. With master weights (`needs_master`), `tx`
+    must be wrapped by `master.wrap`: it is initialised with the float32
+    parameters, and the stored parameters are the working copy in the
+    dtypes the model uses them in. With `stages`, layer stacks (leaves
+    whose first logical axis is `layers`) are stored in the pipeline's slots
+    (pipeline/cut.py). The plan keeps every state on the device; host
+    offload (`host_opt`, `host_params`) moves states, not their specs.
     """
+    rules, zero_stage = layout.rules, layout.zero_stage
+    param_dtype, compute_dtype = policy.dtype("params"), policy.dtype("compute")
     boxed = jax.eval_shape(lambda: model.init(jax.random.key(0)))  # traces the key too: no compile
     names = logical_names(boxed)
     params = jax.eval_shape(lambda: init_params(model, jax.random.key(0), param_dtype))
-    stacked_params = map_specs(lambda n: len(n) > 0 and n[0] == "layers", names)
-    master = compute_dtype is not None and needs_master(zero_stage, param_dtype, compute_dtype)
+    stacked_params = zero_lib.layer_stacks(names)
+    master = needs_master(zero_stage, param_dtype, compute_dtype)
     if master:  # traced in layer order, before any padding
         tokens = (1, min(8, model.max_seq_len or 8))
         dtypes = master_lib.use_dtypes(model.apply, params, names, jnp.dtype(compute_dtype).name,
@@ -259,14 +262,13 @@ def plan_state(model: ModelFns, tx: optax.GradientTransformation, mesh: Mesh,
             what=f"parameter {path_name(path)}"),
         params, names)
     placement = zero_lib.Placement.on(mesh_shape, min_shard_elements)
-    pipe = zero_lib.Placement(("pipe",), sizes["pipe"], min_shard_elements) \
-        if stages is not None else None
-    outer = jax.tree.map(lambda st: not st, stacked_params)
+    over_pipe = zero_lib.PipeSplit(zero_lib.Placement(("pipe",), sizes["pipe"], min_shard_elements),
+                                   dict(sizes)) if stages is not None else None
     specs = zero_lib.state_specs(params, compute, names, opt_state, tx,
-                                 zero_lib.stage(zero_stage), placement, outer, pipe, dict(sizes))
+                                 zero_lib.stage(zero_stage), placement, over_pipe)
     return StatePlan(mesh, mesh_shape, rules, zero_stage, abstract, names, specs, placement,
-                  jnp.dtype(grad_dtype), master, stages, (stacked_params, stacked_opt), host_opt,
-                  host_params)
+                     jnp.dtype(policy.dtype("grads")), master, stages,
+                     (stacked_params, stacked_opt))
 
 
 def init_state(state_plan: StatePlan, model: ModelFns, tx: optax.GradientTransformation,
