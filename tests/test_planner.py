@@ -189,7 +189,7 @@ def test_a_mixture_of_experts_is_planned_over_expert_axes():
     h100 = layouts.Cluster(device_kinds.load("h100-80gb"), 8, 8)
     build = models.for_run(config_lib.ModelConfig(name="mixtral-8x7b"), 32000)[0]
     cfg = build(1).config
-    found = layouts.choices(cfg, h100, 512, stages=(3,), remats=("full",), micros=(1,))
+    found = layouts.choices(cfg, h100, 512, layouts.Space(stages=(3,), remats=("full",), micros=(1,)))
     assert {c.expert for c in found if c.pipe == 1} == {1, 2, 4, 8}
     assert {c.expert for c in found if c.pipe == 2} == {1, 2, 4, 8}
     choice = layouts.Choice(1, 4, 16, 3, "full", 1, 32, expert=8)
@@ -219,11 +219,10 @@ def test_long_sequences_are_planned_over_context():
     h100 = layouts.Cluster(device_kinds.load("h100-80gb"), 8, 8)
     build = models.for_run(config_lib.ModelConfig(name="llama-3.1-8b"), 128256)[0]
     cfg = build(1).config
-    found = layouts.choices(cfg, h100, 64, stages=(3,), remats=("full",), micros=(1,),
-                            seq_len=131072)
+    narrow = layouts.Space(stages=(3,), remats=("full",), micros=(1,))
+    found = layouts.choices(cfg, h100, 64, narrow, seq_len=131072)
     assert {c.context for c in found if c.tensor == 8 and c.pipe == 1} == {1, 2, 4, 8}
-    short = layouts.choices(cfg, h100, 64, stages=(3,), remats=("full",), micros=(1,),
-                            seq_len=8192)
+    short = layouts.choices(cfg, h100, 64, narrow, seq_len=8192)
     assert {c.context for c in short} == {1}
     base = {"model.name": "llama-3.1-8b", "precision.policy": "bf16", "data.seq_len": 131072,
             "train.batch_size": 64}

@@ -10,12 +10,12 @@ import pytest
 import models
 from zero_jax import config as config_lib
 from zero_jax.planner import cost, search
-from zero_jax.planner.choices import Choice, Cluster, choices
+from zero_jax.planner.choices import Choice, Cluster, Space, choices
 from zero_jax.runtime import device_kinds
 
 BASE = {"model.name": "gpt-tiny", "model.vocab_size": 256, "precision.policy": "fp32",
         "data.seq_len": 32, "train.batch_size": 16, "activations.remat": "full"}
-NARROW = {"stages": (1, 3), "remats": ("full",), "micros": (2,), "offloads": ("",)}
+NARROW = Space(stages=(1, 3), remats=("full",), micros=(2,), offloads=("",))
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +27,7 @@ def problem():
 
 @pytest.fixture(scope="module")
 def estimates(problem):
-    layouts = choices(problem.build(1).config, problem.cluster, 16, **NARROW)
+    layouts = choices(problem.build(1).config, problem.cluster, 16, NARROW)
     return search.estimate_all(problem, layouts)
 
 

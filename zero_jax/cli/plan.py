@@ -58,7 +58,7 @@ from zero_jax import config as config_lib, job as job_lib
 from zero_jax.precision import policies
 from zero_jax.model import remat
 from zero_jax.planner import configs, cost, search
-from zero_jax.planner.choices import Cluster, choices, mesh_shapes
+from zero_jax.planner.choices import Cluster, Space, choices, mesh_shapes
 from zero_jax.runtime import device_kinds
 
 GPT2_VOCAB = 50257  # the vocabulary of a model that names none (a GPT preset)
@@ -172,17 +172,17 @@ def cluster_of(args) -> Cluster:
     return Cluster(device, args.nodes, per_node, args.reserve_gb)
 
 
-def layout_options(args) -> dict:
-    """The layouts to search over (the keywords of planner.choices.choices), from the flags."""
+def layout_options(args) -> Space:
+    """The layouts to search over (planner.choices.Space), from the flags."""
     offloads = names("--offload", args.offload, ("none", "opt", "opt+params"))
-    return {"stages": int_list("--stages", args.stages, allowed=range(4)),
-            "remats": names("--remat", args.remat, remat.POLICIES),
-            "micros": int_list("--micro", args.micro),
-            "offloads": tuple("" if o == "none" else o for o in offloads),
-            "tables": names("--tables", args.tables, ("rows", "whole"))}
+    return Space(stages=int_list("--stages", args.stages, allowed=range(4)),
+                 remats=names("--remat", args.remat, remat.POLICIES),
+                 micros=int_list("--micro", args.micro),
+                 offloads=tuple("" if o == "none" else o for o in offloads),
+                 tables=names("--tables", args.tables, ("rows", "whole")))
 
 
-def problem_of(args) -> tuple[search.Problem, str, dict]:
+def problem_of(args) -> tuple[search.Problem, str, Space]:
     """The planned run, its model's line and the layout options; every flag
     checked (ValueError, ConfigError) before anything is estimated."""
     check_counts(args)
@@ -355,11 +355,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     cfg = problem.build(1).config
-    layouts = choices(cfg, problem.cluster, args.global_batch, seq_len=args.seq_len, **options)
+    layouts = choices(cfg, problem.cluster, args.global_batch, options, seq_len=args.seq_len)
     if not layouts:
         print(f"error: {no_layout(mesh_shapes(cfg, problem.cluster), args)}", file=sys.stderr)
         return 2
-    announce(args, problem, model_line, len(layouts), options["offloads"])
+    announce(args, problem, model_line, len(layouts), options.offloads)
     estimates = search.estimate_all(problem, layouts, progress_bar)
     results = search.compile_best(problem, estimates, search.matching(estimates, args.include),
                                   count=args.compile, top=args.top, workers=args.workers,

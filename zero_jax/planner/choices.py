@@ -126,21 +126,34 @@ class Choice:
 OFFLOADS = ("", "opt", "opt+params")
 
 
-def choices(model_cfg, cluster: Cluster, global_batch: int, *, stages=(0, 1, 2, 3),
-            remats=("full", "none"), micros=(1, 2, 4, 8),
-            schedules=("gpipe", "1f1b", "interleaved", "zb-h1"),
-            offloads=OFFLOADS, tables=("rows", "whole"), seq_len: int = 0) -> list[Choice]:
-    """Every layout that divides the model and the cluster: tensor inside a
-    node and dividing the heads, pipe up to the layer count, the global batch
-    split evenly, and a pipeline with at least as many microbatches as
-    stages, its tables used either way (`tables`; search.estimate_all drops
-    "whole" where no table is in row blocks, the two being one layout then).
+@dataclasses.dataclass(frozen=True)
+class Space:
+    """The values the search tries for each choice a mesh shape leaves open."""
+
+    stages: tuple[int, ...] = (0, 1, 2, 3)  # ZeRO stages
+    remats: tuple[str, ...] = ("full", "none")  # activation policies
+    micros: tuple[int, ...] = (1, 2, 4, 8)  # microbatch sizes (rows per device)
+    schedules: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zb-h1")  # with a pipeline
+    offloads: tuple[str, ...] = OFFLOADS  # "" none, "opt" the optimizer state, "opt+params" both
+    tables: tuple[str, ...] = ("rows", "whole")  # how a pipeline uses the tables
+
+
+def choices(model_cfg, cluster: Cluster, global_batch: int, space: Space = Space(),
+            seq_len: int = 0) -> list[Choice]:
+    """Every layout of `space` that divides the model and the cluster: tensor
+    inside a node and dividing the heads, pipe up to the layer count, the
+    global batch split evenly, and a pipeline with at least as many
+    microbatches as stages, its tables used either way (`space.tables`;
+    search.estimate_all drops "whole" where no table is in row blocks, the
+    two being one layout then).
     Offload where the device kind has host figures: the optimizer state at
     ZeRO-1 and up, the parameters too at ZeRO-3 without a pipeline (job.py).
     A mixture of experts also takes every expert axis that divides both its
     experts and the data-parallel devices. For sequences of LONG tokens or
     more, the devices beside tensor and pipe are also split between
     `context` (each sequence over c of them, 2c dividing it) and data."""
+    stages, remats, micros, schedules, offloads, tables = (
+        space.stages, space.remats, space.micros, space.schedules, space.offloads, space.tables)
     if not cluster.device.can_offload:
         offloads = tuple(o for o in offloads if not o)
     out = []
