@@ -63,8 +63,14 @@ def attend(hooks, ctx: Context, attention: Callable, q, k, v, window: int, segme
             return _gathered(q, k, v, seg, order, axis, window)
         fn = gathered_attention
     else:
+        # The model's one-device attention as this layer runs it: its
+        # implementation and window fixed, over the whole sequence.
+        def whole(q, k, v, keep, segments_BxT):
+            return attention(q, k, v, hooks.attention, window, keep=keep,
+                             segments_BxT=segments_BxT)
+
         def ulysses_attention(q, k, v, seg=None):
-            return _ulysses(attention, hooks.attention, q, k, v, seg, order, axis, ctx.size, window)
+            return _ulysses(whole, q, k, v, seg, order, axis, ctx.size)
         fn = ulysses_attention
     args = (q, k, v) if segments_BxT is None else (q, k, v, segments_BxT)
     return hooks.local(fn, names, ("batch", "seq", "heads", "kv"))(*args)
@@ -86,10 +92,10 @@ def _gathered(q, k, v, seg, order: np.ndarray, axis: str, window: int):
     return jnp.einsum("bhts,bshq->bthq", probs, v_all)
 
 
-def _ulysses(attention: Callable, implementation: str, q, k, v, seg, order: np.ndarray,
-             axis: str, size: int, window: int):
+def _ulysses(attention: Callable, q, k, v, seg, order: np.ndarray, axis: str, size: int):
     """Heads split over `axis` instead of the sequence, the model's attention
-    on the whole sequence in natural order, and back."""
+    (`attention(q, k, v, keep, segments_BxT)`) on the whole sequence in
+    natural order, and back."""
     H, K = q.shape[2], k.shape[2]
     if K % size:  # too few kv heads to split: each query head its own copy
         k, v = (jnp.repeat(x, H // K, axis=2) for x in (k, v))
@@ -104,6 +110,6 @@ def _ulysses(attention: Callable, implementation: str, q, k, v, seg, order: np.n
     q, k, v = to_heads(q), to_heads(k), to_heads(v)
     if seg is not None:
         seg = jnp.take(jax.lax.all_gather(seg, axis, axis=1, tiled=True), natural, axis=1)
-    out = attention(q, k, v, implementation, window, keep=_named, segments_BxT=seg)
+    out = attention(q, k, v, keep=_named, segments_BxT=seg)
     out = jnp.take(out, jnp.asarray(order), axis=1)
     return jax.lax.all_to_all(out, axis, split_axis=1, concat_axis=2, tiled=True)

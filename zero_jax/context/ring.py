@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -174,6 +175,26 @@ def _forward(axis, size, window, q, k, v, order, seg):
     return out, (q, k, v, order, seg, out, lse)
 
 
+class _QueryHalf(NamedTuple):
+    """Half of this device's queries, with what their backward reads."""
+
+    q: jax.Array  # (B, T/2, H, Q)
+    idx: jax.Array  # (1, T/2): their natural indices
+    seg: jax.Array | None  # (B, T/2): their segment ids
+    dout: jax.Array  # the output's gradient
+    lse: jax.Array  # (B, H, T/2): the forward's log-sum-exp
+    delta: jax.Array  # (B, H, T/2): each query's dout . out (flash attention's D)
+
+
+class _KeyHalf(NamedTuple):
+    """Half of a K/V block passed round the ring."""
+
+    k: jax.Array  # (B, T/2, K, Q)
+    v: jax.Array  # (B, T/2, K, Q)
+    idx: jax.Array  # (1, T/2): their natural indices
+    seg: jax.Array | None  # (B, T/2): their segment ids
+
+
 def _ring_bwd(axis, size, window, res, dout):
     q, k, v, order, seg, out, lse = res
     B, T, H, Q = q.shape
@@ -182,23 +203,24 @@ def _ring_bwd(axis, size, window, res, dout):
     d = jax.lax.axis_index(axis)
     order, _, zero = _tied(order, dout)
     delta = jnp.einsum("bthq,bthq->bht", dout.astype(jnp.float32), out.astype(jnp.float32))
-    qs = list(zip(_halves(q), _halves(_indices(order, d, T)),
-                  _halves(seg) if seg is not None else (None,) * 2,
-                  _halves(dout), _halves(lse, 2), _halves(delta, 2)))
+    qs = [_QueryHalf(*h) for h in zip(_halves(q), _halves(_indices(order, d, T)),
+                                      _halves(seg) if seg is not None else (None,) * 2,
+                                      _halves(dout), _halves(lse, 2), _halves(delta, 2))]
 
     def fold(dq, block, dkv, s):
         """This device's queries' gradients against one K/V block (device
         d - s's): dQ here, dK and dV added to the block's accumulators."""
         kb, vb, ksb = block
         kib = _indices(order, (d - s) % size, T)
-        ks = list(zip(_halves(kb), _halves(vb), _halves(kib),
-                      _halves(ksb) if ksb is not None else (None,) * 2))
+        ks = [_KeyHalf(*h) for h in zip(_halves(kb), _halves(vb), _halves(kib),
+                                        _halves(ksb) if ksb is not None else (None,) * 2)]
         dks, dvs = [list(_halves(dkv[0])), list(_halves(dkv[1]))]
         dqs = list(_halves(dq))
-        for a, (qh, qih, qsh, doh, lseh, dh) in enumerate(qs):
-            for b, (kh, vh, kih, ksh) in enumerate(ks):
-                def grads(dq, dk, dv, qh=qh, qih=qih, qsh=qsh, doh=doh, lseh=lseh, dh=dh,
-                          kh=kh, vh=vh, kih=kih, ksh=ksh):
+        for a, query in enumerate(qs):
+            for b, key in enumerate(ks):
+                def grads(dq, dk, dv, query=query, key=key):
+                    qh, qih, qsh, doh, lseh, dh = query
+                    kh, vh, kih, ksh = key
                     kr, vr = _repeat(kh, groups), _repeat(vh, groups)
                     s = _scores(qh, kr, scale)
                     seen = visible(qih, kih, qsh, ksh, window)
@@ -214,8 +236,8 @@ def _ring_bwd(axis, size, window, res, dout):
                     fold_heads = lambda x: x.reshape(*x.shape[:2], K, groups, Q).sum(3)
                     return dq, dk + fold_heads(dk_r), dv + fold_heads(dv_r)
                 dqs[a], dks[b], dvs[b] = jax.lax.cond(
-                    _any_visible(qih, kih, window), grads, lambda dq, dk, dv: (dq, dk, dv),
-                    dqs[a], dks[b], dvs[b])
+                    _any_visible(query.idx, key.idx, window), grads,
+                    lambda dq, dk, dv: (dq, dk, dv), dqs[a], dks[b], dvs[b])
         return (jnp.concatenate(dqs, axis=1),
                 (jnp.concatenate(dks, axis=1), jnp.concatenate(dvs, axis=1)))
 
