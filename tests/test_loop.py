@@ -12,7 +12,11 @@ from tests.helpers import initial_state, make_job
 from zero_jax import loop
 from zero_jax.data import corpus as corpus_lib
 from zero_jax.runtime import trace
+from zero_jax.runtime.metrics import MetricsWriter, Writers
 from zero_jax.runtime.watchdog import StepWatchdog
+
+
+QUIET = loop.Observers(progress=False)
 
 
 def _setup(corpus, steps):
@@ -37,9 +41,10 @@ def test_never_more_than_two_steps_in_flight(corpus, tmp_path):
         return out
 
     evals = []
+    metrics = Writers(MetricsWriter(str(tmp_path / "m.jsonl")))
     state, history = loop.train(initial_state(job), watched, batch, steps=30,
-                                eval_fn=lambda p: evals.append(1) or 1.0, eval_every=10,
-                                metrics_path=str(tmp_path / "m.jsonl"), progress=False)
+                                evaluation=loop.Evaluation(lambda p: evals.append(1) or 1.0, 10),
+                                observers=loop.Observers(writers=metrics, progress=False))
     assert len(ready_at_dispatch) == 28 and all(ready_at_dispatch)
     assert int(state.step) == 30 and [r["step"] for r in history] == list(range(1, 31))
     assert [r["step"] for r in history if "val_loss" in r] == [10, 20, 30] and len(evals) == 3
@@ -55,8 +60,8 @@ def test_after_step_sees_each_state_and_can_stop(corpus):
         seen.append((n, int(state.step)))
         return n == 7
 
-    state, history = loop.train(initial_state(job), step_fn, batch, steps=20, progress=False,
-                                after_step=after_step)
+    state, history = loop.train(initial_state(job), step_fn, batch, steps=20,
+                                after_step=after_step, observers=QUIET)
     assert seen == [(n, n) for n in range(1, 8)]
     assert int(state.step) == 7 and len(history) == 7
 
@@ -66,7 +71,7 @@ def test_metrics_are_strict_json_and_a_resume_writes_each_step_once(tmp_path):
     import math
 
     path = str(tmp_path / "m.jsonl")
-    first = loop.MetricsWriter(path)
+    first = MetricsWriter(path)
     for step in range(1, 6):
         first.write({"step": step, "loss": math.nan if step == 3 else 1.0 / step})
     first.close()
@@ -74,7 +79,7 @@ def test_metrics_are_strict_json_and_a_resume_writes_each_step_once(tmp_path):
         f.write('{"step": 6, "lo')  # cut short by a crash
     records = [json.loads(line) for line in open(path).read().splitlines()[:5]]
     assert records[2] == {"step": 3, "loss": None, "non_finite": ["loss"]}
-    resumed = loop.MetricsWriter(path, start=4)  # the checkpoint was at step 4
+    resumed = MetricsWriter(path, start=4)  # the checkpoint was at step 4
     for step in range(5, 8):
         resumed.write({"step": step, "loss": 0.1})
     resumed.close()
@@ -107,8 +112,8 @@ def test_the_watchdog_times_whole_steps_not_only_the_wait_on_them(corpus):
     # 20 x 0.3 s, past the last step's compile of `late` and its run.
     watchdog = StepWatchdog(warn=10, stop=20, min_s=0.3, out=out, exit_fn=exits.append,
                             poll_s=0.01)
-    _, history = loop.train(initial_state(job), step, batch, steps=10, progress=False,
-                            watchdog=watchdog)
+    _, history = loop.train(initial_state(job), step, batch, steps=10,
+                            observers=loop.Observers(progress=False, watchdog=watchdog))
     watchdog.close()
     assert exits == [] and "error" not in out.getvalue(), out.getvalue()
     assert len(history) == 10
@@ -130,8 +135,9 @@ def test_a_long_save_or_trace_is_not_a_stuck_step(corpus, tmp_path):
     out, exits = io.StringIO(), []
     watchdog = StepWatchdog(warn=2, stop=3, min_s=0.1, out=out, exit_fn=exits.append,
                             poll_s=0.01)
-    _, history = loop.train(initial_state(job), step_fn, batch, steps=9, progress=False,
-                            watchdog=watchdog, after_step=slow_save, tracer=tracer)
+    _, history = loop.train(initial_state(job), step_fn, batch, steps=9, after_step=slow_save,
+                            observers=loop.Observers(progress=False, watchdog=watchdog,
+                                                     tracer=tracer))
     watchdog.close()
     assert exits == [] and "error" not in out.getvalue(), out.getvalue()
     assert len(history) == 9

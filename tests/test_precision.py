@@ -11,6 +11,7 @@ import pytest
 import models
 from tests.helpers import host, make_job
 from zero_jax import config as config_lib, job as job_lib, loop
+from zero_jax.runtime.metrics import MetricsWriter, Writers
 from zero_jax.data import corpus as corpus_lib
 from zero_jax.analysis import memory
 from zero_jax.precision import loss_scale as loss_scale_lib
@@ -84,8 +85,8 @@ def test_consecutive_skip_limit_stops_training(corpus, tmp_path):
     job = _fp16_job(corpus, initial_scale_power=60, steps=20)
     with pytest.raises(loop.TrainingHalted, match="3 steps in a row had non-finite gradients"):
         loop.train(job.init_state(), job.compile_train_step(), lambda s: _batches(job, corpus)(step=s),
-                   steps=20, metrics_path=str(tmp_path / "m.jsonl"), progress=False,
-                   max_consecutive_skips=3)
+                   steps=20, max_consecutive_skips=3, observers=loop.Observers(
+                       writers=Writers(MetricsWriter(str(tmp_path / "m.jsonl"))), progress=False))
     lines = (tmp_path / "m.jsonl").read_text().splitlines()
     assert len(lines) == 3 and all('"skipped": true' in line for line in lines)
 

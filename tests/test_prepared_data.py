@@ -383,15 +383,15 @@ def test_resume_at_step_7_of_15_is_bitwise_the_straight_run(sft, tmp_path):
     common = dict(data=str(sft), seq_len=16, batch_size=8, steps=15, eval_every=0,
                   eval_batches=1)
     straight = make_job(data, **common)
-    step_fn, eval_fn = straight.compile_train_step(), straight.compile_eval_step()
-    log = lambda _: None
-    whole = run.train(straight, data, step_fn, eval_fn, progress=False, log=log)
+    steps = run.CompiledSteps(straight.compile_train_step(), straight.compile_eval_step())
+    quiet = run.Reporting(progress=False, log=lambda _: None)
+    whole = run.train(straight, data, steps, reporting=quiet)
     ckpt = str(tmp_path / "ckpt")
-    first = run.train(make_job(data, **common, dir=ckpt, stop_at=7), data, step_fn, eval_fn,
-                      progress=False, log=log)
+    first = run.train(make_job(data, **common, dir=ckpt, stop_at=7), data, steps,
+                      reporting=quiet)
     assert first.stopped == "stop_at" and len(first.history) == 7
-    rest = run.train(make_job(data, **common, dir=ckpt, resume=True), data, step_fn, eval_fn,
-                     progress=False, log=log)
+    rest = run.train(make_job(data, **common, dir=ckpt, resume=True), data, steps,
+                     reporting=quiet)
     assert rest.resumed_from == 7 and len(rest.history) == 8
     assert [h["loss"] for h in first.history + rest.history] == [h["loss"] for h in whole.history]
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, rest.state.params),

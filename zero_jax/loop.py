@@ -11,6 +11,7 @@ needs.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from typing import Any, Callable, TextIO
@@ -21,7 +22,7 @@ from tqdm import tqdm
 from zero_jax.runtime import metrics as metrics_lib
 from zero_jax.runtime.distributed import local
 from zero_jax.analysis.flops import Throughput
-from zero_jax.runtime.metrics import MetricsWriter, TensorBoardWriter, Writers
+from zero_jax.runtime.metrics import Writers
 from zero_jax.runtime.trace import Tracer
 from zero_jax.train.state import TrainState
 from zero_jax.runtime.watchdog import StepWatchdog
@@ -42,21 +43,41 @@ def evaluate(eval_step: Callable, params: Any, batches: Callable[[int], Any], n:
     return total / max(count, 1)
 
 
+@dataclasses.dataclass(frozen=True)
+class Evaluation:
+    """The validation a run does between its steps."""
+
+    loss: Callable[[Any], float]  # params -> the validation loss
+    every: int = 0  # steps between evaluations (0: none before the last step, always evaluated)
+
+
+@dataclasses.dataclass(frozen=True)
+class Observers:
+    """What watches the steps from the host, none of it changing them."""
+
+    # Where each record goes (metrics.Writers, opened at the state's step).
+    writers: Writers = dataclasses.field(default_factory=Writers)
+    progress: bool = True  # a progress bar on `out`
+    out: TextIO = sys.stdout  # the progress bar's and the loop's lines
+    watchdog: StepWatchdog | None = None  # times each step over the interval its record times
+    throughput: Throughput | None = None  # FLOP/s per device and MFU in each record
+    tracer: Tracer | None = None  # profiles its window of steps
+
+
 class StepLog:
     """What the host does with a step once it has finished: wait for it on
     every device, time it, make its record (throughput, memory, validation
     loss when asked), halt after too many skipped steps, write the record
     and move the progress bar."""
 
-    def __init__(self, start: int, steps: int, *, writers: Writers,
-                 out: TextIO, progress: bool, max_consecutive_skips: int,
-                 eval_fn: Callable[[Any], float] | None, watchdog: StepWatchdog | None,
-                 throughput: Throughput | None):
-        self.writers = writers
-        self.bar = tqdm(total=steps, initial=start, file=out, disable=not progress,
-                        dynamic_ncols=True, mininterval=1.0, unit="step")
+    def __init__(self, start: int, steps: int, observers: Observers, max_consecutive_skips: int,
+                 eval_fn: Callable[[Any], float] | None):
+        self.writers = observers.writers
+        self.bar = tqdm(total=steps, initial=start, file=observers.out,
+                        disable=not observers.progress, dynamic_ncols=True, mininterval=1.0,
+                        unit="step")
         self.max_consecutive_skips, self.eval_fn = max_consecutive_skips, eval_fn
-        self.watchdog, self.throughput = watchdog, throughput
+        self.watchdog, self.throughput = observers.watchdog, observers.throughput
         self.history: list[dict[str, Any]] = []
         self.restart_clock(start)
 
@@ -142,34 +163,27 @@ class StepLog:
 
 
 def train(state: TrainState, train_step: Callable, batch_at: Callable[[int], jax.Array], *,
-          steps: int, eval_fn: Callable[[Any], float] | None = None, eval_every: int = 0,
-          metrics_path: str = "", out: TextIO = sys.stdout, progress: bool = True,
-          max_consecutive_skips: int = 20,
+          steps: int, evaluation: Evaluation | None = None,
           after_step: Callable[[int, TrainState], bool] | None = None,
-          watchdog: StepWatchdog | None = None, throughput: Throughput | None = None,
-          tensorboard_dir: str = "", tracer: Tracer | None = None,
-          writers: Writers | None = None) -> tuple[TrainState, list[dict[str, Any]]]:
+          max_consecutive_skips: int = 20,
+          observers: Observers = Observers()) -> tuple[TrainState, list[dict[str, Any]]]:
     """Run `train_step` from `state.step` to `steps`; returns the state and per-step records.
 
-    `batch_at(step)` builds the global batch of a step; `eval_fn(params)`
-    returns the validation loss, run every `eval_every` steps and at the end.
-    `after_step(n, state)` is called with the state after n steps, before the
-    next step is dispatched (and may donate it), so it can save that state;
-    it returns True to stop there. Raises TrainingHalted after
-    `max_consecutive_skips` skipped steps in a row. `watchdog` watches each
-    step over the interval its record times (dispatch and wait), less what
-    `after_step` spends. `throughput` adds
-    FLOP/s per device and MFU to each record; `tensorboard_dir` writes the
-    records' scalars there too; `tracer` profiles its window of steps.
-    `writers`, in place of `metrics_path` and `tensorboard_dir`: where each
-    record goes (metrics.Writers, opened at this state's step).
+    `batch_at(step)` builds the global batch of a step; `evaluation` runs
+    every `evaluation.every` steps and at the end. `after_step(n, state)`
+    is called with the state after n steps, before the next step is
+    dispatched (and may donate it), so it can save that state; it returns
+    True to stop there. Raises TrainingHalted after `max_consecutive_skips`
+    skipped steps in a row. `observers` (Observers) watch: the writers each
+    record goes to, the progress bar, the watchdog (each step over the
+    interval its record times, dispatch and wait, less what `after_step`
+    spends), throughput and MFU in each record, and the tracer's window.
     """
     start = int(local(state.step))
-    if writers is None:
-        writers = Writers(MetricsWriter(metrics_path, start), TensorBoardWriter(tensorboard_dir, start))
-    log = StepLog(start, steps, writers=writers, out=out, progress=progress,
-                  max_consecutive_skips=max_consecutive_skips, eval_fn=eval_fn,
-                  watchdog=watchdog, throughput=throughput)
+    eval_fn = evaluation.loss if evaluation is not None else None
+    eval_every = evaluation.every if evaluation is not None else 0
+    log = StepLog(start, steps, observers, max_consecutive_skips, eval_fn)
+    tracer = observers.tracer
     pending: tuple[int, dict[str, jax.Array]] | None = None
     try:
         for step in range(start, steps):

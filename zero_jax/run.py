@@ -46,6 +46,24 @@ class InitFromError(ValueError):
     """--init-from names something that does not load into the model."""
 
 
+@dataclasses.dataclass(frozen=True)
+class CompiledSteps:
+    """A job's compiled steps: what its run calls."""
+
+    train: Callable  # (state, batch) -> (state, metrics), the state donated
+    eval: Callable  # (params, batch) -> the batch's mean loss over its targets
+
+
+@dataclasses.dataclass(frozen=True)
+class Reporting:
+    """What a run tells beside its records, and where."""
+
+    progress: bool = True  # a progress bar (on the first process only)
+    log: Callable[[str], None] = print  # the run's lines: where it resumed, what it saved
+    throughput: flops.Throughput | None = None  # FLOP/s per device and MFU in each record
+    plan: dict[str, Any] | None = None  # summary.tables, logged to W&B with the run
+
+
 @dataclasses.dataclass
 class Outcome:
     state: TrainState
@@ -191,8 +209,7 @@ def _log_precision_change(saved: dict | None, job: Job, log) -> None:
     if saved is None or saved == now:
         return
     working = (f"the working copy is cast from them to {job.policy.compute}" if job.state_plan.master
-               else "the parameters are cast to "
-                    f"{job.policy.compute} at use")
+               else f"the parameters are cast to {job.policy.compute} at use")
     log(f"precision changed: saved with {_listed(saved)}; resuming with {_listed(now)}. The "
         f"master weights ({saved.get('params')}) and optimizer state are restored as saved; "
         f"{working}")
@@ -274,11 +291,7 @@ def tracer(t, lead: bool) -> trace.Tracer:
     if jax.process_count() > 1:
         directory = str(Path(directory) / f"process-{jax.process_index()}")
     return trace.Tracer(trace.Window.parse(t.profile_steps), directory,
-                        tqdm.write if lead else _silent)
-
-
-def _silent(line: str) -> None:
-    pass
+                        tqdm.write if lead else lambda line: None)
 
 
 def wandb_group(checkpointer: ckpt_lib.Checkpointer | None, resumed: int | None) -> str:
@@ -318,67 +331,63 @@ def interrupted_line(prefix: str, directory: Path | None, abandoned: bool = Fals
             "(--resume continues from it)")
 
 
-def train(job: Job, corpus: corpus_lib.TokenData, train_step, eval_step, *,
-          loaders: list[ParamLoader] = (), progress: bool = True,
-          log: Callable[[str], None] = print,
-          throughput: flops.Throughput | None = None,
-          plan: dict[str, Any] | None = None) -> Outcome:
+def train(job: Job, corpus: corpus_lib.TokenData, steps: CompiledSteps, *,
+          loaders: list[ParamLoader] = (), reporting: Reporting = Reporting()) -> Outcome:
     """The run of `job` on `corpus` with its compiled steps, from its initial
     state (`initial_state`) to its last step, stop, preemption or Ctrl-C.
-    `plan` (summary.tables) is logged to W&B with the run."""
+    `reporting` says what the run tells, and where (the plan to W&B)."""
     c, d = job.run.checkpoint, job.run.distributed
     # Save lines go above the progress bar, not through it.
-    checkpointer = (ckpt_lib.Checkpointer(c, job.state_plan.names, writer=True,
-                                          barrier_timeout_s=d.barrier_timeout_s,
-                                          log=tqdm.write) if c.dir else None)
+    checkpointer = (ckpt_lib.Checkpointer(c, job.state_plan.names, writer=True, log=tqdm.write,
+                                          barrier_timeout_s=d.barrier_timeout_s) if c.dir else None)
     directory = checkpointer.directory if checkpointer is not None else None
     # Ctrl-C stops after the step in flight; a second one at once, saying
     # which step is restorable (runtime/preempt.py).
     with preempt.interrupts(lambda: interrupted_line("interrupted again: stopped at once",
                                                      directory, abandoned=True)):
-        state, resumed = initial_state(job, checkpointer, loaders, log, corpus)
+        state, resumed = initial_state(job, checkpointer, loaders, reporting.log, corpus)
         if jax.process_count() == 1 and preempt.interrupted():
             return Outcome(state, [], "interrupted", resumed,
                            interrupted_line("interrupted before training began", directory))
         # Every process has its state before any starts stepping; bounded, so a
         # process that died while restoring ends the run instead of holding it.
         distributed.barrier("state ready", d.barrier_timeout_s)
-        return _train(job, corpus, train_step, eval_step, checkpointer, state, resumed,
-                      progress=progress, log=log, throughput=throughput, plan=plan)
+        return _train(job, corpus, steps, checkpointer, state, resumed, reporting)
 
 
-def _train(job: Job, corpus: corpus_lib.TokenData, train_step, eval_step,
-           checkpointer: ckpt_lib.Checkpointer | None, state: TrainState, resumed: int | None, *,
-           progress: bool, log: Callable[[str], None], throughput: flops.Throughput | None,
-           plan: dict[str, Any] | None) -> Outcome:
+def _train(job: Job, corpus: corpus_lib.TokenData, steps: CompiledSteps,
+           checkpointer: ckpt_lib.Checkpointer | None, state: TrainState, resumed: int | None,
+           reporting: Reporting) -> Outcome:
     """`train` from its initial state on."""
     run, t, d = job.run, job.run.train, job.run.distributed
     lead = jax.process_index() == 0  # one metrics file, W&B run and progress bar per run
     group = wandb_group(checkpointer, resumed) if t.wandb_project and lead else ""
-    out = writers(job, resumed or 0, group, lead, plan)
+    out = writers(job, resumed or 0, group, lead, reporting.plan)
     if checkpointer is not None:
         checkpointer.on_commit = out.committed  # the writers exist once the start step is known
     after_step = StopAndSave(job, corpus, checkpointer, {"wandb": {"group": group}} if group else {})
     watchdog = StepWatchdog(d.watchdog_warn, d.watchdog_stop, d.watchdog_min_s,
                             who=f"process {jax.process_index()}: " if jax.process_count() > 1 else "")
     try:
+        observers = loop.Observers(writers=out, progress=reporting.progress and lead,
+                                   watchdog=watchdog, throughput=reporting.throughput,
+                                   tracer=tracer(t, lead))
         state, history = loop.train(
-            state, train_step, batches(job, corpus, "train"), steps=t.steps,
-            eval_fn=validation(job, corpus, eval_step), eval_every=t.eval_every,
-            progress=progress and lead,
-            max_consecutive_skips=run.precision.max_consecutive_skips, after_step=after_step,
-            watchdog=watchdog, throughput=throughput, tracer=tracer(t, lead), writers=out)
+            state, steps.train, batches(job, corpus, "train"), steps=t.steps,
+            evaluation=loop.Evaluation(validation(job, corpus, steps.eval), t.eval_every),
+            after_step=after_step, max_consecutive_skips=run.precision.max_consecutive_skips,
+            observers=observers)
         if checkpointer is not None:
             checkpointer.wait()
     except ckpt_lib.SaveFailed:
         if checkpointer is not None:
             for name in checkpointer.remove_incomplete():
-                log(f"removed the uncommitted {checkpointer.directory / name}")
+                reporting.log(f"removed the uncommitted {checkpointer.directory / name}")
         raise
     finally:
         watchdog.close()
-    if throughput is not None:
-        throughput.check_peak(history)
+    if reporting.throughput is not None:
+        reporting.throughput.check_peak(history)
     # A Ctrl-C while the last save committed: the run ended, and says so.
     stopped = after_step.stopped or after_step.preemption.now()
     step = int(distributed.local(state.step))
@@ -387,5 +396,5 @@ def _train(job: Job, corpus: corpus_lib.TokenData, train_step, eval_step,
         return Outcome(state, history, stopped, resumed,
                        interrupted_line(f"interrupted: stopped after step {step}", directory))
     if stopped and checkpointer is not None:
-        log(f"{stopped}: saved step {step} in {checkpointer.directory}")
+        reporting.log(f"{stopped}: saved step {step} in {checkpointer.directory}")
     return Outcome(state, history, stopped, resumed)

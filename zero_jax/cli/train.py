@@ -185,8 +185,10 @@ def _main(argv: list[str] | None) -> int:
     if interrupted_early(cfg):
         return preempt.EXIT_INTERRUPTED
     try:
-        outcome = run.train(job, corpus, train_step, eval_step, loaders=[models.hf_loader],
-                            progress=not args.no_progress, throughput=throughput, plan=plan)
+        outcome = run.train(job, corpus, run.CompiledSteps(train_step, eval_step),
+                            loaders=[models.hf_loader],
+                            reporting=run.Reporting(progress=not args.no_progress,
+                                                    throughput=throughput, plan=plan))
     except tuple(RUN_ERRORS) as e:
         return error(e, status_of(e))
     if outcome.stopped == "interrupted":
