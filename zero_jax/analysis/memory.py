@@ -244,6 +244,29 @@ def _count(n: int) -> str:
     return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
 
+@dataclasses.dataclass(frozen=True)
+class Host:
+    """This host as the fit check sees it: its devices' memory and its own."""
+
+    platform: str  # the devices' platform
+    devices: int  # devices of this run on this host, all its processes'
+    processes: int  # processes of this run on this host
+    limit: int | None  # a device's bytes_limit, where the backend says it
+    room: tuple[int, str] | None  # the host's available bytes, and where that figure is from
+
+    def need(self, split: dict[str, dict[str, int]]) -> int:
+        """Bytes of model states on this host: every device's on the CPU
+        backend (its devices share the host's memory), else what is offloaded."""
+        on_device, offloaded = sum(split["device"].values()), sum(split["host"].values())
+        return (on_device + offloaded if self.platform == "cpu" else offloaded) * self.devices
+
+    def device_short(self, split: dict[str, dict[str, int]]) -> bool:
+        return self.limit is not None and sum(split["device"].values()) > self.limit
+
+    def host_short(self, split: dict[str, dict[str, int]]) -> bool:
+        return self.room is not None and self.need(split) > self.room[0]
+
+
 def check_fits(state_plan: StatePlan, what: str, processes_here: int = 1,
                room: tuple[int, str] | None | str = "measure") -> None:
     """Raise DoesNotFit, naming the bytes and what to change, when the
@@ -260,28 +283,22 @@ def check_fits(state_plan: StatePlan, what: str, processes_here: int = 1,
     if isinstance(state_plan.mesh, jax.sharding.AbstractMesh) or os.environ.get(ENV_NO_FIT_CHECK) == "1":
         return
     split = by_memory_kind(state_plan)
-    on_device, offloaded = sum(split["device"].values()), sum(split["host"].values())
     local = state_plan.mesh.local_devices
-    platform, here = local[0].platform, len(local) * processes_here
-    host_need = (on_device + offloaded if platform == "cpu" else offloaded) * here
-    limit = None if platform == "cpu" else (local[0].memory_stats() or {}).get("bytes_limit")
-    if room == "measure":
-        room = procmem.available()
-    device_short = limit is not None and on_device > limit
-    host_short = room is not None and host_need > room[0]
-    if not (device_short or host_short):
-        return
-    raise DoesNotFit(_does_not_fit(state_plan, what, split, platform, here, host_need, limit, room,
-                                   device_short, processes_here))
+    platform = local[0].platform
+    host = Host(platform, len(local) * processes_here, processes_here,
+                None if platform == "cpu" else (local[0].memory_stats() or {}).get("bytes_limit"),
+                procmem.available() if room == "measure" else room)
+    if host.device_short(split) or host.host_short(split):
+        raise DoesNotFit(_does_not_fit(state_plan, what, split, host))
 
 
-def _does_not_fit(state_plan: StatePlan, what: str, split: dict[str, dict[str, int]], platform: str,
-                  here: int, host_need: int, limit: int | None, room: tuple[int, str] | None,
-                  device_short: bool, processes_here: int) -> str:
+def _does_not_fit(state_plan: StatePlan, what: str, split: dict[str, dict[str, int]],
+                  host: Host) -> str:
     """The one line of a refused run: what it needs per device and on this
     host, what there is, and what to change."""
     names = {"params": "params", "grads": "grads", "opt_state": "optimizer state"}
     on_device, offloaded = sum(split["device"].values()), sum(split["host"].values())
+    host_need, device_short, room = host.need(split), host.device_short(split), host.room
     parts = " + ".join(f"{names[k]} {_size(split['device'][k])}" for k in STATES
                        if split["device"][k])
     axes = ",".join(f"{a}={n}" for a, n in state_plan.mesh_shape.sizes.items() if n > 1) or "1 device"
@@ -289,10 +306,10 @@ def _does_not_fit(state_plan: StatePlan, what: str, split: dict[str, dict[str, i
     if offloaded:
         need += f", plus {_size(offloaded)} per device offloaded to host memory"
     if device_short:
-        need += f", over the {_size(limit)} of a {platform} device (its bytes_limit)"
-    sharers = (f"{here} CPU devices" + (f" of {processes_here} processes" if processes_here > 1
-                                        else "") + " share its memory"
-               if platform == "cpu" else f"{here} devices offload to it")
+        need += f", over the {_size(host.limit)} of a {host.platform} device (its bytes_limit)"
+    sharers = (f"{host.devices} CPU devices" + (f" of {host.processes} processes"
+                                                if host.processes > 1 else "") + " share its memory"
+               if host.platform == "cpu" else f"{host.devices} devices offload to it")
     need += (f", and {_size(host_need)} on this host ({sharers}), which has "
              + (f"{_size(room[0])} available ({room[1]})" if room else "an unknown amount free"))
     fixes = []
