@@ -20,7 +20,7 @@ import time
 import jax
 
 import models
-from zero_jax.checkpoint import manager as ckpt_lib
+from zero_jax.checkpoint import manager as manager_lib
 from zero_jax import config as config_lib, job as job_lib, run
 from zero_jax.runtime import cpu
 import bench_flags
@@ -56,7 +56,7 @@ def main(argv=None) -> int:
         one()  # warm-up
     quiet = [one() for _ in range(args.steps)]
     with tempfile.TemporaryDirectory() as directory:
-        c = ckpt_lib.Checkpointer(ckpt_lib.CheckpointConfig(dir=directory), job.state_plan.names,
+        c = manager_lib.Checkpointer(manager_lib.CheckpointConfig(dir=directory), job.state_plan.names,
                                   writer=True)
         start = time.perf_counter()
         c.save(i, state, run.checkpoint_meta(job, i))

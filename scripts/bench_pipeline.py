@@ -34,7 +34,7 @@ import jax
 import models
 from zero_jax import config as config_lib, job as job_lib
 from zero_jax.cli import launch
-from zero_jax.pipeline import schedule as sched_lib
+from zero_jax.pipeline import schedule as schedule_lib
 from zero_jax.runtime import cpu, distributed
 from zero_jax.data import corpus as corpus_lib
 from zero_jax.sharding import mesh as mesh_lib
@@ -84,8 +84,8 @@ def pinned(args, argv: list[str]) -> int:
     rows = []
     for name, job in jobs.items():
         head = job.model.head_cost(args.seq_len) if job.model.head_cost else 0.0
-        idle = sched_lib.cost(job.schedule, job.state_plan.stages.counts,
-                              sched_lib.Prices(head=head)).bubble
+        idle = schedule_lib.cost(job.schedule, job.state_plan.stages.counts,
+                              schedule_lib.Prices(head=head)).bubble
         ideal = one / 2 / (1 - idle)
         rows.append({"schedule": name, "median_step_s": medians[name],
                      "vs_gpipe": medians[name] / medians.get("gpipe", medians[name]),

@@ -16,7 +16,7 @@ import pytest
 from safetensors import safe_open
 
 from tests.helpers import host, initial_state, make_job
-from zero_jax.checkpoint import manager as ckpt_lib
+from zero_jax.checkpoint import manager as manager_lib
 from zero_jax import run
 from zero_jax.data import corpus as corpus_lib
 from zero_jax.checkpoint import export
@@ -41,7 +41,7 @@ def _steps(job, corpus, state, first, last):
 
 
 def _save(job, state, directory, step, **cfg):
-    c = ckpt_lib.Checkpointer(ckpt_lib.CheckpointConfig(dir=str(directory), **cfg), job.state_plan.names,
+    c = manager_lib.Checkpointer(manager_lib.CheckpointConfig(dir=str(directory), **cfg), job.state_plan.names,
                               writer=True)
     c.save(step, state, run.checkpoint_meta(job, step))
     c.wait()
@@ -69,7 +69,7 @@ def saved(corpus, tmp_path_factory):
 def test_restore_onto_another_layout_is_exact_and_training_continues(corpus, saved, overrides):
     directory, state5, uninterrupted = saved
     job = make_job(corpus, **overrides)
-    checkpointer = ckpt_lib.Checkpointer(ckpt_lib.CheckpointConfig(dir=str(directory)))
+    checkpointer = manager_lib.Checkpointer(manager_lib.CheckpointConfig(dir=str(directory)))
     restored, meta = checkpointer.restore(5, job.state_plan.targets)
     jax.tree.map(np.testing.assert_array_equal, host(restored), state5)  # bitwise
     assert restored.params["blocks"]["w_fc"].sharding == job.state_plan.shardings.params["blocks"]["w_fc"]
@@ -88,7 +88,7 @@ def test_pipeline_checkpoint_restores_without_a_pipeline_exactly(corpus, tmp_pat
     saved = host(job.state_plan.saved_form(state))
     _save(job, job.state_plan.saved_form(state), tmp_path, 2)
     target = make_job(corpus, mesh="fsdp=8", zero_stage=1, n_layer=6, precision="bf16")
-    checkpointer = ckpt_lib.Checkpointer(ckpt_lib.CheckpointConfig(dir=str(tmp_path)))
+    checkpointer = manager_lib.Checkpointer(manager_lib.CheckpointConfig(dir=str(tmp_path)))
     restored, _ = checkpointer.restore(2, target.state_plan.targets)
     jax.tree.map(np.testing.assert_array_equal, host(restored), saved)
     assert restored.params["blocks"]["w_fc"].shape[0] == 6
@@ -110,8 +110,8 @@ def test_meta_records_config_data_position_and_prng(saved):
 def test_parameters_only_into_a_new_optimizer(corpus, saved):
     directory, state5, _ = saved
     job = make_job(corpus, optimizer="sgd")
-    checkpointer = ckpt_lib.Checkpointer(ckpt_lib.CheckpointConfig(dir=str(directory)))
-    with pytest.raises(ckpt_lib.IncompatibleCheckpoint, match=r"opt_state\.[^:]+: in the checkpoint, not in the model"):
+    checkpointer = manager_lib.Checkpointer(manager_lib.CheckpointConfig(dir=str(directory)))
+    with pytest.raises(manager_lib.IncompatibleCheckpoint, match=r"opt_state\.[^:]+: in the checkpoint, not in the model"):
         checkpointer.restore(5, job.state_plan.targets)
     params, _ = checkpointer.restore(5, job.state_plan.targets, params_only=True)
     jax.tree.map(np.testing.assert_array_equal, host(params), state5.params)
@@ -121,12 +121,12 @@ def test_parameters_only_into_a_new_optimizer(corpus, saved):
 
 def test_dtype_shape_and_tree_mismatches_are_listed(corpus, saved):
     directory, _, _ = saved
-    checkpointer = ckpt_lib.Checkpointer(ckpt_lib.CheckpointConfig(dir=str(directory)))
+    checkpointer = manager_lib.Checkpointer(manager_lib.CheckpointConfig(dir=str(directory)))
     bf16 = make_job(corpus, param_dtype="bfloat16")
-    with pytest.raises(ckpt_lib.IncompatibleCheckpoint, match=r"params\.wte: dtype float32 saved, bfloat16 in the model"):
+    with pytest.raises(manager_lib.IncompatibleCheckpoint, match=r"params\.wte: dtype float32 saved, bfloat16 in the model"):
         checkpointer.restore(5, bf16.state_plan.targets)
     wider = make_job(corpus, vocab_multiple=384)
-    with pytest.raises(ckpt_lib.IncompatibleCheckpoint, match=r"params\.wte: shape \(256, 192\) saved, \(384, 192\)"):
+    with pytest.raises(manager_lib.IncompatibleCheckpoint, match=r"params\.wte: shape \(256, 192\) saved, \(384, 192\)"):
         checkpointer.restore(5, wider.state_plan.targets)
 
 
@@ -159,7 +159,7 @@ def test_master_weights_are_what_is_saved_and_resumed(corpus, saved_master, tmp_
 
     resumed = make_job(corpus, dir=str(tmp_path), resume=True, **target)
     lines = []
-    checkpointer = ckpt_lib.Checkpointer(resumed.run.checkpoint)
+    checkpointer = manager_lib.Checkpointer(resumed.run.checkpoint)
     state2, step = run.initial_state(resumed, checkpointer, [], lines.append)
     assert step == 3
     jax.tree.map(np.testing.assert_array_equal, host(state_lib.saved_form(state2)), saved)
@@ -194,7 +194,7 @@ def _largest_data_file(step_dir: Path) -> Path:
 
 def _fallback(job, directory):
     lines = []
-    checkpointer = ckpt_lib.Checkpointer(ckpt_lib.CheckpointConfig(dir=str(directory)))
+    checkpointer = manager_lib.Checkpointer(manager_lib.CheckpointConfig(dir=str(directory)))
     state, _ = checkpointer.restore_latest(job.state_plan.targets, lines.append)
     return state, "\n".join(lines)
 
@@ -205,9 +205,9 @@ def test_flipped_byte_is_caught_and_resume_falls_back(two_checkpoints):
     raw = bytearray(data.read_bytes())
     raw[len(raw) // 2] ^= 0x01
     data.write_bytes(bytes(raw))
-    checkpointer = ckpt_lib.Checkpointer(ckpt_lib.CheckpointConfig(dir=str(directory)))
+    checkpointer = manager_lib.Checkpointer(manager_lib.CheckpointConfig(dir=str(directory)))
     # Which matrix the largest file holds depends on how its bytes compress.
-    with pytest.raises(ckpt_lib.CorruptCheckpoint,
+    with pytest.raises(manager_lib.CorruptCheckpoint,
                        match=r"checkpoint step 4 .* checksum mismatch in params\.(blocks\.)?w"):
         checkpointer.restore(4, job.state_plan.targets)
     state, said = _fallback(job, directory)
@@ -222,8 +222,8 @@ def test_truncated_data_file_names_the_step_and_arrays(two_checkpoints):
     data = _largest_data_file(directory / "4")
     with open(data, "r+b") as f:
         f.truncate(data.stat().st_size // 3)
-    checkpointer = ckpt_lib.Checkpointer(ckpt_lib.CheckpointConfig(dir=str(directory)))
-    with pytest.raises(ckpt_lib.CorruptCheckpoint, match=r"checkpoint step 4 .*cannot read params\.blocks\.w_"):
+    checkpointer = manager_lib.Checkpointer(manager_lib.CheckpointConfig(dir=str(directory)))
+    with pytest.raises(manager_lib.CorruptCheckpoint, match=r"checkpoint step 4 .*cannot read params\.blocks\.w_"):
         checkpointer.restore(4, job.state_plan.targets)
     state, said = _fallback(job, directory)
     assert int(state.step) == 2 and "step 4" in said
@@ -231,8 +231,8 @@ def test_truncated_data_file_names_the_step_and_arrays(two_checkpoints):
 
 def test_missing_commit_marker_means_incomplete(two_checkpoints):
     job, directory, _ = two_checkpoints
-    (directory / "4" / ckpt_lib.COMMIT_MARKER).unlink()
-    checkpointer = ckpt_lib.Checkpointer(ckpt_lib.CheckpointConfig(dir=str(directory)))
+    (directory / "4" / manager_lib.COMMIT_MARKER).unlink()
+    checkpointer = manager_lib.Checkpointer(manager_lib.CheckpointConfig(dir=str(directory)))
     assert checkpointer.complete_steps() == [2]
     state, said = _fallback(job, directory)
     assert int(state.step) == 2 and "never committed" in said
@@ -242,7 +242,7 @@ def test_retention_keeps_the_last_k_and_every_mth(corpus, tmp_path):
     job = make_job(corpus)
     state = job.init_state()
     said = []
-    c = ckpt_lib.Checkpointer(ckpt_lib.CheckpointConfig(dir=str(tmp_path), keep_last=2, keep_every=4),
+    c = manager_lib.Checkpointer(manager_lib.CheckpointConfig(dir=str(tmp_path), keep_last=2, keep_every=4),
                               job.state_plan.names, writer=True, log=said.append)
     for step in range(1, 9):
         c.save(step, state, run.checkpoint_meta(job, step))

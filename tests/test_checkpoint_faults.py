@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from zero_jax.checkpoint import manager as ckpt_lib
+from zero_jax.checkpoint import manager as manager_lib
 
 ROOT = Path(__file__).resolve().parent.parent
 FULL = bool(os.environ.get("ZERO_JAX_FULL_GRID"))
@@ -50,7 +50,7 @@ def wait_for(predicate, proc, timeout=240):
 
 
 def complete(directory):
-    return ckpt_lib.complete_steps(directory)
+    return manager_lib.complete_steps(directory)
 
 
 @pytest.mark.skipif(not FULL, reason="ZERO_JAX_FULL_GRID=1: in CI test_prepared_data.py's resume "
@@ -158,13 +158,13 @@ def test_export_memory_stays_near_the_largest_piece(tmp_path):
 import sys; sys.path.insert(0, {str(ROOT)!r})
 from models import gpt
 from zero_jax import config as config_lib, job as job_lib, run
-from zero_jax.checkpoint import manager as ckpt_lib
+from zero_jax.checkpoint import manager as manager_lib
 cfg = gpt.model.GPTConfig(vocab_size=256, n_layer=8, n_head=16, d_model=1024, d_mlp=4096,
                           max_seq_len=64)
 r = config_lib.build(None, {{"optim.name": "sgd", "optim.momentum": 0.0, "data.seq_len": 32,
                              "train.batch_size": 8}})
 job = job_lib.prepare(r, lambda m: gpt.model.model_fns(cfg))
-c = ckpt_lib.Checkpointer(ckpt_lib.CheckpointConfig(dir={str(tmp_path / 'ckpt')!r}), job.state_plan.names,
+c = manager_lib.Checkpointer(manager_lib.CheckpointConfig(dir={str(tmp_path / 'ckpt')!r}), job.state_plan.names,
                           writer=True)
 c.save(1, job.init_state(), run.checkpoint_meta(job, 1)); c.wait()
 """

@@ -77,10 +77,10 @@ def test_watchdog_ignores_short_steps_and_the_first_ones():
 
 def test_plan_says_which_axes_cross_hosts():
     from zero_jax.sharding import mesh
-    from zero_jax.report import summary as plan
-    assert plan.interconnect(mesh.load("gpu-4x8").resolve(32)) == \
+    from zero_jax.report import summary
+    assert summary.interconnect(mesh.load("gpu-4x8").resolve(32)) == \
         "data: across hosts (dcn 4); fsdp: inside each host (ici 8)"
-    assert plan.interconnect(mesh.load("fsdp=4,tensor=2").resolve(8)) == \
+    assert summary.interconnect(mesh.load("fsdp=4,tensor=2").resolve(8)) == \
         "fsdp: inside each host (ici 4); tensor: inside each host (ici 2)"
 
 
@@ -90,10 +90,10 @@ def test_plan_reads_which_axes_cross_processes_from_the_devices():
     import numpy as np
 
     from zero_jax.sharding import mesh
-    from zero_jax.report import summary as plan
+    from zero_jax.report import summary
     four_by_two = np.repeat(np.arange(4), 2).reshape(1, 1, 8, 1, 1, 1)  # process of each device
-    assert plan.interconnect(mesh.load("fsdp=8").resolve(8), four_by_two) == \
+    assert summary.interconnect(mesh.load("fsdp=8").resolve(8), four_by_two) == \
         "fsdp: across processes (dcn 4 x ici 2)"
     two_by_four = np.repeat(np.arange(2), 4).reshape(1, 2, 4, 1, 1, 1)
-    assert plan.interconnect(mesh.load("cpu-2x4").resolve(8), two_by_four) == \
+    assert summary.interconnect(mesh.load("cpu-2x4").resolve(8), two_by_four) == \
         "data: across processes (dcn 2); fsdp: inside each process (ici 4)"

@@ -13,12 +13,12 @@ import pytest
 
 from tests.helpers import make_job
 from zero_jax import run
-from zero_jax.checkpoint import manager as ckpt_lib
+from zero_jax.checkpoint import manager as manager_lib
 from zero_jax.cli import export as export_cli
 
 
 def _save(job, state, directory: Path) -> Path:
-    c = ckpt_lib.Checkpointer(ckpt_lib.CheckpointConfig(dir=str(directory)), job.state_plan.names,
+    c = manager_lib.Checkpointer(manager_lib.CheckpointConfig(dir=str(directory)), job.state_plan.names,
                               writer=True)
     c.save(1, state, run.checkpoint_meta(job, 1))
     c.wait()

@@ -14,7 +14,7 @@ import pytest
 
 from tests.helpers import initial_state, make_job
 from zero_jax import run
-from zero_jax.checkpoint import manager as ckpt_lib
+from zero_jax.checkpoint import manager as manager_lib
 from zero_jax.cli import export as export_cli
 from zero_jax.cli import prepare_data
 from zero_jax.data import corpus as corpus_lib
@@ -46,7 +46,7 @@ def checkpoint(tmp: Path, source: str, corpus=None, **overrides) -> Path:
     recorded)."""
     corpus = corpus or corpus_lib.load(source)
     job = make_job(corpus, data=source, **overrides)
-    c = ckpt_lib.Checkpointer(ckpt_lib.CheckpointConfig(dir=str(tmp / "ckpt")), job.state_plan.names,
+    c = manager_lib.Checkpointer(manager_lib.CheckpointConfig(dir=str(tmp / "ckpt")), job.state_plan.names,
                               writer=True)
     c.save(0, initial_state(job), run.checkpoint_meta(job, 0, corpus))
     c.wait()

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from zero_jax.checkpoint import manager as ckpt_lib
+from zero_jax.checkpoint import manager as manager_lib
 
 ROOT = Path(__file__).resolve().parent.parent
 REPEATS = int(os.environ.get("ZERO_JAX_INTERRUPT_REPEATS", "1"))
@@ -46,7 +46,7 @@ def interrupt_during_a_save(ckpt: Path, signals: int, *flags: str, delay: float 
                  "--checkpoint-dir", str(ckpt), *flags)
     try:
         deadline = time.monotonic() + 120
-        while not (ckpt.exists() and ckpt_lib.complete_steps(ckpt) and (during := saving(ckpt))):
+        while not (ckpt.exists() and manager_lib.complete_steps(ckpt) and (during := saving(ckpt))):
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
             time.sleep(0.002)
         time.sleep(delay)
@@ -90,8 +90,8 @@ def test_ctrl_c_during_a_save_says_one_line_exits_130_and_resumes(tmp_path, mode
         step = int(match[1])
         # The save in flight completed (or a later one did); nothing half-written is left.
         assert all(step >= int(d.split(".")[0]) for d in during)
-        assert ckpt_lib.complete_steps(ckpt)[-1] == step
-        assert ckpt_lib.incomplete(ckpt) == [], list(ckpt.iterdir())
+        assert manager_lib.complete_steps(ckpt)[-1] == step
+        assert manager_lib.incomplete(ckpt) == [], list(ckpt.iterdir())
         resumes_from(ckpt, step)
 
 
@@ -109,7 +109,7 @@ def test_a_second_ctrl_c_exits_at_once_and_keeps_the_last_commit(tmp_path, mode)
                           lines[0])
         assert match, lines
         step = int(match[1])
-        assert step == ckpt_lib.complete_steps(ckpt)[-1] and match[2] == str(ckpt / str(step))
+        assert step == manager_lib.complete_steps(ckpt)[-1] and match[2] == str(ckpt / str(step))
         abandoned = re.search(r", abandoning the save of step (\d+) \(it never commits\);", lines[0])
         # A save the exit abandoned is still a temporary directory, never a step.
         assert bool(abandoned) == bool(saving(ckpt)), (lines, list(ckpt.iterdir()))

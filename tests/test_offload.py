@@ -20,7 +20,7 @@ import pytest
 
 from tests.helpers import assert_close, compile_step, host, initial_state, make_job, train
 from zero_jax import config as config_lib, run
-from zero_jax.checkpoint import manager as ckpt_lib
+from zero_jax.checkpoint import manager as manager_lib
 from zero_jax.data import corpus as corpus_lib
 from zero_jax.analysis import memory
 
@@ -132,13 +132,13 @@ def test_checkpoints_move_between_host_and_device_layouts_exactly(corpus, tmp_pa
     off = make_job(corpus, mesh="fsdp=8", zero_stage=2, precision="bf16", offload_optimizer=True)
     _, state = _steps(off, corpus, initial_state(off), 0, 5)
     saved = host(off.state_plan.saved_form(state))
-    writer = ckpt_lib.Checkpointer(ckpt_lib.CheckpointConfig(dir=str(tmp_path)), off.state_plan.names,
+    writer = manager_lib.Checkpointer(manager_lib.CheckpointConfig(dir=str(tmp_path)), off.state_plan.names,
                                    writer=True)
     writer.save(5, off.state_plan.saved_form(state), run.checkpoint_meta(off, 5))
     writer.wait()
     uninterrupted, _ = _steps(off, corpus, state, 5, 10)
 
-    reader = ckpt_lib.Checkpointer(ckpt_lib.CheckpointConfig(dir=str(tmp_path)))
+    reader = manager_lib.Checkpointer(manager_lib.CheckpointConfig(dir=str(tmp_path)))
     plain = make_job(corpus, mesh="data=2,fsdp=4", zero_stage=1, precision="bf16")
     moved, _ = reader.restore(5, plain.state_plan.targets)
     jax.tree.map(np.testing.assert_array_equal, host(moved), saved)

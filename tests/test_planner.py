@@ -15,10 +15,10 @@ import models
 from zero_jax import config as config_lib, job as job_lib
 from zero_jax.runtime import device_kinds
 from zero_jax.analysis import memory
-from zero_jax.planner import choices as layouts, cost as planner
+from zero_jax.planner import choices, cost
 
 ROOT = Path(__file__).resolve().parent.parent
-A100 = layouts.Cluster(device_kinds.load("a100-80gb"), 48, 8)
+A100 = choices.Cluster(device_kinds.load("a100-80gb"), 48, 8)
 BASE = {"model.name": "gpt-tiny", "model.vocab_size": 256, "precision.policy": "fp32",
         "data.seq_len": 32, "train.batch_size": 16}
 
@@ -34,8 +34,8 @@ def test_every_device_kind_loads_with_its_numbers():
 
 def test_bloom_layout_is_enumerated_with_tensor_inside_a_node():
     cfg = models.for_run(config_lib.ModelConfig(name="bloom-176b"), 0)[0](1).config
-    found = layouts.choices(cfg, A100, 2048)
-    bloom = layouts.Choice(12, 4, 8, 1, "full", 2, 128, "1f1b")
+    found = choices.choices(cfg, A100, 2048)
+    bloom = choices.Choice(12, 4, 8, 1, "full", 2, 128, "1f1b")
     assert bloom in found
     assert all(c.tensor <= 8 and c.pipe * c.tensor * c.data == 384 for c in found)
     assert bloom.mesh(A100) == {"ici": {"tensor": 4, "data": 2, "pipe": 1},
@@ -49,14 +49,14 @@ def _held(tree) -> int:
 
 
 @pytest.mark.parametrize("choice", [
-    layouts.Choice(1, 2, 4, 3, "none", 4, 1),
-    layouts.Choice(4, 1, 2, 1, "full", 2, 4, "1f1b"),  # 6 layers on 4 stages: padded slots
+    choices.Choice(1, 2, 4, 3, "none", 4, 1),
+    choices.Choice(4, 1, 2, 1, "full", 2, 4, "1f1b"),  # 6 layers on 4 stages: padded slots
 ], ids=lambda c: c.label.replace(" ", "_"))
 def test_model_state_bytes_are_exact_and_the_estimate_is_near_the_compiled(choice):
     flat = choice.flat({**BASE, "model.n_layer": 6})
     run = config_lib.build(None, flat)
     build = models.for_run(run.model, 256)[0]
-    est = planner.estimate(layouts.abstract_job(flat, build, 8), choice, A100, platform="cpu")
+    est = cost.estimate(choices.abstract_job(flat, build, 8), choice, A100, platform="cpu")
     job = job_lib.prepare(run, build)
     state = job.init_state()
     assert est.memory.state["params"] + est.memory.state["opt_state"] == _held(state.params) + _held(state.opt_state)
@@ -104,17 +104,17 @@ def test_offload_layouts_move_states_to_the_host_within_its_memory():
     shard out and the new parameter shard back; a node without the host
     memory for it does not fit. No offload is planned without host figures."""
     build = models.for_run(config_lib.ModelConfig(name="gpt-tiny"), 256)[0]
-    cluster = layouts.Cluster(A100.device, 1, 8)
-    found = layouts.choices(build(1).config, cluster, 16)
+    cluster = choices.Cluster(A100.device, 1, 8)
+    found = choices.choices(build(1).config, cluster, 16)
     assert {c.offload for c in found if c.zero == 0} == {""}
     assert {c.offload for c in found if c.zero == 3 and c.pipe == 1} == {"", "opt", "opt+params"}
     assert {c.offload for c in found if c.zero == 3 and c.pipe > 1} == {"", "opt"}
-    tpu = layouts.Cluster(device_kinds.load("tpu-v5p"), 2, 4)
-    assert {c.offload for c in layouts.choices(build(1).config, tpu, 16)} == {""}
+    tpu = choices.Cluster(device_kinds.load("tpu-v5p"), 2, 4)
+    assert {c.offload for c in choices.choices(build(1).config, tpu, 16)} == {""}
 
-    plain, off = (layouts.Choice(1, 1, 8, 2, "full", 2, 1, offload=o) for o in ("", "opt"))
-    jobs = {c: layouts.abstract_job(c.flat(BASE), build, 8) for c in (plain, off)}
-    est = {c: planner.estimate(jobs[c], c, cluster) for c in (plain, off)}
+    plain, off = (choices.Choice(1, 1, 8, 2, "full", 2, 1, offload=o) for o in ("", "opt"))
+    jobs = {c: choices.abstract_job(c.flat(BASE), build, 8) for c in (plain, off)}
+    est = {c: cost.estimate(jobs[c], c, cluster) for c in (plain, off)}
     split = memory.by_memory_kind(jobs[off].state_plan)
     assert est[off].memory.host == split["host"] and split["host"]["opt_state"] == est[plain].memory.state["opt_state"]
     assert est[off].memory.host_bytes == split["host"]["opt_state"] + est[off].memory.state["grads"]
@@ -124,9 +124,9 @@ def test_offload_layouts_move_states_to_the_host_within_its_memory():
         2 * est[off].memory.state["grads"] / A100.device.host_link_bw)
     assert "host link" not in est[plain].time.comm_s and est[off].fits
 
-    small = layouts.Cluster(dataclasses.replace(A100.device, host_bytes_per_node=8), 1, 8)
-    assert not planner.estimate(jobs[off], off, small).fits
-    assert planner.estimate(jobs[plain], plain, small).fits
+    small = choices.Cluster(dataclasses.replace(A100.device, host_bytes_per_node=8), 1, 8)
+    assert not cost.estimate(jobs[off], off, small).fits
+    assert cost.estimate(jobs[plain], plain, small).fits
 
 
 def test_a_layout_fits_only_with_the_reserve_beside_its_estimate():
@@ -134,14 +134,14 @@ def test_a_layout_fits_only_with_the_reserve_beside_its_estimate():
     device's memory: a layout that fits with no reserve does not when the
     reserve takes the rest; `--reserve-gb` outside the device is an error."""
     build = models.for_run(config_lib.ModelConfig(name="gpt-tiny"), 256)[0]
-    choice = layouts.Choice(1, 1, 8, 1, "full", 2, 1)
-    job = layouts.abstract_job(choice.flat(BASE), build, 8)
-    est = planner.estimate(job, choice, layouts.Cluster(A100.device, 1, 8))
+    choice = choices.Choice(1, 1, 8, 1, "full", 2, 1)
+    job = choices.abstract_job(choice.flat(BASE), build, 8)
+    est = cost.estimate(job, choice, choices.Cluster(A100.device, 1, 8))
     assert est.reserve == max(0.10 * A100.device.hbm_bytes, 4e9) and est.fits
     room = (A100.device.hbm_bytes - est.peak_bytes) / 1e9
-    tight = layouts.Cluster(A100.device, 1, 8, reserve_gb=room * 1.01)
-    assert not planner.estimate(job, choice, tight).fits
-    small = layouts.Cluster(device_kinds.load("a100-40gb"), 1, 8)
+    tight = choices.Cluster(A100.device, 1, 8, reserve_gb=room * 1.01)
+    assert not cost.estimate(job, choice, tight).fits
+    small = choices.Cluster(device_kinds.load("a100-40gb"), 1, 8)
     assert small.reserve_bytes == max(0.10 * small.device.hbm_bytes, 4e9)
     out = subprocess.run(
         [sys.executable, "scripts/plan.py", "--model", "gpt-tiny", "--cluster", "a100-80gb",
@@ -162,9 +162,9 @@ def test_bloom_own_layout_predicts_the_published_throughput():
     flat = {"model.name": "bloom-176b", "data.seq_len": 2048, "train.batch_size": 2048,
             "precision.policy": "bf16"}
     build = models.for_run(config_lib.build(None, flat).model, 250880)[0]
-    choice = layouts.Choice(12, 4, 8, 1, "none", 2, 128, "1f1b", tables="whole")
-    job = layouts.abstract_job(choice.flat(flat), build, 384)
-    whole = planner.estimate(job, choice, A100)
+    choice = choices.Choice(12, 4, 8, 1, "none", 2, 128, "1f1b", tables="whole")
+    job = choices.abstract_job(choice.flat(flat), build, 384)
+    whole = cost.estimate(job, choice, A100)
     t = whole.time
     hardware_tflops = t.hardware_tflops_per_device(384)
     assert abs(hardware_tflops - 150) <= 0.15 * 150, hardware_tflops
@@ -173,7 +173,7 @@ def test_bloom_own_layout_predicts_the_published_throughput():
     # The vocabulary padded to 251136 rows divides into pipe x tensor blocks:
     # used there, the tables' accumulators shrink 12-fold, and each
     # microbatch adds four sums of an activation over pipe.
-    rows = planner.estimate(job, dataclasses.replace(choice, tables="rows"), A100)
+    rows = cost.estimate(job, dataclasses.replace(choice, tables="rows"), A100)
     assert rows.memory.backward < whole.memory.backward - 2.5e9
     assert rows.time.step_s > whole.time.step_s
 
@@ -186,18 +186,18 @@ def test_a_mixture_of_experts_is_planned_over_expert_axes():
     (there and back per forward pass and backward, each device's block for
     all of its copies times e, (e - 1) / e over the link), and its model
     FLOPs count the 12.9B parameters a token computes with."""
-    h100 = layouts.Cluster(device_kinds.load("h100-80gb"), 8, 8)
+    h100 = choices.Cluster(device_kinds.load("h100-80gb"), 8, 8)
     build = models.for_run(config_lib.ModelConfig(name="mixtral-8x7b"), 32000)[0]
     cfg = build(1).config
-    found = layouts.choices(cfg, h100, 512, layouts.Space(stages=(3,), remats=("full",), micros=(1,)))
+    found = choices.choices(cfg, h100, 512, choices.Space(stages=(3,), remats=("full",), micros=(1,)))
     assert {c.expert for c in found if c.pipe == 1} == {1, 2, 4, 8}
     assert {c.expert for c in found if c.pipe == 2} == {1, 2, 4, 8}
-    choice = layouts.Choice(1, 4, 16, 3, "full", 1, 32, expert=8)
+    choice = choices.Choice(1, 4, 16, 3, "full", 1, 32, expert=8)
     base = {"model.name": "mixtral-8x7b", "precision.policy": "bf16", "data.seq_len": 4096,
             "train.batch_size": 512}
-    job = layouts.abstract_job(choice.flat(base), build, 64)
+    job = choices.abstract_job(choice.flat(base), build, 64)
     assert job.state_plan.mesh_shape.sizes["expert"] == 8
-    est = planner.estimate(job, choice, h100)
+    est = cost.estimate(job, choice, h100)
     payload = 8 * 4096 * 2 * cfg.d_model * 2  # e x (rows x k copies) x D, bf16
     passes = 2  # the forward and full remat's rebuild
     per_microbatch = cfg.n_layer * (2 * passes + 2) * payload * 7 / 8
@@ -216,22 +216,22 @@ def test_long_sequences_are_planned_over_context():
     probabilities kept) and its step charges the ring's K/V blocks (per
     layer and microbatch 2 (c - 1) x 2 forward passes + 2 (c - 1) + 2c, of
     one device's K, bf16)."""
-    h100 = layouts.Cluster(device_kinds.load("h100-80gb"), 8, 8)
+    h100 = choices.Cluster(device_kinds.load("h100-80gb"), 8, 8)
     build = models.for_run(config_lib.ModelConfig(name="llama-3.1-8b"), 128256)[0]
     cfg = build(1).config
-    narrow = layouts.Space(stages=(3,), remats=("full",), micros=(1,))
-    found = layouts.choices(cfg, h100, 64, narrow, seq_len=131072)
+    narrow = choices.Space(stages=(3,), remats=("full",), micros=(1,))
+    found = choices.choices(cfg, h100, 64, narrow, seq_len=131072)
     assert {c.context for c in found if c.tensor == 8 and c.pipe == 1} == {1, 2, 4, 8}
-    short = layouts.choices(cfg, h100, 64, narrow, seq_len=8192)
+    short = choices.choices(cfg, h100, 64, narrow, seq_len=8192)
     assert {c.context for c in short} == {1}
     base = {"model.name": "llama-3.1-8b", "precision.policy": "bf16", "data.seq_len": 131072,
             "train.batch_size": 64}
     est = {}
     for c in (1, 8):
-        choice = layouts.Choice(1, 8, 8 // c, 3, "full", 1, 64 // (8 // c), context=c)
-        job = layouts.abstract_job(choice.flat(base), build, 64)
+        choice = choices.Choice(1, 8, 8 // c, 3, "full", 1, 64 // (8 // c), context=c)
+        job = choices.abstract_job(choice.flat(base), build, 64)
         assert job.state_plan.mesh_shape.sizes["context"] == c
-        est[c] = planner.estimate(job, choice, h100)
+        est[c] = cost.estimate(job, choice, h100)
     assert est[8].memory.backward < est[1].memory.backward / 4
     T, K, Q = 131072 // 8, cfg.n_kv_head // 8, cfg.q_dim
     kv = T * max(K, 1) * Q * 2

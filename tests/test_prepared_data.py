@@ -20,8 +20,8 @@ from zero_jax.cli import prepare_data
 from zero_jax.data import corpus as corpus_lib
 from zero_jax.data import prepare as prepare_lib
 from zero_jax.data import sampler
-from zero_jax.data import token_files as shards
-from zero_jax.data import tokenizers as tok_lib
+from zero_jax.data import token_files
+from zero_jax.data import tokenizers as tokenizers_lib
 from zero_jax.data import train_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -117,7 +117,7 @@ def test_the_library_call_writes_what_the_command_writes(text_data, texts, tmp_p
     job = prepare_lib.Request(out=tmp_path / "lib", val_fraction=0.1,
                           files=prepare_lib.expand([f"{texts}/*.txt"]))
     seen = []
-    counts = prepare_lib.prepare(job, tok_lib.resolve(tok_lib.BYTES), seen.append)
+    counts = prepare_lib.prepare(job, tokenizers_lib.resolve(tokenizers_lib.BYTES), seen.append)
     assert sum(seen) == sum(p.stat().st_size for p in texts.glob("*.txt"))
     meta = json.loads((text_data / "meta.json").read_text())
     assert {s: c["tokens"] for s, c in counts.items()} == {
@@ -180,12 +180,12 @@ def test_large_vocabulary_is_stored_in_uint32_and_trains(tmp_path):
     train three finite steps."""
     vocab = 151_936
     rng = np.random.default_rng(0)
-    w = {s: shards.SplitWriter(tmp_path, s, shards.dtype_for(vocab), 1 << 20, False)
-         for s in shards.SPLITS}
+    w = {s: token_files.SplitWriter(tmp_path, s, token_files.dtype_for(vocab), 1 << 20, False)
+         for s in token_files.SPLITS}
     for i in range(60):
         w["val" if i % 10 == 0 else "train"].add(rng.integers(0, vocab, 200).astype(np.uint32))
     counts = {s: x.close() for s, x in w.items()}
-    shards.write_meta(tmp_path, {"vocab_size": vocab, "dtype": "<u4", "eos_id": vocab - 1,
+    token_files.write_meta(tmp_path, {"vocab_size": vocab, "dtype": "<u4", "eos_id": vocab - 1,
                                  "splits": counts})
     data = corpus_lib.load(str(tmp_path))
     assert data.train[0].tokens.dtype == np.uint32 and int(data.train[0].tokens.max()) > 1 << 16
@@ -231,16 +231,16 @@ def test_damaged_data_is_refused_naming_the_file(text_data, tmp_path, how, messa
     root = tmp_path / "copy"
     shutil.copytree(text_data, root)
     _corrupt(root, how)
-    with pytest.raises(shards.DataError, match=message):
+    with pytest.raises(token_files.DataError, match=message):
         corpus_lib.load(str(root))
 
 
 def test_data_that_does_not_fit_the_model_is_refused(texts, text_data, bpe, tmp_path):
     data = corpus_lib.load(str(text_data))
-    with pytest.raises(shards.DataError,
+    with pytest.raises(token_files.DataError,
                        match="its tokenizer has 257 ids, the model's vocabulary 200"):
         corpus_lib.check(data, 200, 16)
-    with pytest.raises(shards.DataError, match="a sequence needs seq_len \\+ 1 = 1000001"):
+    with pytest.raises(token_files.DataError, match="a sequence needs seq_len \\+ 1 = 1000001"):
         corpus_lib.check(data, 257, 1_000_000)
     prepare("--input", f"{texts}/00*.txt", "--tokenizer", bpe,
             "--out", tmp_path / "bpe", "--val-fraction", 0.2, "--workers", 1)
@@ -249,7 +249,7 @@ def test_data_that_does_not_fit_the_model_is_refused(texts, text_data, bpe, tmp_
     other.mkdir()
     (other / "tokenizer.json").write_text((bpe / "tokenizer.json").read_text().replace("<|im_end|>",
                                                                                        "<|end|>"))
-    with pytest.raises(shards.DataError, match=f"not with {other}/tokenizer.json"):
+    with pytest.raises(token_files.DataError, match=f"not with {other}/tokenizer.json"):
         corpus_lib.check(tokenized, 512, 16, [str(other)])
     corpus_lib.check(tokenized, 512, 16, [str(bpe)])  # the same tokenizer passes
 
@@ -261,7 +261,7 @@ def test_an_id_outside_the_vocabulary_stops_the_run_before_any_step(text_data, t
     ids = np.fromfile(shard, "<u2")
     ids[1234] = 300  # vocabulary 257
     ids.tofile(shard)
-    with pytest.raises(shards.DataError, match="val-00000.tokens: token offset 1,234 is id 300"):
+    with pytest.raises(token_files.DataError, match="val-00000.tokens: token offset 1,234 is id 300"):
         corpus_lib.check(corpus_lib.load(str(root)), 257, 16)
     p = subprocess.run([sys.executable, "scripts/train.py", "--data", str(root), "--seq-len", "16",
                         "--steps", "2", "--no-progress"], cwd=ROOT, capture_output=True, text=True,

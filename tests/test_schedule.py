@@ -4,23 +4,23 @@ import numpy as np
 import pytest
 
 from tests import schedule_oracle
-from zero_jax.pipeline import schedule as sched
+from zero_jax.pipeline import schedule as schedule_lib
 from zero_jax.pipeline.program import Program, Tables
 from zero_jax.pipeline.schedule import W_PER_TICK
 
 CASES = [(name, p, m, (2 if name == "interleaved" else 1))
-         for name in sched.SCHEDULES for p in (2, 4) for m in (4, 8, 16)]
+         for name in schedule_lib.SCHEDULES for p in (2, 4) for m in (4, 8, 16)]
 
 
 def _units(s):
     """The formulas' convention: a forward and a backward one unit each (a
     split backward's B and W half a unit each)."""
-    return sched.cost(s, [1 / s.v] * s.chunks, sched.Prices(backward=1.0, weight=0.5))
+    return schedule_lib.cost(s, [1 / s.v] * s.chunks, schedule_lib.Prices(backward=1.0, weight=0.5))
 
 
 @pytest.mark.parametrize("name,p,m,v", CASES)
 def test_tables_are_valid_and_bubbles_match_the_formulas(name, p, m, v):
-    s = sched.build(name, p, m, v)
+    s = schedule_lib.build(name, p, m, v)
     assert schedule_oracle.violations(s) == []
     actions = [a for row in s.table for acts in row for a in acts]
     per = 3 if name == "zb-h1" else 2  # F and B (and W) per microbatch and chunk
@@ -45,26 +45,26 @@ def test_idle_fractions_at_bloom_shape():
     (p - 1) / (m + p - 1); ZB-H1 below; interleaving over v = 2 although
     12 does not divide 128."""
     def idle(name, v=1):
-        return sched.cost(sched.build(name, 12, 128, v), [1 / v] * (12 * v)).bubble
+        return schedule_lib.cost(schedule_lib.build(name, 12, 128, v), [1 / v] * (12 * v)).bubble
     assert idle("1f1b") == pytest.approx(11 / 139, abs=1e-3) and idle("1f1b") <= 0.09
     assert idle("zb-h1") <= 0.05
     assert idle("interleaved", 2) <= 0.06
 
 
 def test_violations_catch_a_broken_table():
-    s = sched.build("1f1b", 2, 4)
+    s = schedule_lib.build("1f1b", 2, 4)
     rows = list(map(list, s.table))
     t_b = next(t for t, row in enumerate(rows) if any(a.kind == "B" for a in row[1]))
     rows[t_b][1], rows[0][1] = rows[0][1], rows[t_b][1]  # a backward before any forward
-    broken = sched.Schedule(s.name, s.p, s.m, s.v, tuple(map(tuple, rows)))
+    broken = schedule_lib.Schedule(s.name, s.p, s.m, s.v, tuple(map(tuple, rows)))
     assert any("before" in v for v in schedule_oracle.violations(broken))
 
 
 def test_chart_reads_as_a_tick_table():
-    chart = sched.build("1f1b", 2, 3).chart().splitlines()
+    chart = schedule_lib.build("1f1b", 2, 3).chart().splitlines()
     assert chart == ["stage 0: F0 F1   F2B0 B1   B2", "stage 1: .  F0B0 F1B1 F2B2 ."]
-    assert "F0a" in sched.build("interleaved", 2, 2, 2).chart()
-    assert "W" in sched.build("zb-h1", 2, 3).chart()
+    assert "F0a" in schedule_lib.build("interleaved", 2, 2, 2).chart()
+    assert "W" in schedule_lib.build("zb-h1", 2, 3).chart()
 
 
 @pytest.mark.parametrize("bad,message", [
@@ -73,7 +73,7 @@ def test_chart_reads_as_a_tick_table():
 ])
 def test_shapes_that_cannot_be_scheduled_are_clear_errors(bad, message):
     with pytest.raises(ValueError, match=message):
-        sched.check_shape(*bad)
+        schedule_lib.check_shape(*bad)
 
 
 @pytest.mark.parametrize("name,p,m,v", CASES + [("interleaved", 4, 6, 2), ("zb-h1", 4, 6, 1)])
@@ -82,7 +82,7 @@ def test_program_buffers_deliver_each_message_to_its_reader(name, p, m, v):
     buffer slot holds a label, and each forward must read its own input,
     each backward its own gradient, each W what its B kept; each message
     goes over its tick's pair list."""
-    s = sched.build(name, p, m, v)
+    s = schedule_lib.build(name, p, m, v)
     prog = Program.of(s)
     n_stash, n_fwd, n_bwd, n_keep = prog.slots
     stash = [[None] * n_stash for _ in range(p)]
@@ -145,7 +145,7 @@ def test_program_buffers_deliver_each_message_to_its_reader(name, p, m, v):
 def test_gpipe_cost_bubble_is_the_formula_when_stages_are_even(p, m):
     """All forwards, then all backwards: each phase's ticks are uniform, so
     pricing a backward at three forwards leaves (p - 1) / (m + p - 1) idle."""
-    c = sched.cost(sched.build("gpipe", p, m), [1] * p)
+    c = schedule_lib.cost(schedule_lib.build("gpipe", p, m), [1] * p)
     assert c.total == pytest.approx(4 * (m + p - 1))
     assert c.bubble == pytest.approx((p - 1) / (m + p - 1))
 
@@ -153,15 +153,15 @@ def test_gpipe_cost_bubble_is_the_formula_when_stages_are_even(p, m):
 def test_fused_one_f_one_b_runs_a_forward_and_a_backward_per_tick():
     """Worked by hand on the chart above: ticks 1 4 4 4 3 = 16 units, 24
     busy of 2 x 16, so a quarter of the time is idle: (p - 1) / (m + p - 1)."""
-    s = sched.build("1f1b", 2, 3)
-    c = sched.cost(s, [1, 1])
+    s = schedule_lib.build("1f1b", 2, 3)
+    c = schedule_lib.cost(s, [1, 1])
     assert c.ticks == (1, 4, 4, 4, 3) and c.busy == 24
     assert c.bubble == pytest.approx(0.25)
     # The head runs forward and backward in the last stage's forward; each
     # of the 5 ticks pays for its two sends, which run whether they carry a
     # message or not (6 of the 10 do).
-    assert sched.cost(s, [1, 1], sched.Prices(head=0.5)).ticks[1] == 5.5
-    assert sched.cost(s, [1, 1], sched.Prices(send=0.25)).total == pytest.approx(16 + 10 * 0.25)
+    assert schedule_lib.cost(s, [1, 1], schedule_lib.Prices(head=0.5)).ticks[1] == 5.5
+    assert schedule_lib.cost(s, [1, 1], schedule_lib.Prices(send=0.25)).total == pytest.approx(16 + 10 * 0.25)
 
 
 @pytest.mark.parametrize("p,m", [(4, 8), (12, 128)])
@@ -170,13 +170,13 @@ def test_zero_bubble_steady_state_keeps_nothing_for_later(p, m):
     deferred while the pipeline fills wait, and the ticks in between (most
     of them at m >> p) neither keep nor read a W's inputs; the bubble is the
     same as deferring every W in turn."""
-    s = sched.build("zb-h1", p, m)
+    s = schedule_lib.build("zb-h1", p, m)
     tables = Tables(Program.of(s), np.ones((p, 1), np.int32))
     kept = sum(stop - start for start, stop, k in tables.runs() if k)
     assert kept <= 3 * (p - 1) + 1, tables.runs()
     assert s.pending_w_peak() == [2 * d for d in range(p)]
     if (p, m) == (12, 128):
-        assert sched.cost(s, [1.0] * p).bubble <= 0.05
+        assert schedule_lib.cost(s, [1.0] * p).bubble <= 0.05
 
 
 def test_a_waiting_w_holds_every_products_input_and_output_gradient(corpus):

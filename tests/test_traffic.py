@@ -12,7 +12,7 @@ from tests.hlo_loops import inside_loops
 from zero_jax.analysis import hlo
 from zero_jax.analysis import memory
 from zero_jax.analysis import traffic
-from zero_jax.pipeline import executor as pipeline_lib
+from zero_jax.pipeline import executor as executor_lib
 
 # bf16 compute, float32 gradients: g = 4 bytes, c = 2 bytes per parameter.
 # The position table is as long as the sequence, so that every parameter is
@@ -111,7 +111,7 @@ def test_pipelined_gradients_are_reduced_once_per_step(corpus):
     fns = job.model.pipeline
     (outer, stack), (outer_specs, stack_specs) = (fns.split(job.state_plan.abstract.params),
                                                   fns.split(job.state_plan.specs.compute))
-    assert not pipeline_lib.tables_not_in_rows(outer, fns.split(job.state_plan.specs.params)[0])
+    assert not executor_lib.tables_not_in_rows(outer, fns.split(job.state_plan.specs.params)[0])
     is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)
 
     def per_device(params, specs, blocks):

@@ -27,7 +27,7 @@ from zero_jax.sharding import rules
 from zero_jax.analysis import traffic
 from zero_jax.sharding import mesh as mesh_lib
 from zero_jax.pipeline import executor as pipeline_executor
-from zero_jax.pipeline import schedule as sched_lib
+from zero_jax.pipeline import schedule as schedule_lib
 from zero_jax.pipeline.cut import Stages, balanced
 from zero_jax.sharding import zero as zero_lib
 from zero_jax.checkpoint import sources
@@ -46,7 +46,7 @@ class Job:
     policy: policies.Policy
     hooks: Hooks
     scale_cfg: loss_scale.LossScaleConfig
-    schedule: sched_lib.Schedule | None = None  # the pipeline schedule, with a pipe axis
+    schedule: schedule_lib.Schedule | None = None  # the pipeline schedule, with a pipe axis
     notes: tuple[str, ...] = ()  # what the layout does differently from what was asked, and why
 
     @property
@@ -368,7 +368,7 @@ def check_grad_reduce(choice: str, zero_stage: int) -> None:
 
 
 def pipeline_schedule(run: config_lib.RunConfig, model: ModelFns, shape: mesh_lib.MeshShape
-                      ) -> tuple[sched_lib.Schedule | None, Stages | None]:
+                      ) -> tuple[schedule_lib.Schedule | None, Stages | None]:
     """The schedule table and the stack's cut for a mesh with a pipe axis;
     checks before compiling."""
     p = shape.sizes["pipe"]
@@ -379,8 +379,8 @@ def pipeline_schedule(run: config_lib.RunConfig, model: ModelFns, shape: mesh_li
         raise config_lib.ConfigError(f"model {run.model.name} cannot be pipelined (pipe={p})")
     v = par.virtual_stages or (2 if par.pipeline_schedule == "interleaved" else 1)
     try:
-        sched_lib.check_shape(par.pipeline_schedule, p, run.train.microbatches, v)
+        schedule_lib.check_shape(par.pipeline_schedule, p, run.train.microbatches, v)
         cut = balanced(model.layers, p, v)
     except ValueError as e:
         raise config_lib.ConfigError(f"pipe={p}: {e}") from None
-    return sched_lib.build(par.pipeline_schedule, p, run.train.microbatches, v), cut
+    return schedule_lib.build(par.pipeline_schedule, p, run.train.microbatches, v), cut

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from zero_jax.checkpoint import manager as ckpt_lib
+from zero_jax.checkpoint import manager as manager_lib
 from zero_jax.data import corpus as corpus_lib
 from zero_jax import loop
 from zero_jax.runtime import distributed, preempt
@@ -110,7 +110,7 @@ def _init_from_label(source: str) -> str:
     """--init-from as the run says it: a checkpoint directory with the step
     load_params reads (its newest complete one), else the path."""
     path = Path(source)
-    steps = ckpt_lib.complete_steps(path) if path.is_dir() else []
+    steps = manager_lib.complete_steps(path) if path.is_dir() else []
     return f"{path / str(steps[-1])} (step {steps[-1]}, the newest complete)" if steps else source
 
 
@@ -124,7 +124,7 @@ def start_line(job: Job) -> str:
     if not c.resume:
         return f"start: {fresh}"
     directory = Path(c.dir).absolute()
-    steps = ckpt_lib.complete_steps(directory)
+    steps = manager_lib.complete_steps(directory)
     if steps:
         return (f"start: --resume from {directory / str(steps[-1])} (step {steps[-1]}, the newest "
                 "complete; each array checked by checksum, a corrupt checkpoint falls back to "
@@ -146,7 +146,7 @@ def load_params(source: str, job: Job, loaders: list[ParamLoader] = ()) -> Any:
             return tree
     if path.suffix == ".safetensors":
         return place(export.read_consolidated(path, job.state_plan.names), job)
-    checkpointer = ckpt_lib.Checkpointer(ckpt_lib.CheckpointConfig(dir=str(path)))
+    checkpointer = manager_lib.Checkpointer(manager_lib.CheckpointConfig(dir=str(path)))
     steps = checkpointer.complete_steps()
     if not steps:
         raise FileNotFoundError(f"--init-from {source}: no complete checkpoint, .safetensors "
@@ -174,7 +174,7 @@ def place(tree: Any, job: Job, log: Callable[[str], None] = print) -> Any:
                         tree, job.state_plan.master_params, job.state_plan.named(job.state_plan.master_specs))
 
 
-def initial_state(job: Job, checkpointer: ckpt_lib.Checkpointer | None,
+def initial_state(job: Job, checkpointer: manager_lib.Checkpointer | None,
                   loaders: list[ParamLoader], log: Callable[[str], None],
                   corpus: corpus_lib.TokenData | None = None) -> tuple[TrainState, int | None]:
     c = job.run.checkpoint
@@ -242,7 +242,7 @@ class StopAndSave:
     --checkpoint-every steps, and says whether to stop."""
 
     def __init__(self, job: Job, corpus: corpus_lib.TokenData,
-                 checkpointer: ckpt_lib.Checkpointer | None, meta: dict[str, Any] | None = None):
+                 checkpointer: manager_lib.Checkpointer | None, meta: dict[str, Any] | None = None):
         self.job, self.corpus, self.checkpointer = job, corpus, checkpointer
         self.meta = meta or {}  # more for each checkpoint's meta (the W&B group)
         self.preemption = preempt.Preemption()
@@ -294,7 +294,7 @@ def tracer(t, lead: bool) -> trace.Tracer:
                         tqdm.write if lead else lambda line: None)
 
 
-def wandb_group(checkpointer: ckpt_lib.Checkpointer | None, resumed: int | None) -> str:
+def wandb_group(checkpointer: manager_lib.Checkpointer | None, resumed: int | None) -> str:
     """This job's W&B group: the one its checkpoint was saved under, when it
     resumes from one; else $WANDB_RUN_GROUP (wandb's own variable), else a
     new one (wandb_log: a run per invocation)."""
@@ -321,10 +321,10 @@ def interrupted_line(prefix: str, directory: Path | None, abandoned: bool = Fals
     none), and the step a --resume restores."""
     if directory is None:
         return f"{prefix}; nothing was saved (no --checkpoint-dir)"
-    left = sorted({name.split(".")[0] for name in ckpt_lib.incomplete(directory)}, key=int)
+    left = sorted({name.split(".")[0] for name in manager_lib.incomplete(directory)}, key=int)
     dropped = (f", abandoning the save of step {', '.join(left)} (it never commits)"
                if abandoned and left else "")
-    steps = ckpt_lib.complete_steps(directory)
+    steps = manager_lib.complete_steps(directory)
     if not steps:
         return f"{prefix}{dropped}; no checkpoint in {directory} has committed: nothing to resume from"
     return (f"{prefix}{dropped}; step {steps[-1]} is restorable from {directory / str(steps[-1])} "
@@ -338,7 +338,7 @@ def train(job: Job, corpus: corpus_lib.TokenData, steps: CompiledSteps, *,
     `reporting` says what the run tells, and where (the plan to W&B)."""
     c, d = job.run.checkpoint, job.run.distributed
     # Save lines go above the progress bar, not through it.
-    checkpointer = (ckpt_lib.Checkpointer(c, job.state_plan.names, writer=True, log=tqdm.write,
+    checkpointer = (manager_lib.Checkpointer(c, job.state_plan.names, writer=True, log=tqdm.write,
                                           barrier_timeout_s=d.barrier_timeout_s) if c.dir else None)
     directory = checkpointer.directory if checkpointer is not None else None
     # Ctrl-C stops after the step in flight; a second one at once, saying
@@ -356,7 +356,7 @@ def train(job: Job, corpus: corpus_lib.TokenData, steps: CompiledSteps, *,
 
 
 def _train(job: Job, corpus: corpus_lib.TokenData, steps: CompiledSteps,
-           checkpointer: ckpt_lib.Checkpointer | None, state: TrainState, resumed: int | None,
+           checkpointer: manager_lib.Checkpointer | None, state: TrainState, resumed: int | None,
            reporting: Reporting) -> Outcome:
     """`train` from its initial state on."""
     run, t, d = job.run, job.run.train, job.run.distributed
@@ -379,7 +379,7 @@ def _train(job: Job, corpus: corpus_lib.TokenData, steps: CompiledSteps,
             observers=observers)
         if checkpointer is not None:
             checkpointer.wait()
-    except ckpt_lib.SaveFailed:
+    except manager_lib.SaveFailed:
         if checkpointer is not None:
             for name in checkpointer.remove_incomplete():
                 reporting.log(f"removed the uncommitted {checkpointer.directory / name}")

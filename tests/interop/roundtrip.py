@@ -12,7 +12,7 @@ import numpy as np
 import models
 from tests.helpers import make_job
 from zero_jax import run
-from zero_jax.checkpoint import manager as ckpt_lib
+from zero_jax.checkpoint import manager as manager_lib
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -31,7 +31,7 @@ def logits(job, params, tokens):
 def exported(job, params, out: Path) -> Path:
     """`params` checkpointed under `out` and exported with `--hf-dir`; the directory."""
     state = job.state_from_params(params)
-    writer = ckpt_lib.Checkpointer(ckpt_lib.CheckpointConfig(dir=str(out / "ckpt")),
+    writer = manager_lib.Checkpointer(manager_lib.CheckpointConfig(dir=str(out / "ckpt")),
                                    job.state_plan.names, writer=True)
     writer.save(0, job.state_plan.saved_form(state), run.checkpoint_meta(job, 0))
     writer.wait()

@@ -16,10 +16,10 @@ transformers = pytest.importorskip("transformers", reason="make test-interop ins
 from tests.helpers import make_job, train  # noqa: E402
 from tests.test_export_tokenizer import make_tokenizer, prepared  # noqa: E402
 from zero_jax import run  # noqa: E402
-from zero_jax.checkpoint import manager as ckpt_lib  # noqa: E402
+from zero_jax.checkpoint import manager as manager_lib  # noqa: E402
 from zero_jax.cli import export as export_cli  # noqa: E402
 from zero_jax.data import corpus as corpus_lib  # noqa: E402
-from zero_jax.data import tokenizers as tok_lib  # noqa: E402
+from zero_jax.data import tokenizers as tokenizers_lib  # noqa: E402
 
 SAMPLE = "def f(x):\n    return x + 12345  # héllo, wörld 🙂\n\n\tend<|endoftext|>"
 
@@ -33,7 +33,7 @@ def trained(tmp_path_factory):
     corpus = corpus_lib.load(str(data))
     job = make_job(corpus, data=str(data), steps=2, batch_size=8)
     _, state = train(job, corpus)
-    c = ckpt_lib.Checkpointer(ckpt_lib.CheckpointConfig(dir=str(tmp / "ckpt")), job.state_plan.names,
+    c = manager_lib.Checkpointer(manager_lib.CheckpointConfig(dir=str(tmp / "ckpt")), job.state_plan.names,
                               writer=True)
     c.save(2, state, run.checkpoint_meta(job, 2, corpus))
     c.wait()
@@ -41,7 +41,7 @@ def trained(tmp_path_factory):
 
 
 def ours(tokenizer: str, text: str, special: bool = False) -> list[int]:
-    return tok_lib.Encoder(tok_lib.resolve(tokenizer)).ids(text, special)
+    return tokenizers_lib.Encoder(tokenizers_lib.resolve(tokenizer)).ids(text, special)
 
 
 def test_auto_tokenizer_of_the_export_gives_our_ids(trained, tmp_path):

@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers", reason="make test-interop ins
 import models  # noqa: E402
 from tests.helpers import host, make_job, train  # noqa: E402
 from zero_jax import run  # noqa: E402
-from zero_jax.checkpoint import manager as ckpt_lib
+from zero_jax.checkpoint import manager as manager_lib
 from zero_jax.model.hooks import Hooks  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,7 +30,7 @@ def exported(corpus, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("hf")
     job = make_job(corpus, steps=3)
     _, state = train(job, corpus)
-    c = ckpt_lib.Checkpointer(ckpt_lib.CheckpointConfig(dir=str(tmp / "ckpt")), job.state_plan.names,
+    c = manager_lib.Checkpointer(manager_lib.CheckpointConfig(dir=str(tmp / "ckpt")), job.state_plan.names,
                               writer=True)
     c.save(3, state, run.checkpoint_meta(job, 3))
     c.wait()

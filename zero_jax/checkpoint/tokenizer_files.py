@@ -30,7 +30,7 @@ from typing import Any
 
 from zero_jax.data import corpus as corpus_lib
 from zero_jax.data import token_files
-from zero_jax.data import tokenizers as tok_lib
+from zero_jax.data import tokenizers as tokenizers_lib
 
 TOKENIZER = "tokenizer.json"
 CONFIG = "tokenizer_config.json"
@@ -78,7 +78,7 @@ def recorded(meta: dict[str, Any]) -> Recorded:
     source = meta.get("data", {}).get("source") or meta.get("run", {}).get("data", {}).get(
         "source", "")
     if source == corpus_lib.STDLIB:  # read as bytes, without end-of-document tokens
-        return Recorded(source, tok_lib.BYTES, "", None)
+        return Recorded(source, tokenizers_lib.BYTES, "", None)
     data = _data_meta(source)
     tok = meta.get("data", {}).get("tokenizer") or data.get("tokenizer") or {}
     same = data.get("tokenizer", {}).get("sha256") == tok.get("sha256")
@@ -111,7 +111,7 @@ def for_run(meta: dict[str, Any], model_dirs: list[str], given: str | None = Non
         whose = "as --tokenizer asked" + (
             f"; the data was prepared with SHA-256 {run.sha256[:SHORT]}..." if other else "")
         return _copied(file, data, have, whose, None if other else run.eos_id, run, model_dirs)
-    if run.name == tok_lib.BYTES:
+    if run.name == tokenizers_lib.BYTES:
         return _byte_note(run)
     candidates = ([(Path(run.name), "the data's")] if run.name else []) + [
         (Path(d) / TOKENIZER, "the data's" if run.sha256 else "of the weights' directory")
@@ -272,7 +272,7 @@ def eos_token(tokenizer: dict[str, Any], eos_id: int | None) -> str:
         added = {**{i: t for t, i in vocab.items()}, **added}
     if eos_id is not None:
         return added.get(eos_id, "")
-    return next((n for n in tok_lib.EOS_NAMES if n in added.values()), "")
+    return next((n for n in tokenizers_lib.EOS_NAMES if n in added.values()), "")
 
 
 def _object(raw: bytes) -> dict[str, Any] | None:
@@ -292,7 +292,7 @@ def _byte_note(run: Recorded) -> Export:
     if run.source == corpus_lib.STDLIB:
         eos = None
     else:  # prepared byte-level data: 256, unless its meta.json says otherwise
-        eos = tok_lib.resolve(tok_lib.BYTES).eos_id if run.eos_id is None else run.eos_id
+        eos = tokenizers_lib.resolve(tokenizers_lib.BYTES).eos_id if run.eos_id is None else run.eos_id
     if eos is None:
         end = ("there is no end-of-document id: the run's data, the Python standard "
                "library's source files, had none")

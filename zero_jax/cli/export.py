@@ -54,7 +54,7 @@ from pathlib import Path
 import models
 from models.common import hf_files
 from zero_jax.checkpoint import export
-from zero_jax.checkpoint import manager as ckpt_lib
+from zero_jax.checkpoint import manager as manager_lib
 from zero_jax.checkpoint import tokenizer_files
 from zero_jax.runtime import procmem
 
@@ -269,7 +269,7 @@ def write(args: argparse.Namespace, reader: export.ParamReader, step: int,
 def failed(e: Exception, staged: Staged, kept: list[str]) -> int:
     """A failed write as one line: exit 4 for a corrupt checkpoint, else 2;
     `kept`, the destinations that existed before, are said to be untouched."""
-    corrupt = isinstance(e, ckpt_lib.CorruptCheckpoint)
+    corrupt = isinstance(e, manager_lib.CorruptCheckpoint)
     said = corrupt or isinstance(e, export.OutOfRange)  # their messages name the array
     what = e if said else f"writing {staged.writing or e.filename}: {e.strerror}"
     kept = [p for p in kept if _real(p) not in staged.committed]
@@ -294,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except ckpt_lib.CorruptCheckpoint as e:
+    except manager_lib.CorruptCheckpoint as e:
         print(f"error: {e}; nothing written", file=sys.stderr)
         return 4
     dtype = output_dtypes(args, reader)
@@ -304,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         written, notes = write(args, reader, step, directory, dtype, tokenizer, staged)
     # OSError: no space, no permission; OutOfRange: a value float16 cannot hold
-    except (ckpt_lib.CorruptCheckpoint, export.OutOfRange, OSError) as e:
+    except (manager_lib.CorruptCheckpoint, export.OutOfRange, OSError) as e:
         return failed(e, staged, kept)
     print(describe(written, step, directory))
     for note in notes:
@@ -362,9 +362,9 @@ def choose_step(directory: Path, step: int | None) -> int:
     """The checkpoint step to export: `step`, else the newest complete one."""
     if not directory.is_dir():
         raise ValueError(f"--checkpoint-dir {directory}: no such directory")
-    steps = ckpt_lib.complete_steps(directory)
+    steps = manager_lib.complete_steps(directory)
     if not steps:
-        never = ckpt_lib.incomplete(directory)
+        never = manager_lib.incomplete(directory)
         raise ValueError(f"--checkpoint-dir {directory}: no complete checkpoint there"
                          + (f" (saves that never committed: {', '.join(never)})" if never else "")
                          + "; give the directory a run saved into (zero-jax train --checkpoint-dir)")

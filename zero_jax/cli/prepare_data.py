@@ -46,7 +46,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from zero_jax.data import prepare
-from zero_jax.data import tokenizers as tok_lib
+from zero_jax.data import tokenizers as tokenizers_lib
 from zero_jax.runtime import procmem
 
 
@@ -56,7 +56,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--input", action="append", required=True,
                    help="a file or glob (quote it), or a datasets save_to_disk directory; "
                         "repeat for more")
-    p.add_argument("--tokenizer", default=tok_lib.BYTES,
+    p.add_argument("--tokenizer", default=tokenizers_lib.BYTES,
                    help="'bytes', or a directory (or file) with a Hugging Face tokenizer.json")
     p.add_argument("--out", required=True,
                    help="directory to create (a file for --format flat); must not exist or be "
@@ -79,7 +79,7 @@ def parse(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def checked_request(args: argparse.Namespace) -> tuple[prepare.Request, tok_lib.Spec]:
+def checked_request(args: argparse.Namespace) -> tuple[prepare.Request, tokenizers_lib.Spec]:
     """The request and its tokenizer, every flag checked before anything is written."""
     request = prepare.Request(out=Path(args.out), fmt=args.format, text_field=args.text_field,
                       val_fraction=args.val_fraction, shard_tokens=args.shard_tokens,
@@ -87,7 +87,7 @@ def checked_request(args: argparse.Namespace) -> tuple[prepare.Request, tok_lib.
     prepare.check(request)  # the numbers and --out first, then the inputs
     request = dataclasses.replace(request, files=prepare.expand(args.input))
     prepare.check_inputs(request)
-    spec = tok_lib.resolve(args.tokenizer, args.eos_token)
+    spec = tokenizers_lib.resolve(args.tokenizer, args.eos_token)
     prepare.dtype_for(request, spec)
     return request, spec
 

@@ -34,7 +34,7 @@ from zero_jax import config as config_lib, job as job_lib, loop, run
 from zero_jax.analysis import flops, hlo
 from zero_jax.analysis import memory
 from zero_jax.report import summary
-from zero_jax.checkpoint import manager as ckpt_lib
+from zero_jax.checkpoint import manager as manager_lib
 from zero_jax.data import corpus as corpus_lib
 from zero_jax.runtime import cpu, distributed, preempt
 from zero_jax.sharding.mesh import MeshError
@@ -44,7 +44,7 @@ from zero_jax.sharding.rules import ShardingError
 INPUT_ERRORS = (config_lib.ConfigError, MeshError, ShardingError, ValueError, FileNotFoundError,
                 distributed.DistributedError)
 # What ends a run that started -> its exit status (the module docstring).
-RUN_ERRORS = {loop.TrainingHalted: 3, ckpt_lib.CheckpointError: 4, run.InitFromError: 2}
+RUN_ERRORS = {loop.TrainingHalted: 3, manager_lib.CheckpointError: 4, run.InitFromError: 2}
 
 
 def parse(argv: list[str] | None = None) -> tuple[config_lib.RunConfig, argparse.Namespace]:

@@ -41,7 +41,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from zero_jax.data import arrow, token_files
-from zero_jax.data import tokenizers as tok_lib
+from zero_jax.data import tokenizers as tokenizers_lib
 
 FORMATS = ("text", "jsonl", "chat", "flat")
 CHUNK_BYTES = 1 << 20  # text read, and sent to a worker, about this much at a time
@@ -106,8 +106,8 @@ def _record(record, where: str, fmt: str, text_field: str) -> tuple[str, object]
     """(kind, payload) of one record, a JSON line's or a table row's."""
     if fmt == "chat":
         try:
-            return "chat", tok_lib.messages_of(record)
-        except tok_lib.TokenizerError as e:
+            return "chat", tokenizers_lib.messages_of(record)
+        except tokenizers_lib.TokenizerError as e:
             raise ValueError(f"{where}: {e}") from None
     text = record.get(text_field) if isinstance(record, dict) else None
     if not isinstance(text, str):
@@ -121,7 +121,7 @@ def table_columns(path: Path, fmt: str, text_field: str) -> list[str]:
     have = arrow.columns(path)
     listing = ", ".join(f"{name} ({kind})" for name, kind in have.items())
     if fmt == "chat":
-        names = [c for c in tok_lib.CHAT_FIELDS if c in have]
+        names = [c for c in tokenizers_lib.CHAT_FIELDS if c in have]
         if "messages" not in names and not {"prompt", "response"} <= set(names):
             raise ValueError(f"--input {path}: chat data needs a column 'messages', or 'prompt' "
                              f"and 'response'; its columns: {listing}")
@@ -176,13 +176,13 @@ def _text_file(path: Path, source: str) -> Iterator[tuple[Item, int]]:
 
 # Each worker process's tokenizer, made once by _start_worker: a pool's
 # initializer can only leave state in module globals.
-_encoder: tok_lib.Encoder | None = None
+_encoder: tokenizers_lib.Encoder | None = None
 
 
-def _start_worker(spec: tok_lib.Spec) -> None:
+def _start_worker(spec: tokenizers_lib.Spec) -> None:
     global _encoder
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker process
-    _encoder = tok_lib.Encoder(spec)
+    _encoder = tokenizers_lib.Encoder(spec)
 
 
 def encode(items: list[Item]) -> list[tuple[np.ndarray, np.ndarray | None, bool, bool]]:
@@ -210,7 +210,7 @@ def tasks(stream: Iterator[tuple[Item, int]]) -> Iterator[tuple[list[Item], int]
         yield group, size
 
 
-def encoded(stream, spec: tok_lib.Spec, workers: int):
+def encoded(stream, spec: tokenizers_lib.Spec, workers: int):
     """(task's items, their encodings, input bytes) in order; at most two
     tasks per worker in flight, so memory stays bounded."""
     if workers <= 1:
@@ -274,7 +274,7 @@ def remove_partial(out: Path, flat: bool) -> None:
             path.rmdir()
 
 
-def dtype_for(request: Request, spec: tok_lib.Spec) -> np.dtype:
+def dtype_for(request: Request, spec: tokenizers_lib.Spec) -> np.dtype:
     """The shards' id dtype for the tokenizer's vocabulary, where the format holds it."""
     dtype = token_files.dtype_for(spec.vocab_size)
     if request.flat and dtype != np.uint16:
@@ -283,12 +283,12 @@ def dtype_for(request: Request, spec: tok_lib.Spec) -> np.dtype:
     return dtype
 
 
-def workers_for(request: Request, spec: tok_lib.Spec) -> int:
+def workers_for(request: Request, spec: tokenizers_lib.Spec) -> int:
     """Bytes need no tokenizing: sending them to workers only costs copies."""
-    return 1 if spec.name == tok_lib.BYTES else request.workers
+    return 1 if spec.name == tokenizers_lib.BYTES else request.workers
 
 
-def prepare(request: Request, spec: tok_lib.Spec, on_bytes: Callable[[int], object] = int) -> dict[str, dict]:
+def prepare(request: Request, spec: tokenizers_lib.Spec, on_bytes: Callable[[int], object] = int) -> dict[str, dict]:
     """Tokenize `request.files` with `spec` into `request.out`; the counts of each
     split ("all" for the flat format). `on_bytes(n)` hears of each n bytes
     of input done (a progress bar)."""
@@ -338,7 +338,7 @@ def _write_flat(out: Path, results, on_bytes) -> dict[str, dict]:
     return {"all": {"documents": docs, "tokens": tokens, "shards": [{"file": out.name}]}}
 
 
-def write_meta(request: Request, spec: tok_lib.Spec, dtype, counts: dict[str, dict]) -> None:
+def write_meta(request: Request, spec: tokenizers_lib.Spec, dtype, counts: dict[str, dict]) -> None:
     chat = request.fmt == "chat"
     token_files.write_meta(request.out, {
         "vocab_size": spec.vocab_size, "dtype": np.dtype(dtype).str, "eos_id": spec.eos_id,

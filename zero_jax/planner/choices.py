@@ -17,7 +17,7 @@ from typing import Any
 from jax.sharding import AbstractMesh, AxisType
 
 from zero_jax import config as config_lib, job as job_lib
-from zero_jax.pipeline import schedule as sched_lib
+from zero_jax.pipeline import schedule as schedule_lib
 from zero_jax.runtime.device_kinds import Device
 from zero_jax.sharding import mesh as mesh_lib
 
@@ -228,7 +228,7 @@ def abstract_job(flat: dict[str, Any], build_model, devices: int) -> job_lib.Job
     return job_lib.prepare_on(run, build_model, mesh, shape)
 
 
-def pipeline_schedule(choice: Choice) -> sched_lib.Schedule:
+def pipeline_schedule(choice: Choice) -> schedule_lib.Schedule:
     """The tick table of a pipelined `choice` (pipe > 1); layouts that differ
     only in stage, policy or offload share one."""
     return _built(choice.schedule, choice.pipe, choice.microbatches, choice.virtual)
@@ -238,5 +238,5 @@ def pipeline_schedule(choice: Choice) -> sched_lib.Schedule:
 # schedule (12 stages x 128 microbatches: about 20 ms) takes longer to build
 # than the estimate that reads it.
 @functools.lru_cache(maxsize=256)
-def _built(name: str, p: int, m: int, v: int) -> sched_lib.Schedule:
-    return sched_lib.build(name, p, m, v)
+def _built(name: str, p: int, m: int, v: int) -> schedule_lib.Schedule:
+    return schedule_lib.build(name, p, m, v)

@@ -34,7 +34,7 @@ import dataclasses
 
 from zero_jax import job as job_lib
 from zero_jax.analysis import memory
-from zero_jax.pipeline import schedule as sched_lib
+from zero_jax.pipeline import schedule as schedule_lib
 from zero_jax.planner.choices import Choice, Cluster, pipeline_schedule
 from zero_jax.planner.step_bytes import (compute_grad_bytes, dtype_bytes, reduces_each_microbatch,
                                          tables_in_blocks, update_elements)
@@ -171,10 +171,10 @@ def _pipeline_compute(job: job_lib.Job, choice: Choice, cluster: Cluster,
     link = choice.link_bw(cluster, "pipe")
     send = _activation_bytes(job, choice) / link / unit
     p = choice.pipe
-    prices = sched_lib.Prices(head=work.head_flops / work.layer_flops, send=send,
+    prices = schedule_lib.Prices(head=work.head_flops / work.layer_flops, send=send,
                               backward=work.passes + 1, weight=work.weight_share,
                               end_sum=send * 2 * (p - 1) / p)
-    cost = sched_lib.cost(pipeline_schedule(choice), job.state_plan.stages.counts, prices,
+    cost = schedule_lib.cost(pipeline_schedule(choice), job.state_plan.stages.counts, prices,
                           shared_ends=any(tables_in_blocks(job, choice)))
     return cost.total * unit, cost.bubble
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import math
 
 from zero_jax.job import Job
-from zero_jax.pipeline import executor as pipeline_lib
-from zero_jax.pipeline import schedule as sched_lib
+from zero_jax.pipeline import executor as executor_lib
+from zero_jax.pipeline import schedule as schedule_lib
 from zero_jax.sharding.specs import is_spec, named_leaves
 
 
@@ -17,7 +17,7 @@ def rows(job: Job, full: bool = True) -> list[str]:
     s, stages = job.schedule, job.state_plan.stages
     head = job.model.head_cost(job.run.data.seq_len) if job.model.head_cost else 0.0
     shared = any(job.row_blocks())
-    cost = sched_lib.cost(s, stages.counts, sched_lib.Prices(head=head), shared_ends=shared)
+    cost = schedule_lib.cost(s, stages.counts, schedule_lib.Prices(head=head), shared_ends=shared)
     waiting = (f"; weight gradients waiting, per stage: {', '.join(map(str, s.pending_w_peak()))}"
                if s.split_backward else "")
     head_line = (f"pipeline   {s.name}: p={s.p} stages, m={s.m} microbatches, v={s.v} chunks per "
@@ -65,11 +65,11 @@ def _table_rows(job: Job) -> list[str]:
     outer, _ = fns.split(job.state_plan.abstract.params)
     stored, _ = fns.split(job.state_plan.specs.params)
     names, _ = fns.split(job.state_plan.names)
-    misfits = pipeline_lib.tables_not_in_rows(outer, stored)
+    misfits = executor_lib.tables_not_in_rows(outer, stored)
     if not fns.vocab_parallel:
         return ["  gathered over pipe at each step, their gradients summed whole (the model's "
                 "embedding and head do not run on row blocks)"]
-    split = pipeline_lib.split_tables(fns, outer, stored, names)
+    split = executor_lib.split_tables(fns, outer, stored, names)
     lines = []
     if split:
         lines.append("  every stage looks up rows, computes logits and adds their gradients on "

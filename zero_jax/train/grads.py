@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from zero_jax.precision import master as master_lib
-from zero_jax.pipeline import executor as pipeline_lib
+from zero_jax.pipeline import executor as executor_lib
 from zero_jax.pipeline.records import StagePlan
 from zero_jax.sharding import zero as zero_lib
 from zero_jax.sharding.specs import map_specs, without_axis
@@ -203,7 +203,7 @@ def pipelined(state_plan: StatePlan, model: ModelFns, hooks: Hooks, options: Ste
         row_blocks=options.tables_in_rows)
 
     def loss_and_grads(params, batch, scale):
-        loss, router, grads = pipeline_lib.loss_and_grads(
+        loss, router, grads = executor_lib.loss_and_grads(
             fns, hooks, sched, state_plan.mesh, params, batch,
             jnp.float32(1.0) if scale is None else scale, where)
         if "expert_load" in router and state_plan.stages is not None:  # stored slots -> layers

@@ -25,14 +25,14 @@ from zero_jax.precision import master as master_lib
 from zero_jax.sharding import offload as offload_lib
 from zero_jax.sharding import overlap as overlap_lib
 from zero_jax.precision import rounding
-from zero_jax.pipeline import executor as pipeline_lib
+from zero_jax.pipeline import executor as executor_lib
 from zero_jax.pipeline.records import StagePlan
 from zero_jax.train import grads
 from zero_jax.train.options import StepOptions
 from zero_jax.model.hooks import Hooks
 from zero_jax.model.loss import expert_load_ratio
 from zero_jax.model.contract import ModelFns
-from zero_jax.pipeline import schedule as sched_lib
+from zero_jax.pipeline import schedule as schedule_lib
 from zero_jax.runtime import xla_options
 from zero_jax.train.state import StatePlan, TrainState
 
@@ -139,8 +139,8 @@ def eval_step(params: Any, batch: Any, *, state_plan: StatePlan, model: ModelFns
                       grad_dtype=state_plan.grad_dtype, stages=state_plan.stages,
                       outer=outer_specs, names=fns.split(state_plan.names)[0],
                       row_blocks=options.tables_in_rows)
-    forwards = sched_lib.forward_only(sched.name, sched.p, sched.m, sched.v)
-    return pipeline_lib.loss(fns, hooks, forwards, state_plan.mesh, params, batch, where)
+    forwards = schedule_lib.forward_only(sched.name, sched.p, sched.m, sched.v)
+    return executor_lib.loss(fns, hooks, forwards, state_plan.mesh, params, batch, where)
 
 
 def jit_eval_step(state_plan: StatePlan, model: ModelFns, hooks: Hooks, options: StepOptions):
