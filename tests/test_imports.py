@@ -161,3 +161,21 @@ def test_the_check_names_what_runs_up(edges, expected):
 def test_the_check_finds_a_circle():
     edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert circles(edges) == [["a", "b", "c"]]
+
+
+def test_the_architecture_page_draws_these_layers():
+    """docs/architecture.md draws the layers top down, one line each: the
+    same order as LAYERS (a top-level module drawn as job.py, a package as
+    train/)."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    drawing = text.split("## The layers", 1)[1].split("```")[1]
+    drawn = [tuple(_leading_names(line)) for line in drawing.strip("\n").splitlines()]
+    assert drawn == [layer for layer in reversed(LAYERS) if layer != ("__main__",)]
+
+
+def _leading_names(line: str):
+    """The packages and modules a drawn line starts with, before its words."""
+    for word in line.split():
+        if not word.endswith(("/", ".py")):
+            return
+        yield word.removesuffix("/").removesuffix(".py")
