@@ -103,10 +103,10 @@ def test_parquet_by_glob_gives_the_shards_of_json_lines(text_reference, tmp_path
     assert meta["inputs"] == [str(d / f"part-{k:05d}.parquet") for k in range(3)]
 
 
-@pytest.mark.parametrize("layout", ["save_to_disk", "arrow_files"])
-def test_arrow_datasets_give_the_shards_of_json_lines(text_reference, tmp_path, state_plan):
+@pytest.mark.parametrize("store", ["save_to_disk", "arrow_files"])
+def test_arrow_datasets_give_the_shards_of_json_lines(text_reference, tmp_path, store):
     records = [{"body": t, "n": i} for i, t in enumerate(DOCS)]
-    if state_plan == "save_to_disk":
+    if store == "save_to_disk":
         d = save_to_disk(tmp_path / "ds", records)
     else:  # a directory of Arrow files in the IPC file format, read in name order
         d = tmp_path / "arrows"
