@@ -293,3 +293,28 @@ def test_a_plan_where_nothing_fits_says_so_exits_3_and_writes_nothing(tmp_path, 
                            "device with the reserve of 8.6 GB (the nearest, "), last
     assert last.endswith(f"; nothing written to {tmp_path / 'plan'}"), last
     assert "Traceback" not in err and not (tmp_path / "plan").exists()
+
+
+def test_a_custom_shape_is_planned_from_the_command_line(tmp_path, capsys):
+    """`zero-jax plan --n-layer --n-head --d-model` plans a GPT of that shape
+    (no preset), at the planned sequence's positions, and the config it
+    writes carries the shape and the vocabulary planned."""
+    from zero_jax.cli import plan
+    row = ["--cluster", "a100-80gb", "--nodes", "4", "--global-batch", "512", "--seq-len", "2048"]
+    problem, line, _ = plan.problem_of(plan.parse(
+        ["--n-layer", "24", "--n-head", "24", "--d-model", "2304", "--vocab-size", "51200", *row]))
+    assert line.startswith("custom: 24 layers, d_model 2304, 24 heads, mlp 9216, vocab 51200, "
+                           "positions 2048")
+    cfg = problem.build(1).config
+    assert (cfg.n_layer, cfg.n_head, cfg.d_model, cfg.vocab_size) == (24, 24, 2304, 51200)
+    tiny = ["--n-layer", "2", "--n-head", "2", "--d-model", "64", "--vocab-size", "512",
+            "--cluster", "a100-80gb", "--nodes", "1", "--gpus-per-node", "2",
+            "--global-batch", "8", "--seq-len", "128", "--stages", "3", "--remat", "full",
+            "--micro", "1", "--offload", "none", "--compile", "0", "--top", "1",
+            "--write-config", str(tmp_path)]
+    assert plan.main(tiny) == 0
+    run = config_lib.build(str(tmp_path / "run.toml"), {"data.source": "stdlib"})
+    assert (run.model.name, run.model.n_layer, run.model.n_head, run.model.d_model,
+            run.model.vocab_size, run.model.max_seq_len) == ("", 2, 2, 64, 512, 128)
+    assert plan.main([*tiny[:6], "--n-kv-head", "1", *tiny[6:]]) == 2
+    assert "n_kv_head: Llama-family fields" in capsys.readouterr().err

@@ -3,6 +3,8 @@
     zero-jax plan --model bloom-176b --cluster a100-80gb --nodes 48 \\
         --gpus-per-node 8 --global-batch 2048 --seq-len 2048 [--json] [--top 10] \\
         [--write-config DIR] [--include 'PP=12 TP=4 DP=8 ZeRO-1 full mb=2']
+    zero-jax plan --n-layer 24 --n-head 24 --d-model 2304 --vocab-size 51200 \\
+        --cluster a100-80gb --nodes 4 --global-batch 512 --seq-len 2048
 
 Every layout that divides the model and the cluster
 (zero_jax/planner/choices.py) is estimated from abstract shapes: model-state
@@ -55,6 +57,8 @@ from tqdm import tqdm
 
 import models
 from zero_jax import config as config_lib, job as job_lib
+from zero_jax.config import flags
+from zero_jax.config.sections import ModelConfig
 from zero_jax.precision import policies
 from zero_jax.model import remat
 from zero_jax.planner import configs, cost, search
@@ -62,6 +66,8 @@ from zero_jax.planner.choices import Cluster, Space, choices, mesh_shapes
 from zero_jax.runtime import device_kinds
 
 GPT2_VOCAB = 50257  # the vocabulary of a model that names none (a GPT preset)
+# The shape fields a plan takes as flags, as `zero-jax train` and `memory` do.
+SHAPE_FIELDS = ("n_layer", "n_head", "d_model", "n_kv_head", "d_mlp")
 # Exit status of a plan in which no layout fits (2: a bad input).
 NOTHING_FITS = 3
 
@@ -69,8 +75,15 @@ NOTHING_FITS = 3
 def parse(argv):
     kinds = ", ".join(sorted(f.stem for f in device_kinds.DIRECTORY.glob("*.toml")))
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True,
-                   help="a preset in models/ (gpt-tiny ... bloom-176b, llama-3-8b ...) or hf:DIR")
+    p.add_argument("--model", default="",
+                   help="a preset in models/ (gpt-tiny ... bloom-176b, llama-3-8b ...), hf:DIR, "
+                        "or none: a GPT of the shape --n-layer, --n-head and --d-model give")
+    shape = p.add_argument_group("the model's shape (a preset's or hf:DIR's, overridden; "
+                                 "without --model, a GPT of this shape)")
+    comments = flags.field_comments(ModelConfig)
+    for field in SHAPE_FIELDS:
+        shape.add_argument(f"--{field.replace('_', '-')}", type=int, metavar="INT",
+                           help=comments[field].split(" (")[0])
     p.add_argument("--vocab-size", type=int,
                    help="the model's vocabulary; default: its own (the preset's, hf:DIR's "
                         f"config.json), else GPT-2's {GPT2_VOCAB}")
@@ -113,10 +126,15 @@ def parse(argv):
 def base_config(args) -> dict:
     """The planned run's fields. The vocabulary is the model's own (0: the
     preset's, or the data's at train time), unless --vocab-size names
-    another for a model that has one: then the run written carries it."""
+    another for a model that has one, or the model is a GPT of the shape
+    the flags give: then the run written carries it."""
     own = models.preset_vocab(args.model)
     given = args.vocab_size if own and args.vocab_size not in (None, own) else 0
-    return {"model.name": args.model, "model.vocab_size": given,
+    shape = {f"model.{f}": getattr(args, f) for f in SHAPE_FIELDS if getattr(args, f)}
+    if not args.model:  # a GPT of the given shape: the vocabulary and positions planned
+        given = args.vocab_size or 0
+        shape["model.max_seq_len"] = args.seq_len
+    return {"model.name": args.model, "model.vocab_size": given, **shape,
             "precision.policy": args.precision, "data.seq_len": args.seq_len,
             "train.batch_size": args.global_batch, "activations.remat": "full"}
 
@@ -128,7 +146,8 @@ def vocab_of(args) -> int:
 
 def check_counts(args) -> None:
     """The counts given on the command line: each a whole number in range."""
-    for flag, value, low in (("--nodes", args.nodes, 1), ("--gpus-per-node", args.gpus_per_node, 1),
+    shape = tuple((f"--{f.replace('_', '-')}", getattr(args, f), 1) for f in SHAPE_FIELDS)
+    for flag, value, low in (*shape, ("--nodes", args.nodes, 1), ("--gpus-per-node", args.gpus_per_node, 1),
                              ("--global-batch", args.global_batch, 1),
                              ("--vocab-size", args.vocab_size, 1), ("--top", args.top, 1),
                              ("--compile", args.compile, 0), ("--workers", args.workers, 1)):
