@@ -318,3 +318,29 @@ def test_a_custom_shape_is_planned_from_the_command_line(tmp_path, capsys):
             run.model.vocab_size, run.model.max_seq_len) == ("", 2, 2, 64, 512, 128)
     assert plan.main([*tiny[:6], "--n-kv-head", "1", *tiny[6:]]) == 2
     assert "n_kv_head: Llama-family fields" in capsys.readouterr().err
+
+
+def _megatron_row(remat: str):
+    """Narayanan et al. 2021's 1.7B row (24 x 2304, vocabulary 51,200,
+    sequence 2048, batch 512 on 32 A100s, TP1 PP1) estimated at `remat`."""
+    flat = {"model.name": "", "model.n_layer": 24, "model.n_head": 24, "model.d_model": 2304,
+            "model.vocab_size": 51200, "model.max_seq_len": 2048, "data.seq_len": 2048,
+            "train.batch_size": 512, "precision.policy": "bf16"}
+    build = models.for_run(config_lib.build(None, flat).model, 51200)[0]
+    choice = choices.Choice(1, 1, 32, 1, remat, 2, 8)
+    return cost.estimate(choices.abstract_job(choice.flat(flat), build, 32), choice, A100).time
+
+
+def test_hardware_flops_are_megatrons_equation_3_where_the_layout_recomputes():
+    """Eq. 3 of Narayanan et al. 2021, by hand: 96 B s l h^2 (1 + s / 6h + V / 16 l h)
+    FLOPs per step with full recomputation; the printed hardware TFLOP/s is that
+    over the same step time. Without recomputation it is the model's count."""
+    B, s, l, h, V = 512, 2048, 24, 2304, 51200
+    eq3 = 96 * B * s * l * h ** 2 * (1 + s / (6 * h) + V / (16 * l * h))
+    full = _megatron_row("full")
+    assert full.hardware_flops == pytest.approx(eq3, rel=0.01)
+    assert full.hardware_tflops_per_device(32) == pytest.approx(
+        eq3 / full.step_s / 32 / 1e12, rel=0.01)
+    assert full.model_flops == pytest.approx(eq3 * 3 / 4, rel=0.02)  # the forward 3 times, not 4
+    plain = _megatron_row("none")
+    assert plain.hardware_flops == plain.model_flops

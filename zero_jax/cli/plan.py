@@ -330,7 +330,7 @@ def print_table(rows: list[dict], device, fitting: int, total: int) -> None:
           f"(docs/planning.md); 'twin': an offload layout, its collectives those of the same "
           f"layout compiled without offload; "
           f"'host GB': offloaded, per device; TFLOP/s per device, 'model' 6N + attention, "
-          f"'hw' Megatron's formula, every layer recomputed once)")
+          f"'hw' Megatron's formula: where the layout recomputes, every layer's forward once more)")
     print(f"{'#':>4}  {'layout':<72}{'fits':>5}{'GB':>7}{'reserve':>8}{'CPU GB':>8}"
           f"  {'CPU GB vs GB':<28}{'host GB':>8}"
           f"{'head':>7}{'step s':>9}{'tok/s':>13}{'model':>8}{'hw':>8}{'MFU':>6}")

@@ -56,7 +56,8 @@ class StepTime:
     bubble: float  # a pipeline's idle fraction of its schedule's cost
     tokens: int  # per step
     model_flops: float  # per step, 6 N + attention per token
-    hardware_flops: float = 0.0  # per step as Megatron counts them: every layer recomputed once
+    # per step as Megatron counts them: model, + every layer's forward where the layout recomputes
+    hardware_flops: float = 0.0
     hidden_s: dict[str, float] = dataclasses.field(default_factory=dict)  # per axis: what overlap hides
 
     def exposed(self, axis: str, seconds: float) -> float:
@@ -116,9 +117,12 @@ def step_time(job: job_lib.Job, choice: Choice, cluster: Cluster) -> StepTime:
     model_flops = job.model.flops_per_token(T) * tokens
     work = _work(job, choice)
     layers = job.model.config.n_layer
-    # Megatron's count: every layer's forward once more, the head not.
+    # Megatron's count (Narayanan et al. 2021, eq. 3): where the layout
+    # recomputes (full remat, or a pipeline stage rebuilt in its backward),
+    # every layer's whole forward once more, the head's not; where it
+    # recomputes nothing, the model's FLOPs.
     layer_part = work.layer_flops * layers * choice.microbatches * choice.data * choice.context
-    hardware = model_flops + layer_part / 3
+    hardware = model_flops + (layer_part if work.passes > 1 else 0.0)
     comm = {}
     if choice.pipe > 1:
         compute, bubble = _pipeline_compute(job, choice, cluster, work)
