@@ -25,8 +25,9 @@ Time: the executed FLOPs at peak x the device's matmul efficiency (a
 pipeline: its schedule's cost, idle ticks and sends included), plus what
 each mesh axis's collectives leave exposed under XLA's overlap
 (zero_jax/planner/step_time.py). Each layout shows model TFLOP/s (6 N +
-attention) beside Megatron-formula TFLOP/s (every layer recomputed once),
-the figure Megatron-LM and Megatron-DeepSpeed papers report.
+attention) beside Megatron-formula TFLOP/s (where the layout recomputes,
+every layer's forward once more), the figure Megatron-LM and
+Megatron-DeepSpeed papers report.
 
 A layout fits when the estimate plus a reserve (`--reserve-gb`; by default
 the larger of 10% of the device's memory and 4 GB: collective buffers,
