@@ -12,13 +12,36 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import flax.linen as nn
 import jax
+import jax.numpy as jnp
 
+from models.common import layers
 from zero_jax.model.contract import Op
 from zero_jax.model.hooks import Hooks
 
 RESIDUAL = ("batch", "res_seq", "embed")  # split along the sequence under sequence parallelism
 GATHERED = ("batch", "seq", "embed")  # whole along the sequence, for the matrix products
+
+
+def add_bias(hooks: Hooks, param: Callable, x: jax.Array, name: str, shape: tuple,
+             names: tuple) -> jax.Array:
+    """x plus the bias parameter `name` (declared through `param`, the
+    block's), added in float32 so that its gradient is reduced in float32."""
+    b = hooks.weight(param(name, shape, names, nn.initializers.zeros), names, jnp.float32)
+    return (x.astype(jnp.float32) + b).astype(x.dtype)
+
+
+def attend(hooks: Hooks, q: jax.Array, k: jax.Array, v: jax.Array, segments_BxT,
+           window: int = 0) -> jax.Array:
+    """Causal attention of both families (layers.attention: scores and
+    softmax in float32), its probabilities (`attn_probs`) and its context
+    (`attn_ctx`) named for the remat policies."""
+    def probs(p):
+        return hooks.act(p, ("batch", "heads", "seq", None), name="attn_probs")
+    return hooks.act(hooks.attend(layers.attention, q, k, v, window=window, keep=probs,
+                                  segments_BxT=segments_BxT),
+                     ("batch", "seq", "heads", "kv"), name="attn_ctx")
 
 
 def pre_norm(hooks: Hooks, x_BxTxD: jax.Array, norm_1: Callable, attention: Callable,

@@ -227,15 +227,13 @@ class Block(nn.Module):
         normal = nn.initializers.normal(0.02)
         # GPT-2 scales the init of the projections into the residual stream.
         residual = nn.initializers.normal(0.02 / math.sqrt(2 * c.n_layer))
-        zeros = nn.initializers.zeros
         param = functools.partial(layers.param, self)
 
         def dense(eq, x, name, shape, names, init):
             return h.dense(eq, x, param(name, shape, names, init), names)
 
         def add_bias(x, name, shape, names):
-            b = h.weight(param(name, shape, names, zeros), names, jnp.float32)
-            return (x.astype(jnp.float32) + b).astype(x.dtype)
+            return block.add_bias(h, param, x, name, shape, names)
 
         def attention(y):
             # Fused q/k/v (column-parallel over heads), output row-parallel.
@@ -248,12 +246,7 @@ class Block(nn.Module):
             k = qkv_BxTx3xHxQ[:, :, 1]
             v = add_bias(qkv_BxTx3xHxQ[:, :, 2], "b_v", (H, Q), ("heads", "kv"))
             q, k, v = (h.act(t, ("batch", "seq", "heads", "kv"), name="qkv") for t in (q, k, v))
-            # Causal attention, scores and softmax in float32 (layers.attention).
-            def probs(p):
-                return h.act(p, ("batch", "heads", "seq", None), name="attn_probs")
-            att_BxTxHxQ = h.act(h.attend(layers.attention, q, k, v, keep=probs,
-                                         segments_BxT=segments_BxT),
-                                ("batch", "seq", "heads", "kv"), name="attn_ctx")
+            att_BxTxHxQ = block.attend(h, q, k, v, segments_BxT)
             out_BxTxD = dense("bthq,hqd->btd", att_BxTxHxQ, "w_o", (H, Q, D),
                               ("heads", "kv", "embed"), residual)
             return add_bias(out_BxTxD, "b_o", (D,), ("embed",))

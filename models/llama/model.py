@@ -263,10 +263,7 @@ class Block(nn.Module):
             return h.dense(eq, x, param(name, shape, names, init), names)
 
         def bias(x, name, shape, names):
-            if not c.qkv_bias:
-                return x
-            b = h.weight(param(name, shape, names, nn.initializers.zeros), names, jnp.float32)
-            return (x.astype(jnp.float32) + b).astype(x.dtype)
+            return block.add_bias(h, param, x, name, shape, names) if c.qkv_bias else x
 
         def attention(y):
             q = bias(dense("btd,dhq->bthq", y, "w_q", (D, H, Q), ("embed", "heads", "kv")),
@@ -285,11 +282,7 @@ class Block(nn.Module):
             q = h.act(layers.rope(q, inv_freq, at), ("batch", "seq", "heads", "kv"), name="qkv")
             k = h.act(layers.rope(k, inv_freq, at), ("batch", "seq", "kv_heads", "kv"), name="qkv")
             v = h.act(v, ("batch", "seq", "kv_heads", "kv"), name="qkv")
-            def probs(p):
-                return h.act(p, ("batch", "heads", "seq", None), name="attn_probs")
-            att_BxTxHxQ = h.act(h.attend(layers.attention, q, k, v, window=c.sliding_window,
-                                         keep=probs, segments_BxT=segments_BxT),
-                                ("batch", "seq", "heads", "kv"), name="attn_ctx")
+            att_BxTxHxQ = block.attend(h, q, k, v, segments_BxT, window=c.sliding_window)
             return dense("bthq,hqd->btd", att_BxTxHxQ, "w_o", (H, Q, D),
                          ("heads", "kv", "embed"), residual)
 
