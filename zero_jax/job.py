@@ -354,7 +354,7 @@ def resolve_grad_reduce(choice: str, zero_stage: int) -> str:
     gradient layout). "auto": once per step, except at ZeRO-3, where reducing
     each microbatch is what keeps the accumulator at 1/N of the gradients."""
     if choice == "auto":
-        return "microbatch" if zero_lib.stage(zero_stage).grads and zero_lib.stage(zero_stage).params else "step"
+        return "microbatch" if zero_lib.stage(zero_stage).params else "step"
     return choice
 
 
