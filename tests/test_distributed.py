@@ -75,6 +75,23 @@ def test_watchdog_ignores_short_steps_and_the_first_ones():
     assert out.getvalue() == "" and exits == []
 
 
+def test_a_step_resumed_after_a_pause_is_watched_but_not_a_sample():
+    """What remains of a step under way before a save is timed from the
+    save's end: it still trips the watchdog, but its short partial time
+    never enters the median (which would lower every later limit)."""
+    out, exits = io.StringIO(), []
+    w = StepWatchdog(warn=3, stop=20, min_s=0, out=out, exit_fn=exits.append, poll_s=0.005)
+    _steps(w, 3, 0.02)
+    limits = w.limits()
+    w.started(3, resumed=True)
+    w.finished(3)  # at once: a partial time of about zero
+    assert w.limits() == limits
+    w.started(4, resumed=True)
+    time.sleep(0.6)  # past 20 x the median
+    w.close()
+    assert exits == [EXIT_STUCK] and "error: step 5 has run" in out.getvalue()
+
+
 def test_plan_says_which_axes_cross_hosts():
     from zero_jax.sharding import mesh
     from zero_jax.report import summary

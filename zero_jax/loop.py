@@ -91,6 +91,12 @@ class StepLog:
         if self.watchdog is not None:
             self.watchdog.idle()
 
+    def resume(self, step: int) -> None:
+        """The watchdog counts what remains of step `step`, under way before
+        a pause, from now (watched; not a sample of its median)."""
+        if self.watchdog is not None:
+            self.watchdog.started(step, resumed=True)
+
     def watch(self, step: int) -> None:
         """The watchdog counts step `step` from now. It watches the interval the
         records time, from the end of one step to the end of the next, not only
@@ -207,7 +213,10 @@ def train(state: TrainState, train_step: Callable, batch_at: Callable[[int], jax
                 log.pause()
                 if after_step(step + 1, state):
                     break
-                log.watch(step if pending is not None else step + 1)
+                if pending is not None:
+                    log.resume(step)
+                else:
+                    log.watch(step + 1)
         _drain(log, pending)
     finally:
         if tracer is not None:

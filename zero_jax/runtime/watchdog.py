@@ -36,19 +36,22 @@ class StepWatchdog:
         self._times: deque[float] = deque(maxlen=window)
         self._out, self._exit, self._poll, self._who = out, exit_fn, poll_s, who
         self._lock = threading.Lock()
-        self._current: tuple[int, float] | None = None
+        self._current: tuple[int, float, bool] | None = None  # (step, since, resumed)
         self._warned = -1
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True, name="step-watchdog")
         self._thread.start()
 
-    def started(self, step: int) -> None:
+    def started(self, step: int, resumed: bool = False) -> None:
+        """`resumed`: the step was under way before a pause (a save), so only
+        what remains of it is timed: watched, but not a sample of the
+        median, which such partial times would pull down."""
         with self._lock:
-            self._current = (step, time.monotonic())
+            self._current = (step, time.monotonic(), resumed)
 
     def finished(self, step: int) -> None:
         with self._lock:
-            if self._current is not None and self._current[0] == step:
+            if self._current is not None and self._current[0] == step and not self._current[2]:
                 self._times.append(time.monotonic() - self._current[1])
             self._current = None
 
@@ -76,7 +79,7 @@ class StepWatchdog:
                 median = statistics.median(self._times) if self._times else 0.0
             if current is None or limits is None:
                 continue
-            step, since = current
+            step, since, _ = current
             waited = time.monotonic() - since
             if waited > limits[1]:
                 print(f"error: {self._who}step {step + 1} has run {_seconds(waited)}, over "
