@@ -26,7 +26,11 @@ BASE = {"model.name": "gpt-tiny", "model.vocab_size": 256, "precision.policy": "
 def test_every_device_kind_loads_with_its_numbers():
     for kind in ("a100-40gb", "a100-80gb", "h100-80gb", "h200-141gb", "tpu-v5p"):
         d = device_kinds.load(kind)
-        assert d.hbm_bytes > 30e9 and d.peak_flops > 1e14 and 0 < d.matmul_efficiency < 1
+        assert d.hbm_bytes > 30e9 and d.peak_flops > 1e14 and d.hbm_bw > 1e12
+        for fraction in (d.gemm_efficiency, d.flash_efficiency, d.hbm_efficiency,
+                         d.step_efficiency, d.mfu_ceiling):
+            assert 0 < fraction < 1
+        assert d.compute_units > 0 and d.gemm_tiles and not d.gemm_sweep
         assert d.intra_node_bw > d.inter_node_bw
     with pytest.raises(ValueError, match="choose from"):
         device_kinds.load("a99")
@@ -200,9 +204,9 @@ def test_a_mixture_of_experts_is_planned_over_expert_axes():
     est = cost.estimate(job, choice, h100)
     payload = 8 * 4096 * 2 * cfg.d_model * 2  # e x (rows x k copies) x D, bf16
     passes = 2  # the forward and full remat's rebuild
-    per_microbatch = cfg.n_layer * (2 * passes + 2) * payload * 7 / 8
-    assert est.time.comm_s["expert"] == pytest.approx(
-        32 * per_microbatch / choice.link_bw(h100, "expert"))
+    link = choice.link(h100, "expert")  # a latency per step and per collective, then the bytes
+    one = link.base + 7 * link.latency + payload * 7 / 8 / link.bandwidth
+    assert est.time.comm_s["expert"] == pytest.approx(32 * cfg.n_layer * (2 * passes + 2) * one)
     assert est.time.model_flops == pytest.approx(
         cfg.flops_per_token(4096) * 16 * 32 * 4096)
     assert cfg.flops_per_token(4096) < 6 * 13e9 + 12 * 32 * 32 * 128 * 4096
@@ -235,10 +239,12 @@ def test_long_sequences_are_planned_over_context():
     assert est[8].memory.backward < est[1].memory.backward / 4
     T, K, Q = 131072 // 8, cfg.n_kv_head // 8, cfg.q_dim
     kv = T * max(K, 1) * Q * 2
-    per_layer = (2 * 7 * 2 + 2 * 7 + 2 * 8) * kv
     choice = est[8].choice
+    link = choice.link(h100, "context")
+    sends = 7 * 2 + 7 + 8  # K and V on together: c - 1 per forward pass (2), c - 1 and c backward
+    per_layer = sends * (link.base + link.latency + 2 * kv / link.bandwidth)
     assert est[8].time.comm_s["context"] == pytest.approx(
-        choice.microbatches * cfg.n_layer * per_layer / choice.link_bw(h100, "context"))
+        choice.microbatches * cfg.n_layer * per_layer)
 
 
 NARROW = ["--cluster", "a100-80gb", "--global-batch", "16", "--seq-len", "128", "--stages", "3",

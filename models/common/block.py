@@ -74,12 +74,14 @@ def ops(seq_len: int, d_model: int, heads: int, head_dim: int, qkv_features: int
     residual, norm ("norm_2", what `mlp`'s first ops read), then `mlp`,
     whose last matmul feeds the residual only."""
     D, H, Q, T = d_model, heads, head_dim, seq_len
-    return [Op("norm_1", "ln_out", 0, ("x",)),
-            Op("qkv", "qkv", 2 * D * qkv_features, ("norm_1",), dot=True),
-            Op("scores", None, 2 * T * H * Q, ("qkv",), dot=True),
-            Op("probs", "attn_probs", 0, ("scores",), needs=("self",)),
-            Op("ctx", "attn_ctx", 2 * T * H * Q, ("probs", "qkv"), dot=True),
-            Op("out", None, 2 * H * Q * D, ("ctx",), dot=True),
-            Op("mid", "resid_mid", 0, ("x", "out"), needs=()),
-            Op("norm_2", "ln_out", 0, ("mid",)),
+    return [Op("norm_1", "ln_out", 0, ("x",), width=D),
+            Op("qkv", "qkv", 2 * D * qkv_features, ("norm_1",), dot=True, width=qkv_features,
+               split="out"),
+            Op("scores", None, 2 * T * H * Q, ("qkv",), dot=True, width=H * T, split="out"),
+            Op("probs", "attn_probs", 0, ("scores",), needs=("self",), width=H * T, split="out"),
+            Op("ctx", "attn_ctx", 2 * T * H * Q, ("probs", "qkv"), dot=True, width=H * Q,
+               split="out"),
+            Op("out", None, 2 * H * Q * D, ("ctx",), dot=True, width=D, split="in"),
+            Op("mid", "resid_mid", 0, ("x", "out"), needs=(), width=D),
+            Op("norm_2", "ln_out", 0, ("mid",), width=D),
             *mlp]

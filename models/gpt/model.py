@@ -74,9 +74,9 @@ class GPTConfig:
         (contract.Op): what a remat policy recomputes."""
         D, F, H, Q = self.d_model, self.d_mlp, self.n_head, self.head_dim
         return block.ops(seq_len, D, H, Q, qkv_features=3 * H * Q, mlp=[
-            Op("fc", "mlp_hidden", 2 * D * F, ("norm_2",), dot=True),
-            Op("gelu", "mlp_act", 0, ("fc",)),
-            Op("proj", None, 2 * F * D, ("gelu",), dot=True)])
+            Op("fc", "mlp_hidden", 2 * D * F, ("norm_2",), dot=True, width=F, split="out"),
+            Op("gelu", "mlp_act", 0, ("fc",), width=F, split="out"),
+            Op("proj", None, 2 * F * D, ("gelu",), dot=True, width=D, split="in")])
 
     def head_cost(self, seq_len: int) -> float:
         """The head's forward FLOPs in units of one block's forward (a pipeline

@@ -147,10 +147,10 @@ class LlamaConfig:
         # A mixture of experts computes its k experts (and shared ones) per token.
         F = self.active_mlp
         return block.ops(seq_len, D, H, Q, qkv_features=(H + 2 * K) * Q, mlp=[
-            Op("gate", "mlp_hidden", 2 * D * F, ("norm_2",), dot=True),
-            Op("up", "mlp_hidden", 2 * D * F, ("norm_2",), dot=True),
-            Op("act", "mlp_act", 0, ("gate", "up")),
-            Op("down", None, 2 * F * D, ("act",), dot=True)])
+            Op("gate", "mlp_hidden", 2 * D * F, ("norm_2",), dot=True, width=F, split="out"),
+            Op("up", "mlp_hidden", 2 * D * F, ("norm_2",), dot=True, width=F, split="out"),
+            Op("act", "mlp_act", 0, ("gate", "up"), width=F, split="out"),
+            Op("down", None, 2 * F * D, ("act",), dot=True, width=D, split="in")])
 
     @property
     def active_mlp(self) -> int:

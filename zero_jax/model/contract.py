@@ -29,6 +29,13 @@ class Op:
     `inputs`. `needs`: the tensors its own backward reads (default: its
     inputs; a residual add needs none; a softmax its own output, "self").
     "x" is the block's input, always kept.
+
+    `width` and `split` give its shape, for the planner's kernel times:
+    elements per token of the tensor, and how tensor parallelism divides
+    its work: "out" its outputs (a column-parallel product, attention's
+    heads, what they feed), "in" a product's inputs (row-parallel: the
+    output projection), "" none (the residual stream, whole on every
+    device, or split over tokens under sequence parallelism).
     """
 
     key: str
@@ -37,6 +44,8 @@ class Op:
     inputs: tuple[str, ...]
     dot: bool = False  # a matrix product (what dots_saveable keeps)
     needs: tuple[str, ...] | None = None
+    width: int = 0  # elements per token
+    split: str = ""  # "out" | "in" | "": what tensor parallelism divides
 
     def backward_reads(self) -> tuple[str, ...]:
         needs = self.inputs if self.needs is None else self.needs

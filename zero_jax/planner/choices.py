@@ -18,6 +18,7 @@ from jax.sharding import AbstractMesh, AxisType
 
 from zero_jax import config as config_lib, job as job_lib
 from zero_jax.pipeline import schedule as schedule_lib
+from zero_jax.planner import links
 from zero_jax.runtime.device_kinds import Device
 from zero_jax.sharding import mesh as mesh_lib
 
@@ -101,6 +102,14 @@ class Choice:
         """Bytes/s per device of a ring over `axis`: it runs at the slowest link it crosses."""
         dev = cluster.device
         return dev.inter_node_bw if self.crosses_nodes(cluster, axis) else dev.intra_node_bw
+
+    def link(self, cluster: Cluster, *axes: str) -> links.Link:
+        """The slowest link a collective over `axes` crosses."""
+        dev = cluster.device
+        across = any(self.crosses_nodes(cluster, a) for a in axes)
+        return links.Link(min(self.link_bw(cluster, a) for a in axes),
+                          dev.inter_node_latency if across else dev.intra_node_latency,
+                          dev.collective_latency)
 
     def flat(self, base: dict[str, Any]) -> dict[str, Any]:
         """Run-config fields (section.field) of this layout on top of `base`."""

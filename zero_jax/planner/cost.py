@@ -34,6 +34,7 @@ from typing import Any
 
 from zero_jax import config as config_lib, job as job_lib
 from zero_jax.analysis import memory
+from zero_jax.planner import links
 from zero_jax.planner.choices import Choice, Cluster
 from zero_jax.planner.step_bytes import StepBytes, step_bytes
 from zero_jax.planner.step_time import StepTime, step_time
@@ -80,16 +81,6 @@ def estimate(job: job_lib.Job, choice: Choice, cluster: Cluster, platform: str =
     return Estimate(choice, step_bytes(job, choice, platform), step_time(job, choice, cluster),
                     dev.hbm_bytes, dev.host_bytes_per_node / cluster.per_node,
                     cluster.reserve_bytes)
-
-
-def ring_factor(op: str, n: int) -> float:
-    """Bytes a device sends per payload byte of collective `op` over a ring
-    of `n` devices; ops not named move as an all-gather does."""
-    if op == "all-reduce":
-        return 2 * (n - 1) / n
-    if op == "collective-permute":
-        return 1.0
-    return (n - 1) / n  # all-gather, reduce-scatter, all-to-all
 
 
 def with_measured(est: Estimate, measured: dict[str, Any], cluster: Cluster) -> Estimate:
@@ -140,7 +131,7 @@ def _measured_comm(choice: Choice, collectives: dict[str, float],
         n = math.prod(sizes[a] for a in names)
         link = min(choice.link_bw(cluster, a) for a in names)
         where = "+".join(names)
-        comm[where] = comm.get(where, 0.0) + payload * ring_factor(op, max(n, 2)) / link
+        comm[where] = comm.get(where, 0.0) + payload * links.ring_factor(op, max(n, 2)) / link
     return comm
 
 

@@ -1,19 +1,23 @@
 """The time of one training step of a layout, estimated from its shapes.
 
 Every part has a source (the device figures' are beside them in
-meshes/devices/*.toml), and no end-to-end efficiency is applied on top of
-them: such a figure already holds its own run's bubble and communication.
+meshes/devices/*.toml, the published runs it is checked against in
+docs/planning.md#published-runs). It is an estimate: the largest
+uncertainty is the step efficiency, one figure per device kind fitted to
+those runs, which holds whatever the kernel model does not list.
 
-  compute  the FLOPs the step executes, recomputation included, at the
-           device's peak times its matmul efficiency (the fraction of peak a
-           transformer layer's kernels sustain). A pipeline's compute is its
-           schedule's cost (schedule.cost): each tick as long as its slowest
-           stage, then its sends, so the bubble and the pipe traffic are in it.
+  compute  each layer's kernels from their shapes (kernels.py): GEMMs on a
+           roofline with tile and wave quantisation, attention fused or
+           written out, element-wise work by the bytes it moves; forward
+           passes (recomputation included), backward, the head, the
+           update. A pipeline's compute is its schedule's cost
+           (schedule.cost): each tick as long as its slowest stage, then
+           its sends, so the bubble and the pipe traffic are in it.
   tensor   the activations' all-reduces (sequence parallel: all-gathers and
-           reduce-scatters, the same bytes), on the critical path: the next
-           product needs them. Two per layer and forward pass, two per
-           backward; stretched by a pipeline's idle fraction, as its compute.
-  data     the gradient reduction, once per step, starts as each layer's
+           reduce-scatters), on the critical path: the next product needs
+           them. Two per layer and forward pass, two per backward;
+           stretched by a pipeline's idle fraction, as its compute.
+  data     the gradient reduction, layer by layer, starts as each layer's
            gradient is ready (XLA's latency-hiding scheduler), so the last
            microbatch's backward hides as much of it as it lasts; ZeRO-3's
            per-layer gathers are prefetched one layer ahead, and they and
@@ -23,9 +27,11 @@ them: such a figure already holds its own run's bubble and communication.
            the update, is exposed.
   host     offload's transfers and the update on the host, not overlapped.
 
-Each ring moves 2(n-1)/n of its payload per device for an all-reduce and
-(n-1)/n for an all-gather or a reduce-scatter, at the slowest link it
-crosses (inside a node or across nodes).
+Each collective costs a latency plus its bytes over the slowest link it
+crosses, on a ring or a tree (links.py).
+
+No layout is predicted above the device kind's best published MFU
+(`mfu_ceiling`) unless the kind carries a measured GEMM sweep.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import dataclasses
 from zero_jax import job as job_lib
 from zero_jax.analysis import memory
 from zero_jax.pipeline import schedule as schedule_lib
+from zero_jax.planner import kernels, links
 from zero_jax.planner.choices import Choice, Cluster, pipeline_schedule
 from zero_jax.planner.step_bytes import (compute_grad_bytes, dtype_bytes, reduces_each_microbatch,
                                          tables_in_blocks, update_elements)
@@ -44,14 +51,13 @@ from zero_jax.sharding import zero as zero_lib
 # the float32 master and two Adam moments read and written (24), the
 # gradient read, the new working parameter written.
 UPDATE_TOUCHES = 24
-ATTENTION_OPS = ("scores", "ctx")  # the block's products without weights (block.ops)
 
 
 @dataclasses.dataclass(frozen=True)
 class StepTime:
     """Seconds of one step of a layout, and the work it does."""
 
-    compute_s: float  # the executed FLOPs at peak x matmul efficiency (a pipeline: its schedule's cost)
+    compute_s: float  # the kernels' time (a pipeline: its schedule's cost)
     comm_s: dict[str, float]  # per mesh axis, and the host link and update: the exposed part
     bubble: float  # a pipeline's idle fraction of its schedule's cost
     tokens: int  # per step
@@ -59,6 +65,7 @@ class StepTime:
     # per step as Megatron counts them: model, + every layer's forward where the layout recomputes
     hardware_flops: float = 0.0
     hidden_s: dict[str, float] = dataclasses.field(default_factory=dict)  # per axis: what overlap hides
+    floor_s: float = 0.0  # the step at the device kind's best published MFU (mfu_ceiling)
 
     def exposed(self, axis: str, seconds: float) -> float:
         """Of `seconds` of `axis`'s traffic (measured in a compiled program),
@@ -69,7 +76,12 @@ class StepTime:
 
     @property
     def step_s(self) -> float:
-        return self.compute_s + sum(self.comm_s.values())
+        return max(self.compute_s + sum(self.comm_s.values()), self.floor_s)
+
+    @property
+    def at_ceiling(self) -> bool:
+        """Whether the MFU ceiling, not the model, sets the step time."""
+        return self.floor_s > self.compute_s + sum(self.comm_s.values())
 
     @property
     def tokens_per_s(self) -> float:
@@ -93,20 +105,17 @@ class _Work:
     """What one layer does per microbatch, and how often the step does it."""
 
     layer_flops: float  # one layer's forward, one microbatch, whole (not split over tensor)
-    weight_share: float  # of it, the products with a weight (what a W recomputes nothing for)
     passes: int  # forward passes of each layer: 1, + the pipeline's rebuild, + full remat's
-    head_flops: float  # the head's forward, one microbatch
+    times: kernels.LayerTimes  # its kernels' seconds on one device
 
 
-def _work(job: job_lib.Job, choice: Choice) -> _Work:
+def _work(job: job_lib.Job, choice: Choice, cluster: Cluster) -> _Work:
     T = job.run.data.seq_len
-    ops = job.model.block_ops(T)
-    per_token = sum(op.flops for op in ops)
-    weights = sum(op.flops for op in ops if op.dot and op.key not in ATTENTION_OPS)
+    per_token = sum(op.flops for op in job.model.block_ops(T))
     passes = 1 + (choice.pipe > 1) + (choice.remat == "full")
-    head = (job.model.head_cost(T) if job.model.head_cost else 0.0) * per_token
     rows = choice.micro * T / choice.context  # a device's tokens: its block of each row
-    return _Work(per_token * rows, weights / per_token, passes, head * rows)
+    times = kernels.layer_times(job, choice, cluster.device, job.hooks.attention)
+    return _Work(per_token * rows, passes, times)
 
 
 def step_time(job: job_lib.Job, choice: Choice, cluster: Cluster) -> StepTime:
@@ -115,7 +124,7 @@ def step_time(job: job_lib.Job, choice: Choice, cluster: Cluster) -> StepTime:
     T = job.run.data.seq_len
     tokens = choice.data * choice.micro * choice.microbatches * T
     model_flops = job.model.flops_per_token(T) * tokens
-    work = _work(job, choice)
+    work = _work(job, choice, cluster)
     layers = job.model.config.n_layer
     # Megatron's count (Narayanan et al. 2021, eq. 3): where the layout
     # recomputes (full remat, or a pipeline stage rebuilt in its backward),
@@ -127,7 +136,7 @@ def step_time(job: job_lib.Job, choice: Choice, cluster: Cluster) -> StepTime:
     if choice.pipe > 1:
         compute, bubble = _pipeline_compute(job, choice, cluster, work)
     else:
-        compute, bubble = _compute(job, choice, cluster, work), 0.0
+        compute, bubble = _compute(job, choice, work), 0.0
     if choice.tensor > 1:
         comm["tensor"] = _tensor_time(job, choice, cluster, work) / (1 - bubble)
     if choice.expert > 1:
@@ -140,47 +149,44 @@ def step_time(job: job_lib.Job, choice: Choice, cluster: Cluster) -> StepTime:
     if choice.data * choice.context > 1:
         total, comm["data"] = _data_time(job, choice, cluster, work)
         hidden["data"] = total - comm["data"]
-    return StepTime(compute, comm, bubble, tokens, model_flops, hardware, hidden)
+    devices = choice.pipe * choice.tensor * choice.data * choice.context
+    dev = cluster.device
+    floor = 0.0 if dev.gemm_sweep else model_flops / devices / (dev.peak_flops * dev.mfu_ceiling)
+    return StepTime(compute, comm, bubble, tokens, model_flops, hardware, hidden, floor)
 
 
-def _rate(cluster: Cluster) -> float:
-    """FLOP/s one device sustains in a layer's kernels: peak x matmul efficiency."""
-    return cluster.device.peak_flops * cluster.device.matmul_efficiency
-
-
-def _layer_forward_s(job: job_lib.Job, choice: Choice, cluster: Cluster, work: _Work) -> float:
-    """Seconds of one layer's forward on one microbatch, on one device."""
-    return work.layer_flops / choice.tensor / _rate(cluster)
-
-
-def _compute(job: job_lib.Job, choice: Choice, cluster: Cluster, work: _Work) -> float:
-    """Without a pipeline: each layer's forward passes and its backward
-    (twice a forward), and the head's forward and backward."""
-    per_mb = (work.layer_flops * (work.passes + 2) * job.model.config.n_layer
-              + 3 * work.head_flops) / choice.tensor
-    return per_mb * choice.microbatches / _rate(cluster)
+def _compute(job: job_lib.Job, choice: Choice, work: _Work) -> float:
+    """Without a pipeline: each layer's forward passes and its backward,
+    the head's forward and backward, per microbatch; the update once."""
+    t = work.times
+    per_mb = (job.model.config.n_layer * (work.passes * t.forward + t.backward)
+              + t.head_forward + t.head_backward)
+    return per_mb * choice.microbatches + t.update
 
 
 def _pipeline_compute(job: job_lib.Job, choice: Choice, cluster: Cluster,
                       work: _Work) -> tuple[float, float]:
     """Seconds and idle fraction of the schedule: in layer-forward units a
-    backward rebuilds its chunk (1), runs the backward proper (2) and, under
+    backward rebuilds its chunk (1), runs the backward proper and, under
     full remat, rebuilds each block again inside it (1); a split backward
     leaves the weight products (W) for later. Each tick's sends are one
     microbatch's activation, split over tensor under sequence parallelism.
     With the tables in row blocks over `pipe`, every stage shares the head's
     work, and each end of a microbatch adds ring all-reduces of such an
     activation over `pipe` (schedule.cost `shared_ends`)."""
-    unit = _layer_forward_s(job, choice, cluster, work)
-    link = choice.link_bw(cluster, "pipe")
-    send = _activation_bytes(job, choice) / link / unit
-    p = choice.pipe
-    prices = schedule_lib.Prices(head=work.head_flops / work.layer_flops, send=send,
-                              backward=work.passes + 1, weight=work.weight_share,
-                              end_sum=send * 2 * (p - 1) / p)
+    t = work.times
+    unit = t.forward
+    link = choice.link(cluster, "pipe")
+    activation = _activation_bytes(job, choice)
+    send = links.collective_s("collective-permute", activation, 2, link) / unit
+    prices = schedule_lib.Prices(head=(t.head_forward + t.head_backward) / 3 / unit, send=send,
+                                 backward=work.passes - 1 + t.backward / unit,
+                                 weight=t.weight / unit,
+                                 end_sum=links.collective_s("all-reduce", activation, choice.pipe,
+                                                            link) / unit)
     cost = schedule_lib.cost(pipeline_schedule(choice), job.state_plan.stages.counts, prices,
-                          shared_ends=any(tables_in_blocks(job, choice)))
-    return cost.total * unit, cost.bubble
+                             shared_ends=any(tables_in_blocks(job, choice)))
+    return cost.total * unit + t.update, cost.bubble
 
 
 def _activation_bytes(job: job_lib.Job, choice: Choice) -> float:
@@ -192,13 +198,16 @@ def _activation_bytes(job: job_lib.Job, choice: Choice) -> float:
 
 def _tensor_time(job: job_lib.Job, choice: Choice, cluster: Cluster, work: _Work) -> float:
     """Per layer and microbatch, two all-reduces of the activations per
-    forward pass and two in the backward, over this device's layers."""
+    forward pass and two in the backward (sequence parallel: each an
+    all-gather and a reduce-scatter), over this device's layers."""
     c, _ = dtype_bytes(job)
-    t = choice.tensor
+    t, link = choice.tensor, choice.link(cluster, "tensor")
     payload = choice.micro * job.run.data.seq_len / choice.context * job.model.config.d_model * c
-    per = (2 * work.passes + 2) * payload * 2 * (t - 1) / t
+    one = (links.collective_s("all-gather", payload, t, link)
+           + links.collective_s("reduce-scatter", payload, t, link) if job.sequence_parallel
+           else links.collective_s("all-reduce", payload, t, link))
     layers_here = job.model.config.n_layer / choice.pipe
-    return choice.microbatches * layers_here * per / choice.link_bw(cluster, "tensor")
+    return choice.microbatches * layers_here * (2 * work.passes + 2) * one
 
 
 def _expert_time(job: job_lib.Job, choice: Choice, cluster: Cluster, work: _Work) -> float:
@@ -210,63 +219,68 @@ def _expert_time(job: job_lib.Job, choice: Choice, cluster: Cluster, work: _Work
     e, cfg = choice.expert, job.model.config
     payload = (e * choice.micro * job.run.data.seq_len / choice.context * cfg.n_experts_per_tok
                * cfg.d_model * c)
-    per = (2 * work.passes + 2) * payload * (e - 1) / e
+    one = links.collective_s("all-to-all", payload, e, choice.link(cluster, "expert"))
     layers_here = cfg.n_layer / choice.pipe
-    return choice.microbatches * layers_here * per / choice.link_bw(cluster, "expert")
+    return choice.microbatches * layers_here * (2 * work.passes + 2) * one
 
 
 def _context_time(job: job_lib.Job, choice: Choice, cluster: Cluster, work: _Work) -> float:
     """Per layer and microbatch, what attention moves over `context`
     (docs/context.md, counted exactly in tests/test_context.py), charged
-    whole: ring, each device's K and V blocks c - 1 times forward (again
-    when full remat rebuilds the block), c - 1 times backward and their
-    gradients c times; Ulysses, q, k, v and the output each way, forward
-    (again under full remat) and backward, (c - 1) / c of each over the
-    link; all-gather, K and V gathered per forward pass and backward, their
-    gradients reduce-scattered. An estimate: the ring's transfers overlap
-    its blocks' compute on a GPU, which this does not credit."""
+    whole: ring, each device's K and V blocks passed on c - 1 times forward
+    (again when full remat rebuilds the block), c - 1 times backward and
+    their gradients c times; Ulysses, q, k, v and the output each way,
+    forward (again under full remat) and backward, (c - 1) / c of each over
+    the link; all-gather, K and V gathered per forward pass and backward,
+    their gradients reduce-scattered. An estimate: the ring's transfers
+    overlap its blocks' compute on a GPU, which this does not credit."""
     c_bytes, _ = dtype_bytes(job)
     ctx, cfg, cp, t = job.hooks.context, job.model.config, choice.context, choice.tensor
+    link = choice.link(cluster, "context")
     tokens = choice.micro * job.run.data.seq_len / cp  # a device's block of its rows
     H, Q = cfg.n_head, getattr(cfg, "q_dim", cfg.d_model // cfg.n_head)
     K = getattr(cfg, "n_kv_head", H)
     kv = tokens * max(K // t, 1) * Q * c_bytes  # one device's K (or V)
     forwards = work.passes  # forward passes of each layer (1, or 2 under full remat)
     if ctx.strategy == "ring":
-        per = (2 * (cp - 1) * forwards + 2 * (cp - 1) + 2 * cp) * kv
+        passes = (cp - 1) * forwards + (cp - 1) + cp  # K and V (or their gradients) sent together
+        per = passes * links.collective_s("collective-permute", 2 * kv, 2, link)
     elif ctx.strategy == "ulysses":
         heads = tokens * (H // t) * Q * c_bytes
-        per = 4 * (forwards + 1) * heads * (cp - 1) / cp
+        per = 4 * (forwards + 1) * links.collective_s("all-to-all", heads, cp, link)
     else:  # all-gather
-        per = (2 * (forwards + 1) + 2) * kv * (cp - 1)
+        per = (2 * (forwards + 1) * links.collective_s("all-gather", kv * cp, cp, link)
+               + 2 * links.collective_s("reduce-scatter", kv * cp, cp, link))
     layers_here = cfg.n_layer / choice.pipe
-    return choice.microbatches * layers_here * per / choice.link_bw(cluster, "context")
+    return choice.microbatches * layers_here * per
 
 
 def _data_time(job: job_lib.Job, choice: Choice, cluster: Cluster,
                work: _Work) -> tuple[float, float]:
     """Seconds of the data-parallel traffic, and of them the exposed part
-    (module docstring)."""
+    (module docstring). Each layer's parameters are gathered, and its
+    gradients reduced, as one collective."""
     c, g = dtype_bytes(job)
     # Gradients are reduced, and ZeRO shards, over data and context alike.
     n = choice.data * choice.context
-    link = min(choice.link_bw(cluster, a) for a in ("data", "context") if getattr(choice, a) > 1)
+    link = choice.link(cluster, *(a for a in ("data", "context") if getattr(choice, a) > 1))
     stage = zero_lib.stage(choice.zero)
     psi = compute_grad_bytes(job.state_plan) / g  # parameters this device computes with
     layers_here = max(job.state_plan.stages.padded // choice.pipe if choice.pipe > 1
                       else job.model.config.n_layer, 1)
-    unit = _layer_forward_s(job, choice, cluster, work)
-    backward = layers_here * unit * (work.passes + 1)  # one microbatch's backward, this device
-    grads = psi * g * (2 if not stage.grads else 1) * (n - 1) / n / link
+    t = work.times
+    backward = layers_here * (t.forward * (work.passes - 1) + t.backward)  # one microbatch's
+    reduce = "reduce-scatter" if stage.grads else "all-reduce"
+    grads = layers_here * links.collective_s(reduce, psi * g / layers_here, n, link)
     each_microbatch = reduces_each_microbatch(job, stage)
     if stage.params:
         # Per microbatch the link carries each layer's gathers (forward
         # passes and backward), prefetched a layer ahead, and with ZeRO-3's
         # on-the-spot reduction the gradients: what exceeds the
         # microbatch's compute waits, and so does the first gather.
-        layer_gather = psi / layers_here * c * (n - 1) / n / link
+        layer_gather = links.collective_s("all-gather", psi / layers_here * c, n, link)
         per_mb = layers_here * (work.passes + 1) * layer_gather + grads * each_microbatch
-        compute = layers_here * unit * (work.passes + 2)
+        compute = layers_here * (t.forward * work.passes + t.backward)
         total = choice.microbatches * per_mb
         exposed = choice.microbatches * max(0.0, per_mb - compute) + layer_gather
         if not each_microbatch:
@@ -275,8 +289,9 @@ def _data_time(job: job_lib.Job, choice: Choice, cluster: Cluster,
     times = choice.microbatches if each_microbatch else 1
     total, exposed = times * grads, times * max(0.0, grads - backward)
     if stage.opt_state:  # the updated shards gathered after the update
-        total += psi * c * (n - 1) / n / link
-        exposed += psi * c * (n - 1) / n / link
+        gather = layers_here * links.collective_s("all-gather", psi / layers_here * c, n, link)
+        total += gather
+        exposed += gather
     return total, exposed
 
 

@@ -1,7 +1,7 @@
 """Accelerator kinds as data: one TOML per kind in meshes/devices/, each
-number with its source beside it (memory, peak FLOP/s, link bandwidths, the
-fraction of peak a layer's kernels sustain, and the host's memory and links
-for offload)."""
+number with its source beside it (memory, peak FLOP/s, link bandwidths and
+latencies, what GEMMs, fused attention and streaming kernels sustain, and
+the host's memory and links for offload)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,22 @@ class Device:
     devices_per_node: int  # devices sharing the fast links (a DGX node, a TPU host)
     intra_node_bw: float  # bytes/s per device, one direction, inside a node (NVLink)
     inter_node_bw: float  # bytes/s per device, one direction, across nodes (InfiniBand, DCN)
-    matmul_efficiency: float  # fraction of peak a transformer layer's kernels sustain (sourced)
+    # The planner's kernel and link model (planner/kernels.py, planner/links.py).
+    hbm_bw: float  # HBM bytes/s (datasheet)
+    hbm_efficiency: float  # fraction of hbm_bw a streaming kernel reaches
+    compute_units: int  # SMs (tiles run at once, one each)
+    gemm_efficiency: float  # fraction of peak a large, well-shaped GEMM sustains (measured)
+    gemm_tiles: tuple[tuple[int, int, float], ...]  # (rows, cols, relative efficiency) per tile shape
+    flash_efficiency: float  # fraction of peak fused attention sustains, forward and backward
+    launch_s: float  # seconds between one kernel and the next
+    step_efficiency: float  # of the kernels' summed time, what a real step reaches (fitted)
+    collective_latency: float  # seconds a collective costs whatever its size
+    intra_node_latency: float  # seconds per ring step inside a node
+    inter_node_latency: float  # seconds per ring step across nodes
+    mfu_ceiling: float  # the best MFU published on this kind: no plan predicts above it
+    # Measured GEMMs (scripts/gpu_checks.sh): (m, n, k, bytes per element, FLOP/s) each;
+    # where there are, they replace gemm_efficiency and the tiles, and lift mfu_ceiling.
+    gemm_sweep: tuple[tuple[float, ...], ...] = ()
     ici_domain: int = 0  # devices the fast links join, if more than a node (a TPU slice)
     peak_flops_fp32: float = 0.0  # float32 matmul FLOP/s at JAX's default precision (TF32 on GPUs)
     device_kinds: tuple[str, ...] = ()  # jax.Device.device_kind strings of this kind (MFU)
@@ -62,8 +77,15 @@ def load(kind: str) -> Device:
     unknown = set(raw) - fields
     if unknown:
         raise ValueError(f"{path}: unknown keys {sorted(unknown)}; known: {sorted(fields)}")
+    missing = {f.name for f in dataclasses.fields(Device)
+               if f.default is dataclasses.MISSING} - set(raw)
+    if missing:
+        raise ValueError(f"{path}: missing keys {sorted(missing)} (see meshes/devices/a100-80gb.toml "
+                         f"for each with its source)")
     if "device_kinds" in raw:
         raw["device_kinds"] = tuple(raw["device_kinds"])
+    raw["gemm_tiles"] = tuple(tuple(t) for t in raw["gemm_tiles"])
+    raw["gemm_sweep"] = tuple(tuple(t) for t in raw.get("gemm_sweep", ()))
     return Device(**raw)
 
 
