@@ -21,10 +21,13 @@ GPU's; fitting is decided on the estimate. XLA:CPU compiles at most 2048
 devices in one process: larger clusters are planned from the estimates
 alone.
 
-Time: the executed FLOPs at peak x the device's matmul efficiency (a
-pipeline: its schedule's cost, idle ticks and sends included), plus what
-each mesh axis's collectives leave exposed under XLA's overlap
-(zero_jax/planner/step_time.py). Each layout shows model TFLOP/s (6 N +
+Time: each layer's kernels from their shapes (GEMMs on a roofline with
+tile and wave quantisation, attention, element-wise work by its bytes;
+zero_jax/planner/kernels.py) over the device kind's fitted step
+efficiency (a pipeline: its schedule's cost, idle ticks and sends
+included), plus what each mesh axis's collectives, each a latency plus its
+bytes, leave exposed under XLA's overlap (zero_jax/planner/step_time.py),
+never above the kind's best published MFU. Each layout shows model TFLOP/s (6 N +
 attention) beside Megatron-formula TFLOP/s (where the layout recomputes,
 every layer's forward once more), the figure Megatron-LM and
 Megatron-DeepSpeed papers report.
@@ -64,6 +67,7 @@ from zero_jax.precision import policies
 from zero_jax.model import remat
 from zero_jax.planner import configs, cost, search
 from zero_jax.planner.choices import Cluster, Space, choices, mesh_shapes
+from zero_jax.report import plan_table
 from zero_jax.runtime import device_kinds
 
 GPT2_VOCAB = 50257  # the vocabulary of a model that names none (a GPT preset)
@@ -94,6 +98,9 @@ def parse(argv):
     p.add_argument("--global-batch", type=int, required=True, help="sequences per step")
     p.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
     p.add_argument("--precision", default="bf16", help="fp32, bf16 or fp16 (default: %(default)s)")
+    p.add_argument("--attention", default="auto", choices=("auto", "xla", "cudnn"),
+                   help="the attention kernel planned: cudnn's fused flash kernel, or xla's, "
+                        "which writes out the scores (default: %(default)s, cudnn in 16 bits)")
     p.add_argument("--stages", default="0,1,2,3", help="ZeRO stages to consider")
     p.add_argument("--remat", default="full,none", help="activation policies to consider")
     p.add_argument("--micro", default="1,2,4,8", help="microbatch sizes to consider")
@@ -137,7 +144,8 @@ def base_config(args) -> dict:
         shape["model.max_seq_len"] = args.seq_len
     return {"model.name": args.model, "model.vocab_size": given, **shape,
             "precision.policy": args.precision, "data.seq_len": args.seq_len,
-            "train.batch_size": args.global_batch, "activations.remat": "full"}
+            "train.batch_size": args.global_batch, "activations.remat": "full",
+            "model.attention": args.attention}
 
 
 def vocab_of(args) -> int:
@@ -275,85 +283,19 @@ def cpu_wider(policy: str) -> str:
     return ", ".join(parts)
 
 
-def row(e: cost.Estimate, cluster: Cluster, rank: int, wider: str = "") -> dict:
-    """One ranked layout as a JSON row (--json; the table prints from it too)."""
-    n, dev = cluster.size, cluster.device
-    out = {"rank": rank, "layout": e.choice.label, "fits": e.fits,
-           "bytes": {"params": e.memory.state["params"], "opt_state": e.memory.state["opt_state"],
-                     **{f"step_{k}": v for k, v in e.memory.phases.items()},
-                     "total_estimate": e.memory.device_bytes, "host": e.memory.host_bytes},
-           "reserve_bytes": e.reserve, "headroom": e.headroom, "step_s": e.time.step_s,
-           "compute_s": e.time.compute_s, "comm_s": e.time.comm_s, "bubble": e.time.bubble,
-           "tokens_per_s": e.time.tokens_per_s,
-           "model_tflops_per_device": e.time.tflops_per_device(n),
-           "hardware_tflops_per_device": e.time.hardware_tflops_per_device(n),
-           "mfu": e.time.mfu(n, dev.peak_flops)}
-    if e.compiled:
-        keys = ("error", "argument_bytes", "temp_bytes", "collective_bytes", "collectives")
-        out["compiled"] = {k: e.compiled[k] for k in keys if k in e.compiled}
-        out["compiled_vs_estimate"] = (cost.against_compiled(e, wider) if "temp_bytes" in e.compiled
-                                       else "twin's collectives" if e.choice.offload else None)
-    return out
-
-
-def table_line(r: dict) -> str:
-    c = r.get("compiled") or {}
-    cpu = (f"{(c['argument_bytes'] + c['temp_bytes']) / 1e9:.1f}" if "temp_bytes" in c else
-           "err" if "error" in c else "twin" if "collectives" in c else "-")
-    return (f"{r['rank']:>4}  {r['layout']:<72}{'yes' if r['fits'] else 'no':>5}"
-            f"{r['bytes']['total_estimate'] / 1e9:>7.1f}{r['reserve_bytes'] / 1e9:>8.1f}"
-            f"{cpu:>8}  {r.get('compiled_vs_estimate') or '':<28}"
-            f"{r['bytes']['host'] / 1e9:>8.1f}{r['headroom']:>7.0%}"
-            f"{r['step_s']:>9.2f}{r['tokens_per_s']:>13,.0f}{r['model_tflops_per_device']:>8.1f}"
-            f"{r['hardware_tflops_per_device']:>8.1f}{r['mfu']:>6.0%}")
-
-
-def top_line(r: dict) -> str:
-    """The best layout's bytes and time, each with where it comes from."""
-    b = r["bytes"]
-    return (f"top: {r['layout']}: params {b['params'] / 1e9:.2f} GB + optimizer state "
-            f"{b['opt_state'] / 1e9:.2f} GB stored (exact, from the shardings); step "
-            f"temporaries, estimated (the largest counts): "
-            + ", ".join(f"{k[5:]} {v / 1e9:.2f} GB" for k, v in b.items() if k.startswith("step_"))
-            + f"; time: compute {r['compute_s']:.2f} s"
-            + "".join(f", {a} {s:.2f} s" for a, s in r["comm_s"].items())
-            + (" (collectives measured in the compiled program)" if "collectives" in
-               (r.get("compiled") or {}) else " (all estimated)")
-            + (f", bubble {r['bubble']:.1%} of the schedule" if r["bubble"] else ""))
-
-
-def print_table(rows: list[dict], device, fitting: int, total: int) -> None:
-    host = (f" and {device.host_bytes_per_node / 2**40:.0f} TiB of host memory per node"
-            if device.can_offload else "")
-    print(f"{fitting} of {total} layouts fit in {device.hbm_bytes / 1e9:.1f} GB{host} "
-          f"with the reserve (estimate; 'reserve': kept free for collectives, workspaces and "
-          f"fragmentation; 'CPU GB': compiled here, then which figure bounds which "
-          f"(docs/planning.md); 'twin': an offload layout, its collectives those of the same "
-          f"layout compiled without offload; "
-          f"'host GB': offloaded, per device; TFLOP/s per device, 'model' 6N + attention, "
-          f"'hw' Megatron's formula: where the layout recomputes, every layer's forward once more)")
-    print(f"{'#':>4}  {'layout':<72}{'fits':>5}{'GB':>7}{'reserve':>8}{'CPU GB':>8}"
-          f"  {'CPU GB vs GB':<28}{'host GB':>8}"
-          f"{'head':>7}{'step s':>9}{'tok/s':>13}{'model':>8}{'hw':>8}{'MFU':>6}")
-    for r in rows:
-        print(table_line(r))
-    if rows:
-        print(top_line(rows[0]))
-
-
 def report(args, problem: search.Problem, ranked: list, model_line: str, layouts: int,
            fitting: int) -> None:
     """The top --top layouts and every --include'd one: a table or JSON."""
     shown = ranked[:args.top] + search.matching(ranked[args.top:], args.include)
     wider = cpu_wider(args.precision)
-    rows = [row(e, problem.cluster, ranked.index(e) + 1, wider) for e in shown]
+    rows = [plan_table.row(e, problem.cluster, ranked.index(e) + 1, wider) for e in shown]
     device = problem.cluster.device
     if args.json:
         print(json.dumps({"model": model_line, "cluster": device.name,
                           "devices": problem.cluster.size, "layouts": layouts,
                           "fitting": fitting, "top": rows}, indent=1))
     else:
-        print_table(rows, device, fitting, layouts)
+        plan_table.print_table(rows, device, fitting, layouts)
 
 
 def say_compiled(args, ranked: list[cost.Estimate], compiled: int) -> None:

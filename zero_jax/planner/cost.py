@@ -11,9 +11,9 @@ cluster's size, nothing allocated, nothing compiled) and gives an
   estimated  what a step adds to them: gradient buffers, the activations
              the remat policy keeps (a pipeline: its stashed stage inputs
              and one chunk's), gathered ZeRO-3 weights, the update's
-             working copies; and all of the time: compute at the device's
-             peak times its matmul efficiency (a pipeline: its schedule's
-             cost, bubble and sends included), each mesh axis's exposed
+             working copies; and all of the time: each layer's kernels from
+             their shapes (kernels.py; a pipeline: its schedule's cost,
+             bubble and sends included), each mesh axis's exposed
              collectives over its link and, with offload, the host link and
              the host update (step_time.py).
 
