@@ -25,13 +25,16 @@
 #              attention (scripts/check_attention.py): no T x T growth
 #   bench      `zero-jax bench --suite gpu-1` on gpt-small and gpt-xl without
 #              offload (tokens/s, MFU, step time, compiled bytes)
+#   gemm       the published runs' layer GEMMs timed in bf16 and float32
+#              (scripts/gemm_sweep.py), written as OUT_DIR/gemm.toml: the
+#              `gemm_sweep` line a device kind's TOML takes as its measured curve
 #
 # Without a GPU the GPU parts run their CPU stand-ins (XLA's attention, the
 # gpu-1 selection's dry run, gpt-tiny), which check the script itself.
 set -u
 OUT=${1:?usage: bash scripts/gpu_checks.sh OUT_DIR [PART ...]}
 shift
-PARTS=${*:-versions suite moves anatomy attention bench}
+PARTS=${*:-versions suite moves anatomy attention bench gemm}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
@@ -73,13 +76,16 @@ if [ "$GPU" = 1 ]; then
     ANATOMY=(--model gpt-small --precision bf16 --batch-size 8 --seq-len 1024)
     ATTENTION=(--attention cudnn --precision bf16)
     BENCH=(--cases 'gpt-small/none,gpt-xl/none')
+    GEMM=()
 else
     DEVICES=(--devices 1)
     ANATOMY=()
     ATTENTION=(--attention xla --seq-lens 256,512)
     BENCH=(--dry-run --cases 'dry-d64/none')
+    GEMM=(--shapes 256x256x256,512x128x256 --dtypes float32 --repeats 3)
 fi
 run moves 90 $PY scripts/hlo_moves.py "${DEVICES[@]}" --mesh data=1 --zero-stage 0 --top 15
 run anatomy 120 $PY scripts/anatomy.py "${DEVICES[@]}" --mesh data=1 "${ANATOMY[@]}" --top 20
 run attention 90 $PY scripts/check_attention.py "${ATTENTION[@]}"
 run bench 240 $PY scripts/bench.py --suite gpu-1 "${BENCH[@]}" --json-out "$OUT/bench.json"
+run gemm 180 $PY scripts/gemm_sweep.py "${GEMM[@]}" --toml "$OUT/gemm.toml"

@@ -4,6 +4,8 @@ to, table and all."""
 
 import dataclasses
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -101,3 +103,24 @@ def test_the_published_runs_table_is_what_the_script_computes():
         assert abs(p.ratio - 1) <= published.LIMIT, (p.run.name, p.predicted, p.run.published)
     docs = (ROOT / "docs" / "planning.md").read_text()
     assert published.table_in(docs) == published.table(predictions)
+
+
+def test_a_measured_gemm_sweep_replaces_the_estimated_curve(tmp_path):
+    """scripts/gemm_sweep.py's line, put in a device kind's TOML: each product
+    at the rate of the nearest swept shape, and no MFU ceiling."""
+    toml = tmp_path / "sweep.toml"
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "gemm_sweep.py"), "--shapes",
+                    "256x256x256,512x128x256", "--dtypes", "float32", "--repeats", "2",
+                    "--toml", str(toml)], check=True, capture_output=True, cwd=ROOT)
+    line = toml.read_text()
+    kind = tmp_path / "measured.toml"
+    kind.write_text((ROOT / "meshes" / "devices" / "a100-80gb.toml").read_text() + line)
+    measured = device_kinds.load(str(kind))
+    (m, n, k, itemsize, rate), _ = measured.gemm_sweep
+    assert (m, n, k, itemsize) == (256, 256, 256, 4) and rate > 0
+    near = kernels.Gemm(300, 250, 240)  # nearer the first swept shape than the second
+    assert kernels.gemm_s(near, 4, measured) == pytest.approx(near.flops / rate + measured.launch_s)
+    run = published.RUNS[0]
+    problem, layouts = published.problem(run, choices.Cluster(measured, run.nodes, 8))
+    est = search.estimate_all(problem, layouts[:1])[0]
+    assert est.time.floor_s == 0.0 and not est.time.at_ceiling
