@@ -26,7 +26,8 @@ Each kernel adds the device's launch gap, and the sum is divided by the
 step efficiency: the fraction of its kernels' time a real step reaches
 (gaps between kernels, work this model does not list, clocks below their
 peak). That one figure per device kind is fitted to the published runs
-(docs/planning.md#published-runs); every other figure is cited.
+(docs/planning.md#published-runs); every other figure is cited, or
+marked assumed, beside it in the TOML.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ class LayerTimes:
     forward: float  # one layer's forward
     backward: float  # its backward proper (nothing recomputed)
     weight: float  # of `backward`, the weights' gradient products
-    head_forward: float  # the head (final norm, output product, loss)
+    head_forward: float  # the head (output product, loss)
     head_backward: float
     update: float  # the optimizer's update of this device's shard, once per step
 
@@ -88,7 +89,7 @@ def gemm_s(g: Gemm, itemsize: int, device: Device) -> float:
     rate measured for the nearest swept shape, plus a launch."""
     measured = [p for p in device.gemm_sweep if p[3] == itemsize]
     if measured:
-        m, n, k, _, rate = min(measured, key=lambda p: sum(
+        *_, rate = min(measured, key=lambda p: sum(
             abs(math.log(a / b)) for a, b in zip(p[:3], (g.m, g.n, g.k))))
         return g.flops / rate + device.launch_s
     units = device.compute_units
