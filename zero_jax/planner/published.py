@@ -17,7 +17,7 @@ from typing import Any
 
 import models
 from zero_jax import config as config_lib
-from zero_jax.planner import choices, cost, search
+from zero_jax.planner import choices, search
 from zero_jax.runtime import device_kinds
 
 LIMIT = 0.15  # each prediction within this of its published figure
@@ -39,7 +39,6 @@ class Run:
     attention: str  # "xla" (scores written out) or "cudnn" (fused flash)
     metric: str  # "hw TFLOP/s" | "model TFLOP/s" | "tokens/s"
     published: float  # per GPU
-    note: str = ""
 
 
 def _gpt(n_layer: int, n_head: int, d_model: int) -> dict[str, Any]:
@@ -55,7 +54,7 @@ _MEGATRON_PIPE = choices.Space(stages=(0,), remats=("none",), schedules=("1f1b",
                                offloads=("",))
 
 
-def _FSDP(micro: int) -> choices.Space:
+def _fsdp(micro: int) -> choices.Space:
     """ZeRO-3 over every GPU, `micro` sequences per GPU in one microbatch."""
     return choices.Space(stages=(3,), remats=("none", "dots_saveable", "full"), micros=(micro,),
                          offloads=("",))
@@ -68,25 +67,25 @@ RUNS = (
         2048, _MEGATRON, "xla", "hw TFLOP/s", 137),
     Run("GPT 7.5B (36 x 4096)", NARAYANAN, "a100-80gb", 16, _gpt(36, 32, 4096), (1, 4, 32), 512,
         2048, _MEGATRON, "xla", "hw TFLOP/s", 142),
+    # Sequence parallel: each stage's sends split over tensor, as Megatron's
+    # scatter/gather of them (sec. 4.1).
     Run("GPT 1T (128 x 25600)", NARAYANAN, "a100-80gb", 384,
         {**_gpt(128, 160, 25600), "parallel.layout": "fsdp_tp_sp"}, (64, 8, 6), 3072, 2048,
-        _MEGATRON_PIPE, "xla", "hw TFLOP/s", 163,
-        "sequence parallel: each stage's sends split over tensor, as Megatron's scatter/gather "
-        "of them (sec. 4.1)"),
+        _MEGATRON_PIPE, "xla", "hw TFLOP/s", 163),
+    # Its own layout: ZeRO-1, micro-batch 2, 1F1B.
     Run("BLOOM-176B", "BigScience tr11-176B-ml (Megatron-DeepSpeed), about 150 TFLOP/s per GPU "
         "as its logs count them", "a100-80gb", 48, {"model.name": "bloom-176b"}, (12, 4, 8), 2048,
         2048, choices.Space(stages=(1,), remats=("none", "full"), micros=(2,), schedules=("1f1b",),
-                            offloads=("",)), "xla", "hw TFLOP/s", 150,
-        "its own layout: ZeRO-1, micro-batch 2, 1F1B"),
+                            offloads=("",)), "xla", "hw TFLOP/s", 150),
+    # Its H100s ran at a 500 W power limit (700 W rated) with HBM2e at 2.4
+    # TB/s: slower than the device TOML's H100.
     Run("Llama 3.1 8B, FSDP", "torchtitan benchmarks/llama3_h100_202412_torchtitan.md, "
         "Table 1 (FSDP + torch.compile, 8 GPUs, local batch 2, selective checkpointing)",
         "h100-80gb", 1, {"model.name": "llama-3.1-8b"}, (1, 1, 8), 16, 8192,
-        _FSDP(2), "cudnn", "tokens/s", 6667,
-        "its H100s ran at a 500 W power limit (700 W rated) with HBM2e at 2.4 TB/s: "
-        "below the device TOML's H100"),
+        _fsdp(2), "cudnn", "tokens/s", 6667),
     Run("Llama2-7B, FSDP", "MaxText MaxText/configs/a3/llama_2_7b/README.md and 1vm.sh "
         "(ici_fsdp 8, per-device batch 4, cuDNN flash, remat minimal_flash)", "h100-80gb", 1,
-        {"model.name": "llama-2-7b"}, (1, 1, 8), 32, 4096, _FSDP(4), "cudnn", "model TFLOP/s", 492),
+        {"model.name": "llama-2-7b"}, (1, 1, 8), 32, 4096, _fsdp(4), "cudnn", "model TFLOP/s", 492),
 )
 
 
@@ -147,7 +146,8 @@ def table(predictions: list[Prediction]) -> str:
         lines.append(f"| {r.name} | {gpus} {device_kinds.load(r.device).name} | {p.layout} | "
                      f"{r.metric} | {r.published:,.0f} | {p.predicted:,.0f}{ceiling} | "
                      f"{p.ratio:.2f} | {p.mfu:.1%} |")
-    return "\n".join(lines)
+    sources = [f"- {p.run.name}: {p.run.source}." for p in predictions]
+    return "\n".join(lines + ["", "Sources:", ""] + sources)
 
 
 BEGIN, END = "<!-- published-runs table: scripts/published_runs.py --write -->", "<!-- end -->"
