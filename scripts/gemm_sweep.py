@@ -58,7 +58,8 @@ def main(argv=None) -> int:
     parser.add_argument("--shapes", default=",".join(LAYER_SHAPES),
                         help="comma list of M x N x K (default: the published runs' layer shapes)")
     parser.add_argument("--dtypes", default="bfloat16,float32", help="comma list of dtypes")
-    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=10,
+                        help="timed runs per shape, after 3 untimed (default: %(default)s)")
     parser.add_argument("--toml", help="also write the gemm_sweep line to this file")
     args = parser.parse_args(argv)
     shapes = [shape_of(s) for s in args.shapes.split(",")]
