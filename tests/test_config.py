@@ -16,7 +16,7 @@ from zero_jax.sharding.rules import ShardingError
     ({"mesh": "fsdp=8,experts=1"}, MeshError, "unknown axis 'experts'"),
     ({"mesh": "fsdp=4,tensor=2", "layout": "fsdp"}, ShardingError, "splits nothing over the mesh's tensor=2"),
     ({"layout": "megatron"}, config_lib.ConfigError, "--layout 'megatron': choose from auto, dp, fsdp"),
-    ({"precision": "fp8"}, config_lib.ConfigError, "--precision 'fp8': choose from auto, fp32, bf16, fp16"),
+    ({"precision": "fp4"}, config_lib.ConfigError, "--precision 'fp4': choose from auto, fp32, bf16, fp16, fp8"),
     ({"remat": "some"}, config_lib.ConfigError, "--remat 'some': choose from none, full"),
     ({"seq_len": 512}, config_lib.ConfigError, "--seq-len 512 exceeds the model's 256 positions"),
     ({"batch_size": 12}, config_lib.ConfigError, "--batch-size 12 is not divisible by the data-parallel size 8"),

@@ -244,7 +244,7 @@ def prepare_on(run: config_lib.RunConfig, build_model: Callable[[int], ModelFns]
         host_opt=run.offload.optimizer, host_params=run.offload.params)
     stored = state_plan.placement if zero_lib.stage(zero_stage).params else None
     hooks = Hooks(mesh, axis_rules, policy.compute, policy.grads, remat_policy, stored,
-                  host_params=run.offload.params, attention=attention,
+                  host_params=run.offload.params, attention=attention, fp8=policy.fp8,
                   scan_layers=run.model.scan_layers,
                   context=context_split.of_run(run, getattr(model.config, "n_head", 0), shape.sizes, attention,
                                         pipelined=schedule is not None))
@@ -286,6 +286,12 @@ def check_combination(run: config_lib.RunConfig, zero_stage: int, shape: mesh_li
             f"[offload] params = true with pipe={pipe}: a pipeline stage holds only "
             "its own layers, so parameter offload is not supported with pipelining; use pipe=1 "
             "(fsdp over the same devices), or --offload-optimizer alone")
+    schedule = run.parallel.pipeline_schedule
+    if run.precision.policy == "fp8" and pipelined and schedule in schedule_lib.SPLIT_BACKWARD:
+        raise config_lib.ConfigError(
+            f"--precision fp8 with --pipeline-schedule {schedule}: a split backward computes "
+            "each weight's gradient apart from its product, where the FP8 product's rounded "
+            "operands are not kept; use --pipeline-schedule 1f1b or interleaved")
 
 
 def check_experts(model: ModelFns, sizes: dict[str, int], grad_reduce: str) -> None:

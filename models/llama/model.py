@@ -259,8 +259,8 @@ class Block(nn.Module):
         residual = nn.initializers.normal(0.02 / math.sqrt(2 * c.n_layer))
         param = functools.partial(layers.param, self)
 
-        def dense(eq, x, name, shape, names, init=normal):
-            return h.dense(eq, x, param(name, shape, names, init), names)
+        def dense(eq, x, name, shape, names, init=normal):  # the block's projections: FP8 where asked
+            return h.dense(eq, x, param(name, shape, names, init), names, fp8=True)
 
         def bias(x, name, shape, names):
             return block.add_bias(h, param, x, name, shape, names) if c.qkv_bias else x

@@ -229,21 +229,27 @@ class MoEMLP(nn.Module):
             w_gate, w_up, w_down)
         out = h.act(out, tokens)
         if c.n_shared_experts:
-            S = c.shared_mlp
-            shared_gate = h.dense("btd,df->btf", y_BxTxD,
-                                  param("w_shared_gate", (D, S), ("embed", "mlp")), ("embed", "mlp"))
-            shared_up = h.dense("btd,df->btf", y_BxTxD,
-                                param("w_shared_up", (D, S), ("embed", "mlp")), ("embed", "mlp"))
-            hidden = jax.nn.silu(shared_gate.astype(jnp.float32)).astype(shared_up.dtype) * shared_up
-            shared = h.dense("btf,fd->btd", hidden,
-                             param("w_shared_down", (S, D), ("mlp", "embed"), residual),
-                             ("mlp", "embed"))
-            if c.shared_expert_gate:  # Qwen2-MoE: a per-token sigmoid scales them
-                mix = h.dense("btd,do->bto", y_BxTxD, param("w_shared_mix", (D, 1), ("embed", None)),
-                              ("embed", None))
-                shared = (jax.nn.sigmoid(mix.astype(jnp.float32)) * shared).astype(shared.dtype)
-            out = out + shared
+            out = out + self.shared(y_BxTxD, param, residual)
         return out, stats
+
+    def shared(self, y_BxTxD, param, residual):
+        """The shared experts: a SwiGLU every token passes through, in FP8
+        where the policy says so (they are dense projections)."""
+        c, h = self.cfg, self.hooks
+        D, S = y_BxTxD.shape[-1], c.shared_mlp
+        gate = h.dense("btd,df->btf", y_BxTxD, param("w_shared_gate", (D, S), ("embed", "mlp")),
+                       ("embed", "mlp"), fp8=True)
+        up = h.dense("btd,df->btf", y_BxTxD, param("w_shared_up", (D, S), ("embed", "mlp")),
+                     ("embed", "mlp"), fp8=True)
+        hidden = jax.nn.silu(gate.astype(jnp.float32)).astype(up.dtype) * up
+        shared = h.dense("btf,fd->btd", hidden,
+                         param("w_shared_down", (S, D), ("mlp", "embed"), residual),
+                         ("mlp", "embed"), fp8=True)
+        if c.shared_expert_gate:  # Qwen2-MoE: a per-token sigmoid scales them
+            mix = h.dense("btd,do->bto", y_BxTxD, param("w_shared_mix", (D, 1), ("embed", None)),
+                          ("embed", None))
+            shared = (jax.nn.sigmoid(mix.astype(jnp.float32)) * shared).astype(shared.dtype)
+        return shared
 
 
 def penalty(stats: dict[str, jax.Array], row_weights_B: jax.Array, aux_coef: float,

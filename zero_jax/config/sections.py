@@ -26,7 +26,7 @@ WandbMode = Literal["online", "offline"]  # wandb.init(mode=...); offline: `wand
 PlanDetail = Literal["summary", "full"]  # analysis/summary.py describe
 
 ScheduleName = Literal["gpipe", "1f1b", "interleaved", "zb-h1"]  # pipeline/schedule.py
-PresetName = Literal["auto", "fp32", "bf16", "fp16"]  # precision/policies.py PRESETS; auto: by platform
+PresetName = Literal["auto", "fp32", "bf16", "fp16", "fp8"]  # precision/policies.py PRESETS; auto: by platform
 PolicyName = Literal["none", "full", "dots_saveable", "save_names", "offload"]  # model/remat.py
 Optimizer = Literal["adamw", "sgd", "adafactor"]
 Decay = Literal["cosine", "linear", "constant"]
@@ -116,7 +116,7 @@ class ParallelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class PrecisionConfig:
-    policy: PresetName = "auto"  # fp32 | bf16 | fp16; auto: bf16 on accelerators, fp32 on CPU
+    policy: PresetName = "auto"  # fp32 | bf16 | fp16 | fp8 (bf16, the blocks' projections in FP8); auto: bf16 on accelerators, fp32 on CPU
     param_dtype: DtypeOverride = ""  # override: stored (master) parameters
     compute_dtype: DtypeOverride = ""  # override: matmuls and activations
     grad_dtype: DtypeOverride = ""  # override: gradient reduction and accumulation

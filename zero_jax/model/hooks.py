@@ -102,6 +102,7 @@ class Hooks:
     scan_layers: bool = True  # False: the layer stack is unrolled (one copy of each layer in the program)
     context: Context | None = None  # the sequence split over `context`: strategy and order
     vmapped: tuple[str, ...] = ()  # mesh axes a vmap over batch shards maps to (per_shard)
+    fp8: bool = False  # the products that ask (`dense(fp8=True)`) multiply in FP8 (fp8.py)
 
     def per_shard(self, axes: Sequence[str]) -> "Hooks":
         """These hooks for one shard of the batch over the data-parallel mesh
@@ -166,8 +167,14 @@ class Hooks:
         w = param_use.weight(self._use(w, names, dtype), w)
         return checkpoint_name(w, WEIGHT)  # never kept for backward: gathered again
 
-    def dense(self, eq: str, x: jax.Array, w: jax.Array, names: Sequence[str | None]) -> jax.Array:
-        """einsum(eq, x, w) with w in the compute dtype and layout."""
+    def dense(self, eq: str, x: jax.Array, w: jax.Array, names: Sequence[str | None],
+              fp8: bool = False) -> jax.Array:
+        """einsum(eq, x, w) with w in the compute dtype and layout. `fp8`: a
+        projection of a block, which multiplies in FP8 where the precision
+        policy says so; the embedding, head and router never ask."""
+        fp8 = fp8 and self.fp8
+        if fp8 and isinstance(w, (Gathered, Tapped)):  # job.check_combination refuses both
+            raise ValueError("an FP8 product on a table or under a split backward")
         if isinstance(w, Gathered):
             y = self._on_gathered(lambda use, x, t: param_use.dense(use, eq, x, t), w, names, x)
         elif isinstance(w, Tapped):  # a split backward (pipeline/weight_grad.py)
@@ -178,7 +185,7 @@ class Hooks:
             else:
                 y = param_use.tapped_dense(use, eq, x, w.w, w.x, w.y)
         else:
-            y = param_use.dense(self._use(w, names), eq, x, w)
+            y = param_use.dense(dataclasses.replace(self._use(w, names), fp8=fp8), eq, x, w)
         return checkpoint_name(y, DOT)  # a matrix product, for dots_saveable
 
     def dense_weight_grad(self, eq: str, x: jax.Array, g: jax.Array, w: jax.ShapeDtypeStruct,

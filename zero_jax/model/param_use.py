@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
+from zero_jax.model import fp8
 from zero_jax.sharding.specs import entry_axes
 
 
@@ -122,6 +123,9 @@ class Use:
     flat_rows: bool = False
     # a table's rows split by hand in `lookup`, inside a manual region (ManualRows)
     manual_rows: ManualRows | None = None
+    # `dense` multiplies in FP8 (fp8.py): w rounded to e4m3 where it is stored
+    # and gathered in 8 bits, x to e4m3, the output gradient to e5m2
+    fp8: bool = False
 
     def gather(self, w):
         if self.fetch is not None:
@@ -130,6 +134,14 @@ class Use:
         # compute layout needs move `dtype` bytes: without it XLA may gather the
         # float32 master copy and cast afterwards.
         return put(put(w.astype(self.dtype), self.stored), self.compute)
+
+    def gather_fp8(self, w):
+        """w rounded to e4m3 at its own scale where it is stored, gathered in
+        8 bits, and that scale: the gather moves a byte per element."""
+        if self.fetch is not None:
+            w = jax.device_put(w, self.fetch)
+        q, scale = fp8.current(put(w, self.stored), fp8.E4M3)
+        return put(put(q, self.stored), self.compute), scale
 
     def reduce(self, g):
         if self.gathered:
@@ -166,11 +178,16 @@ def _operands(eq: str) -> tuple[str, str, str]:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def dense(use: Use, eq: str, x, w):
-    """einsum(eq, x, w) with w gathered; its gradient in the gradient dtype."""
+    """einsum(eq, x, w) with w gathered; its gradient in the gradient dtype.
+    Under `use.fp8` both operands are rounded to e4m3 first (fp8_dense)."""
+    if use.fp8:
+        return fp8_dense(use, eq, x, w)
     return jnp.einsum(eq, x, use.gather(w))
 
 
 def _dense_fwd(use, eq, x, w):
+    if use.fp8:
+        return _fp8_fwd(use, eq, x, w)
     return dense(use, eq, x, w), (x, use.gather(w) if use.gathered else w)
 
 
@@ -225,11 +242,46 @@ def _rows_contraction(xs: str, ws: str, ys: str, x, g, dtype):
 
 
 def _dense_bwd(use, eq, res, g):
+    if use.fp8:
+        return _fp8_bwd(use, eq, res, g)
     x, w = res
     return _input_grad(use, eq, x, w, g), dense_weight_grad(use, eq, x, g)
 
 
 dense.defvjp(_dense_fwd, _dense_bwd)
+
+
+# --- dense in FP8: current scaling ---------------------------------------------
+
+def _fp8_operand(use: Use, w):
+    """The weight as the FP8 product uses it: e4m3 at its scale, gathered."""
+    if use.gathered:  # already gathered in the compute dtype: rounded here
+        return fp8.current(w, fp8.E4M3)
+    return use.gather_fp8(w)
+
+
+def fp8_dense(use: Use, eq: str, x, w):
+    """einsum(eq, x, w) with x and w rounded to e4m3 at their own scales."""
+    return _fp8_fwd(use, eq, x, w)[0]
+
+
+def _fp8_fwd(use, eq, x, w):
+    xq, sx = fp8.current(x, fp8.E4M3)
+    wq, sw = _fp8_operand(use, w)
+    y = jnp.einsum(eq, fp8.dequantize(xq, sx, x.dtype), fp8.dequantize(wq, sw, x.dtype))
+    # x is kept in 8 bits; w as stored (gathered again, rounded alike, backward).
+    return y, (xq, sx, w)
+
+
+def _fp8_bwd(use, eq, res, g):
+    """Both backward products take the e5m2 output gradient and the e4m3
+    operands of the forward."""
+    xq, sx, w = res
+    g8 = fp8.rounded(g, fp8.E5M2)
+    wq, sw = _fp8_operand(use, w)
+    xs, ws, ys = _operands(eq)
+    dx = jnp.einsum(f"{ys},{ws}->{xs}", g8, fp8.dequantize(wq, sw, g.dtype))
+    return dx, dense_weight_grad(use, eq, fp8.dequantize(xq, sx, g.dtype), g8)
 
 
 # --- tapped dense: the input gradient now, the weight's later ------------------

@@ -106,9 +106,9 @@ class _Recording(Hooks):
         self._note(w, names, dtype or self.dtype)
         return super().weight(w, names, dtype)
 
-    def dense(self, eq, x, w, names):
+    def dense(self, eq, x, w, names, fp8=False):
         self._note(w, names, self.dtype)
-        return super().dense(eq, x, w, names)
+        return super().dense(eq, x, w, names, fp8)
 
     def lookup(self, w, ids, names, out_dtype=None):
         self._note(w, names, self.dtype)

@@ -32,7 +32,9 @@ PRESETS: dict[str, tuple[str, str, str, str]] = {
     "fp32": ("float32", "float32", "float32", "float32"),
     "bf16": ("float32", "bfloat16", "float32", "float32"),
     "fp16": ("float32", "float16", "float32", "float32"),
+    "fp8": ("float32", "bfloat16", "float32", "float32"),  # bf16, the blocks' projections in FP8
 }
+FP8 = ("fp8",)  # the presets whose blocks' projections multiply in FP8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,9 +43,12 @@ class Policy:
     compute: str = "float32"  # matmuls and activations; parameters are cast to it at use
     grads: str = "float32"  # gradients: reduced, accumulated and held in this dtype
     opt_state: str = "float32"  # floating optimizer-state leaves (moments)
+    fp8: bool = False  # the blocks' projections multiply in FP8 (model/fp8.py)
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
+            if field.name == "fp8":
+                continue
             value = getattr(self, field.name)
             if value not in DTYPES:
                 raise ValueError(f"{field.name} dtype {value!r}: choose from {', '.join(DTYPES)}")
@@ -57,7 +62,9 @@ class Policy:
 
     def describe(self) -> str:
         return (f"parameters {self.params}, compute {self.compute}, gradients {self.grads}, "
-                f"optimizer state {self.opt_state}")
+                f"optimizer state {self.opt_state}"
+                + (", the blocks' projections in FP8 (e4m3 forward, e5m2 gradients)"
+                   if self.fp8 else ""))
 
 
 def resolve(name: str, platform: str, **overrides: str) -> Policy:
@@ -68,7 +75,7 @@ def resolve(name: str, platform: str, **overrides: str) -> Policy:
         raise ValueError(f"--precision {name!r}: choose auto or one of {', '.join(PRESETS)}")
     fields = dict(zip(("params", "compute", "grads", "opt_state"), PRESETS[name]))
     fields.update({k: v for k, v in overrides.items() if v})
-    return Policy(**fields)
+    return Policy(**fields, fp8=name in FP8)
 
 
 def _is_float(x) -> bool:
