@@ -24,7 +24,9 @@ def make_job(corpus, *, devices=None, **overrides):
     where.update(model="model.name", optimizer="optim.name", data="data.source",
                  precision="precision.policy", layout="parallel.layout",
                  offload_optimizer="offload.optimizer",
-                 offload_params="offload.params")
+                 offload_params="offload.params",
+                 zero_quantized_weights="zero.quantized_weights",
+                 zero_quantized_grads="zero.quantized_grads", zero_block_size="zero.block_size")
     flat = {where[key]: value for key, value in fields.items()}
     run = config_lib.build(None, flat)
     return job_lib.prepare(run, models.for_run(run.model, corpus.vocab_size)[0], devices)

@@ -1,6 +1,7 @@
 """FP8 products: the rounding by hand, the error within what e4m3 and e5m2
 allow on random and heavy-tailed inputs, the weight gathered in 8 bits at
-ZeRO-3, and the combinations refused."""
+ZeRO-3, the combinations refused, and delayed scaling's amax histories:
+advanced each step, combined by max over a step's parts, checkpointed."""
 
 import jax
 import jax.numpy as jnp
@@ -8,8 +9,10 @@ import numpy as np
 import pytest
 
 import models
-from zero_jax import config as config_lib, job as job_lib
-from zero_jax.model import fp8, param_use
+from tests.helpers import host, make_job, train
+from zero_jax import config as config_lib, job as job_lib, run as run_lib
+from zero_jax.checkpoint import manager as manager_lib
+from zero_jax.model import fp8, fp8_dense, param_use
 
 # Half an ulp, relative, for normal numbers: e4m3 has 3 mantissa bits, e5m2 2; each
 # rounded operand is widened to bf16 with its bf16 scale (half a bf16 ulp twice).
@@ -50,9 +53,9 @@ def test_an_fp8_product_is_its_rounded_operands_product(kind):
     output gradient), and its error from float32 within the rounding's
     bound, sum |x| |w| (2 x half an ulp + their product), plus what values
     below the smallest normal lose (an absolute half-ulp there)."""
-    use = param_use.Use(None, None, jnp.bfloat16, jnp.float32, jnp.float32, None, fp8=True)
+    use = param_use.Use(None, None, jnp.bfloat16, jnp.float32, jnp.float32, None)
     x, w, g = _inputs(kind, jax.random.key(1))
-    y, vjp = jax.vjp(lambda x, w: param_use.dense(use, "td,df->tf", x, w), x, w)
+    y, vjp = jax.vjp(lambda x, w: fp8_dense.dense(use, "td,df->tf", x, w, None), x, w)
     dx, dw = vjp(g)
     f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
     # As the product sees them: rounded at their scales, widened to the compute dtype.
@@ -98,3 +101,93 @@ def test_fp8_with_a_split_backward_is_refused_before_compiling():
     with pytest.raises(config_lib.ConfigError, match="--precision fp8 with --pipeline-schedule zb-h1"):
         _job({"parallel.mesh": "pipe=2,data=4", "precision.policy": "fp8",
               "parallel.pipeline_schedule": "zb-h1", "train.microbatches": 4})
+
+
+def test_a_delayed_product_scales_from_its_history_and_reports_its_amaxes():
+    """Delayed scaling rounds each operand at the scale of its history row's
+    largest amax (clipping what outgrew it), and reports this use's three
+    amaxes as the history's gradient, in column 0; an empty history scales
+    currently."""
+    use = param_use.Use(None, None, jnp.bfloat16, jnp.float32, jnp.float32, None)
+    x, w, g = _inputs("normal", jax.random.key(2))
+    history = jnp.zeros((fp8.ROWS, 4)).at[:, 2].set(jnp.array([2.0, 0.01, 100.0]))
+
+    def product(history):
+        return jax.vjp(lambda x, w, h: fp8_dense.dense(use, "td,df->tf", x, w, h),
+                       x, w, history)
+
+    y, vjp = product(history)
+    dx, dw, report = vjp(g)
+    f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
+    at = lambda a, amax, dt: fp8.dequantize(fp8.quantize(a, dt, fp8.scale_for(jnp.float32(amax), dt)),  # noqa: E731
+                                           fp8.scale_for(jnp.float32(amax), dt), a.dtype)
+    xr, wr, gr = f32(at(x, 2.0, fp8.E4M3)), f32(at(w, 0.01, fp8.E4M3)), f32(at(g, 100.0, fp8.E5M2))
+    assert float(jnp.max(jnp.abs(wr))) == pytest.approx(0.01, rel=2 ** -3)  # w outgrew 0.01: clipped
+    # The bf16 product's own rounding, relative to the sum of its terms' magnitudes.
+    assert jnp.all(jnp.abs(f32(y) - xr @ wr) <= 2 ** -7 * (jnp.abs(xr) @ jnp.abs(wr)) + 1e-6)
+    np.testing.assert_allclose(dw, xr.T @ gr, rtol=1e-5, atol=1e-5)
+    amaxes = [float(jnp.max(jnp.abs(f32(a)))) for a in (x, w, g)]
+    np.testing.assert_array_equal(report[:, 0], np.float32(amaxes))
+    assert not np.any(report[:, 1:])
+    y0, _ = product(jnp.zeros_like(history))  # empty: current scaling
+    np.testing.assert_array_equal(f32(y0), f32(fp8_dense.dense(use, "td,df->tf", x, w, None)))
+
+
+def _histories(params):
+    return {k: np.asarray(v) for k, v in params["blocks"].items() if fp8.is_history((jax.tree_util.DictKey(k),))}
+
+
+DELAYED = {"precision": "fp8", "fp8": "delayed", "fp8_history": 4}
+
+
+@pytest.fixture(scope="module")
+def delayed_reference(corpus):
+    """fsdp=8 ZeRO-3, delayed scaling, 2 steps: the histories after each."""
+    job = make_job(corpus, steps=2, **DELAYED)
+    _, one = train(job, corpus, steps=1)
+    _, two = train(job, corpus, steps=2)
+    return _histories(one.params), _histories(two.params)
+
+
+def test_histories_advance_one_column_a_step_beside_the_optimizer(delayed_reference):
+    one, two = delayed_reference
+    assert set(one) == {f"{w}_fp8_history" for w in ("w_qkv", "w_o", "w_fc", "w_proj")}
+    for name, h in one.items():
+        assert h.shape == (4, fp8.ROWS, 4)  # (layers, x/w/output gradient, steps)
+        assert np.all(h[..., 0] > 0) and not np.any(h[..., 1:]), name  # AdamW never moved them
+        np.testing.assert_array_equal(two[name][..., 1], h[..., 0])  # shifted one column
+        assert np.all(two[name][..., 0] > 0) and not np.any(two[name][..., 2:])
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(microbatches=2),
+    dict(mesh="data=8", zero_stage=1, microbatches=2, grad_reduce="step"),
+    dict(mesh="pipe=2,fsdp=4", microbatches=2),
+], ids=["fsdp8-accumulated", "data8-partial-sums", "pipe2"])
+def test_a_steps_amaxes_are_the_max_over_its_parts(corpus, delayed_reference, overrides):
+    """Where a step's gradients are sums over microbatches, batch shards or
+    pipeline ticks, its amaxes are the largest over them (a sum would be
+    about twice): the first step's histories as one batch's, to rounding
+    (within 10%: on the first step each part rounds at its own scale, so the
+    activations downstream differ by a few percent)."""
+    job = make_job(corpus, steps=1, **DELAYED, **overrides)
+    _, state = train(job, corpus, steps=1)
+    got = _histories(job.state_plan.saved_form(state).params)
+    for name, h in delayed_reference[0].items():
+        np.testing.assert_allclose(got[name], h, rtol=0.1, err_msg=name)
+
+
+def test_histories_survive_a_checkpoint_onto_another_mesh_bit_for_bit(corpus, tmp_path):
+    job = make_job(corpus, steps=2, **DELAYED)
+    _, state = train(job, corpus, steps=2)
+    saved = host(job.state_plan.saved_form(state))
+    checkpointer = manager_lib.Checkpointer(
+        manager_lib.CheckpointConfig(dir=str(tmp_path)), job.state_plan.names, writer=True)
+    checkpointer.save(2, job.state_plan.saved_form(state), run_lib.checkpoint_meta(job, 2))
+    checkpointer.wait()
+    target = make_job(corpus, mesh="pipe=2,data=4", zero_stage=1, microbatches=2, **DELAYED)
+    restored, _ = manager_lib.Checkpointer(manager_lib.CheckpointConfig(dir=str(tmp_path))).restore(
+        2, target.state_plan.targets)
+    restored = host(restored)
+    assert _histories(restored.params) and all(np.any(h) for h in _histories(restored.params).values())
+    jax.tree.map(np.testing.assert_array_equal, restored, saved)

@@ -9,6 +9,7 @@ allocated, so every error surfaces here.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Callable, Sequence
 
@@ -23,7 +24,7 @@ from zero_jax.train.options import StepOptions
 from zero_jax.model import remat
 from zero_jax.analysis import hlo
 from zero_jax.analysis import memory
-from zero_jax.sharding import rules
+from zero_jax.sharding import quantized, rules
 from zero_jax.analysis import traffic
 from zero_jax.sharding import mesh as mesh_lib
 from zero_jax.pipeline import executor as pipeline_executor
@@ -162,7 +163,8 @@ class Job:
         """Collective payload bytes per device per step, measured and in theory."""
         measured = traffic.traffic(partitioned_text, self.state_plan.mesh)
         expected = traffic.theory(self.state_plan, self.run.train.microbatches, self.reduce_once,
-                                  self.policy.dtype("compute"), self.model.gathered_once)
+                                  self.policy.dtype("compute"), self.model.gathered_once,
+                                  traffic.quantized_of(self.hooks, self.state_plan, self.model))
         backend = (None if compiled_step is None
                    else traffic.traffic(compiled_step.as_text(), self.state_plan.mesh).total)
         return traffic.CollectiveReport(measured, expected, backend)
@@ -210,6 +212,9 @@ def prepare_on(run: config_lib.RunConfig, build_model: Callable[[int], ModelFns]
     config_lib.validate(run, {a: shape.sizes[a] for a in mesh_lib.DATA_AXES})
     sources.check_init_from(run.checkpoint.init_from)
     model = build_model(run.model.vocab_multiple)
+    if run.precision.policy == "fp8" and run.precision.fp8 == "delayed":  # with amax histories
+        model = dataclasses.replace(model, init=functools.partial(model.init, hooks=Hooks(
+            fp8="delayed", fp8_history=run.precision.fp8_history)))
     if model.max_seq_len is not None and run.data.seq_len > model.max_seq_len:
         raise config_lib.ConfigError(
             f"--seq-len {run.data.seq_len} exceeds the model's {model.max_seq_len} positions "
@@ -244,8 +249,10 @@ def prepare_on(run: config_lib.RunConfig, build_model: Callable[[int], ModelFns]
         host_opt=run.offload.optimizer, host_params=run.offload.params)
     stored = state_plan.placement if zero_lib.stage(zero_stage).params else None
     hooks = Hooks(mesh, axis_rules, policy.compute, policy.grads, remat_policy, stored,
-                  host_params=run.offload.params, attention=attention, fp8=policy.fp8,
-                  scan_layers=run.model.scan_layers,
+                  host_params=run.offload.params, attention=attention, scan_layers=run.model.scan_layers,
+                  fp8=run.precision.fp8 if policy.fp8 else "", fp8_history=run.precision.fp8_history,
+                  int8_gather_block=run.zero.block_size if run.zero.quantized_weights else 0,
+                  int8_reduce_block=run.zero.block_size if run.zero.quantized_grads else 0,
                   context=context_split.of_run(run, getattr(model.config, "n_head", 0), shape.sizes, attention,
                                         pipelined=schedule is not None))
     return Job(run, model, state_plan, tx, lr, policy, hooks, loss_scale_config(run, policy),
@@ -272,6 +279,7 @@ def check_combination(run: config_lib.RunConfig, zero_stage: int, shape: mesh_li
             f"[offload] optimizer = true with --zero-stage {zero_stage}: the optimizer state is "
             "replicated at stage 0, so every device would keep a whole copy in host memory and "
             "update it there; use --zero-stage 1 or more to offload each device's shard")
+    quantized.check(run.zero, zero_stage)
     if run.offload.params and not zero_lib.stage(zero_stage).params:
         raise config_lib.ConfigError(
             f"[offload] params = true with --zero-stage {zero_stage}: only ZeRO-3 gathers each "

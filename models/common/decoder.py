@@ -13,6 +13,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from zero_jax.model import fp8
 from zero_jax.model.contract import PipelineFns
 from zero_jax.model.hooks import Hooks
 
@@ -45,17 +46,17 @@ def fns(module: type[nn.Module], block: type[nn.Module], cfg: Any,
     function of the stats over every layer and the rows' weights, with a
     keyword `layers` for those of some of them: moe.penalty)."""
 
-    def init(key):
+    def init(key, hooks: Hooks | None = None):  # hooks: what the parameters depend on (FP8 histories)
         tokens = jnp.zeros((1, min(8, cfg.max_seq_len)), jnp.int32)
-        return module(cfg).init(key, tokens)["params"]
+        return module(cfg, hooks or Hooks()).init(key, tokens)["params"]
 
     def apply(params, tokens_BxT, hooks, segments_BxT=None):
         return module(cfg, hooks).apply({"params": params}, tokens_BxT, segments_BxT)
 
     def decay_mask(params):
-        # Matrices (named w*) decay; norm parameters and biases do not.
+        # Matrices (named w*) decay; norm parameters, biases and FP8 amax histories do not.
         return jax.tree_util.tree_map_with_path(
-            lambda path, _: str(path[-1].key).startswith("w"), params)
+            lambda path, _: str(path[-1].key).startswith("w") and not fp8.is_history(path), params)
 
     def stage(blocks, x_BxTxD, hooks):
         n = jax.tree.leaves(blocks)[0].shape[0]

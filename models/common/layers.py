@@ -16,6 +16,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from zero_jax.model import fp8
+
 # Attention implementations: "xla", the computation written out below, which
 # materialises the T x T scores; "cudnn", jax.nn.dot_product_attention's fused
 # cuDNN kernel, which does not.
@@ -25,6 +27,19 @@ ATTENTION = ("xla", "cudnn")
 def param(module: nn.Module, name: str, shape, names, init):
     """A float32 parameter of `module` named with logical axes."""
     return module.param(name, nn.with_logical_partitioning(init, names), shape, jnp.float32)
+
+
+def projection(module: nn.Module, hooks, eq: str, x, name: str, shape, names, init):
+    """einsum(eq, x, w) for a block's projection, w the parameter `name`: in
+    FP8 where the precision policy says so, with its amax history beside
+    it under delayed scaling (zero_jax.model.fp8)."""
+    history = None
+    if hooks.fp8 == "delayed":
+        history = module.param(fp8.history_name(name),
+                               nn.with_logical_partitioning(nn.initializers.zeros, (None, None)),
+                               (fp8.ROWS, hooks.fp8_history), jnp.float32)
+    return hooks.dense(eq, x, param(module, name, shape, names, init), names, fp8=True,
+                       history=history)
 
 
 def attention(q_BxTxHxQ, k_BxSxKxQ, v_BxSxKxQ, implementation: str = "xla", window: int = 0,

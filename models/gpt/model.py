@@ -230,7 +230,7 @@ class Block(nn.Module):
         param = functools.partial(layers.param, self)
 
         def dense(eq, x, name, shape, names, init):  # the block's projections: FP8 where asked
-            return h.dense(eq, x, param(name, shape, names, init), names, fp8=True)
+            return layers.projection(self, h, eq, x, name, shape, names, init)
 
         def add_bias(x, name, shape, names):
             return block.add_bias(h, param, x, name, shape, names)

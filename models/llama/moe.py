@@ -237,14 +237,14 @@ class MoEMLP(nn.Module):
         where the policy says so (they are dense projections)."""
         c, h = self.cfg, self.hooks
         D, S = y_BxTxD.shape[-1], c.shared_mlp
-        gate = h.dense("btd,df->btf", y_BxTxD, param("w_shared_gate", (D, S), ("embed", "mlp")),
-                       ("embed", "mlp"), fp8=True)
-        up = h.dense("btd,df->btf", y_BxTxD, param("w_shared_up", (D, S), ("embed", "mlp")),
-                     ("embed", "mlp"), fp8=True)
+
+        def project(eq, x, name, shape, names, init=nn.initializers.normal(0.02)):
+            return layers.projection(self, h, eq, x, name, shape, names, init)
+
+        gate = project("btd,df->btf", y_BxTxD, "w_shared_gate", (D, S), ("embed", "mlp"))
+        up = project("btd,df->btf", y_BxTxD, "w_shared_up", (D, S), ("embed", "mlp"))
         hidden = jax.nn.silu(gate.astype(jnp.float32)).astype(up.dtype) * up
-        shared = h.dense("btf,fd->btd", hidden,
-                         param("w_shared_down", (S, D), ("mlp", "embed"), residual),
-                         ("mlp", "embed"), fp8=True)
+        shared = project("btf,fd->btd", hidden, "w_shared_down", (S, D), ("mlp", "embed"), residual)
         if c.shared_expert_gate:  # Qwen2-MoE: a per-token sigmoid scales them
             mix = h.dense("btd,do->bto", y_BxTxD, param("w_shared_mix", (D, 1), ("embed", None)),
                           ("embed", None))

@@ -31,9 +31,11 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec
 
 from zero_jax.analysis import hlo
+from zero_jax.precision import master
+from zero_jax.sharding import quantized
 from zero_jax.sharding import zero as zero_lib
 from zero_jax.sharding.mesh import DATA_AXES
 from zero_jax.sharding.specs import shard_elements, spec_leaves
@@ -228,8 +230,52 @@ def _permute_axes(pairs: list[list[int]], mesh) -> tuple[str, ...] | None:
     return tuple(mesh.axis_names[i] for i in sorted(differ)) if pairs else None
 
 
+@dataclasses.dataclass(frozen=True)
+class Quantized:
+    """The ZeRO++ / FP8 collectives of a step, for `theory`: a split leaf's
+    gather moves `quantized.wire_bytes` (a byte per element, 4 per block's
+    scale) under qwZ, a byte per element for an FP8 product's weight; under
+    qgZ a product's gradient reduction moves the same int8 blocks through
+    an all-to-all."""
+
+    gather_block: int = 0  # qwZ: ZeRO-3 gathers in int8 blocks of about this size
+    reduce_block: int = 0  # qgZ: products' gradients reduced in int8 blocks (on the spot)
+    fp8_gather: bool = False  # FP8 products' weights gathered in e4m3, a byte each
+    products: Any = None  # params tree: used only as a product's weight (master.product_only)
+
+    def gathered(self, elements: int, itemsize: int, row: int | None, product: bool) -> float:
+        """Bytes a split leaf's gather moves (`row`: quantized.Split.row)."""
+        if self.fp8_gather and product:
+            return elements
+        if self.gather_block and row:
+            return quantized.wire_bytes(elements, row, self.gather_block)
+        return elements * itemsize
+
+    def reduced(self, elements: int, itemsize: int, row: int | None, product: bool,
+                on_the_spot: bool) -> float:
+        """Bytes one reduction of a leaf's gradient moves."""
+        if self.reduce_block and on_the_spot and product and row:
+            return quantized.wire_bytes(elements, row, self.reduce_block)
+        return elements * itemsize
+
+
+def _quantized_rows(state_plan, leaves, compute, sharded) -> list[int | None]:
+    """Per leaf, the row (one device's elements of one layer's ZeRO shard)
+    that quantized.gather and reduce_scatter block, None where not split."""
+    stacked = jax.tree.leaves(zero_lib.layer_stacks(state_plan.names))
+    sizes = dict(state_plan.mesh.shape)
+    rows = []
+    for p, c, s, st in zip(leaves, compute, sharded, stacked):
+        c, s = tuple(c) + (None,) * (p.ndim - len(c)), tuple(s) + (None,) * (p.ndim - len(s))
+        shape, c, s = (p.shape[1:], c[1:], s[1:]) if st else (p.shape, c, s)
+        split = quantized.split_of(shape, PartitionSpec(*s), PartitionSpec(*c), sizes)
+        rows.append(None if split is None else split.row)
+    return rows
+
+
 def theory(state_plan, microbatches: int, reduce_once: bool, compute_dtype,
-           gathered_once: tuple[str, ...] = ()) -> dict[str, int] | None:
+           gathered_once: tuple[str, ...] = (),
+           quant: Quantized = Quantized()) -> dict[str, int] | None:
     """The ZeRO paper's volumes in payload bytes per device per step, for a
     layout without a pipeline (None with one): {"gradients", "parameters"}.
 
@@ -247,6 +293,7 @@ def theory(state_plan, microbatches: int, reduce_once: bool, compute_dtype,
     microbatch's are (ZeRO-3 by default). Hybrid sharding adds the
     all-reduce of the sharded gradients' shards across the other
     data-parallel axes. Arrays ZeRO leaves whole are reduced, never gathered.
+    `quant`: what ZeRO++ and FP8 move in fewer bytes (Quantized).
     """
     shape = state_plan.mesh_shape
     if shape.sizes["pipe"] > 1:
@@ -270,14 +317,30 @@ def theory(state_plan, microbatches: int, reduce_once: bool, compute_dtype,
     reductions = m if (stage.grads and not reduce_once and m > 1) else 1
     across = math.prod(shape.sizes[a] for a in DATA_AXES if a not in shape.shard_axes)
     n_zero = math.prod(shape.sizes[a] for a in shape.shard_axes)
-    grads = sum(e * g for e in elements) * reductions
-    if stage.grads and across > 1:
-        grads += sum(e * g // n_zero for e, s in zip(elements, split) if s)
     if not stage.opt_state:
         uses = [0] * len(leaves)
     elif stage.params:
         uses = [m if o else 2 * m for o in once]
     else:
         uses = [1] * len(leaves)
-    params = sum(e * c * u for e, c, s, u in zip(elements, gathered, split, uses) if s)
-    return {"gradients": grads, "parameters": params}
+    products = jax.tree.leaves(quant.products) if quant.products is not None else [False] * len(leaves)
+    rows = _quantized_rows(state_plan, leaves, compute, sharded)
+    on_the_spot = stage.params and reductions == m  # qgZ: inside the backward pass
+    grads = sum(quant.reduced(e, g, r, pr, on_the_spot) * reductions
+                for e, r, pr in zip(elements, rows, products))
+    if stage.grads and across > 1:
+        grads += sum(e * g // n_zero for e, s in zip(elements, split) if s)
+    params = sum(quant.gathered(e, c, r, pr) * u
+                 for e, c, s, u, r, pr in zip(elements, gathered, split, uses, rows, products) if s)
+    return {"gradients": round(grads), "parameters": round(params)}
+
+
+def quantized_of(hooks, state_plan, model) -> Quantized:
+    """What ZeRO++ and FP8 quantize in a job's collectives (`theory`)."""
+    h, plan = hooks, state_plan
+    if not (h.int8_gather_block or h.int8_reduce_block or h.fp8) \
+            or plan.mesh_shape.sizes["pipe"] > 1:  # no theory with a pipeline
+        return Quantized()
+    tokens = (1, min(8, model.max_seq_len or 8))
+    products = master.product_only(model.apply, plan.abstract.params, plan.names, tokens)
+    return Quantized(h.int8_gather_block, h.int8_reduce_block, bool(h.fp8), products)

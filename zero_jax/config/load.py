@@ -38,7 +38,10 @@ _FLAG_NAMES = {("model", "name"): "model", ("optim", "name"): "optimizer",
                ("data", "source"): "data", ("precision", "policy"): "precision",
                ("checkpoint", "dir"): "checkpoint_dir", ("checkpoint", "every"): "checkpoint_every",
                ("offload", "optimizer"): "offload_optimizer",
-               ("offload", "params"): "offload_params"}
+               ("offload", "params"): "offload_params",
+               ("zero", "quantized_weights"): "zero_quantized_weights",
+               ("zero", "quantized_grads"): "zero_quantized_grads",
+               ("zero", "block_size"): "zero_block_size"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +78,8 @@ RANGES: dict[tuple[str, str], Range] = {
     ("model", "vocab_multiple"): _COUNT, ("parallel", "min_shard_elements"): _ANY,
     ("parallel", "virtual_stages"): _ANY, ("precision", "loss_scale_window"): _COUNT,
     ("precision", "hysteresis"): _COUNT, ("precision", "max_consecutive_skips"): _COUNT,
-    ("precision", "min_loss_scale"): _POSITIVE, ("data", "seq_len"): _COUNT,
+    ("precision", "min_loss_scale"): _POSITIVE, ("precision", "fp8_history"): _COUNT,
+    ("zero", "block_size"): Range(2), ("data", "seq_len"): _COUNT,
     ("train", "steps"): _COUNT, ("train", "stop_at"): _ANY, ("train", "batch_size"): _COUNT,
     ("train", "microbatches"): _COUNT, ("train", "eval_every"): _ANY,
     ("train", "eval_batches"): _COUNT,

@@ -27,6 +27,7 @@ PlanDetail = Literal["summary", "full"]  # analysis/summary.py describe
 
 ScheduleName = Literal["gpipe", "1f1b", "interleaved", "zb-h1"]  # pipeline/schedule.py
 PresetName = Literal["auto", "fp32", "bf16", "fp16", "fp8"]  # precision/policies.py PRESETS; auto: by platform
+Fp8Scaling = Literal["current", "delayed"]  # model/fp8.py SCALINGS
 PolicyName = Literal["none", "full", "dots_saveable", "save_names", "offload"]  # model/remat.py
 Optimizer = Literal["adamw", "sgd", "adafactor"]
 Decay = Literal["cosine", "linear", "constant"]
@@ -126,6 +127,17 @@ class PrecisionConfig:
     hysteresis: int = 2  # overflows tolerated before the loss scale halves
     min_loss_scale: float = 1.0  # the loss scale never goes below this
     max_consecutive_skips: int = 20  # stop after this many non-finite steps in a row
+    fp8: Fp8Scaling = "current"  # under --precision fp8: each tensor's scale from this step's amax, or "delayed" from an amax history
+    fp8_history: int = 1024  # delayed scaling: steps of amax history kept per tensor (in the train state, checkpointed)
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroConfig:
+    """ZeRO++'s quantized collectives (sharding/quantized.py)."""
+
+    quantized_weights: bool = False  # qwZ: ZeRO-3's parameter all-gathers in int8 blocks
+    quantized_grads: bool = False  # qgZ: gradient reductions in int8 blocks
+    block_size: int = 256  # elements per int8 block (each with a float32 scale)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,6 +225,7 @@ class Window:
 class RunConfig:
     model: ModelConfig = ModelConfig()
     parallel: ParallelConfig = ParallelConfig()
+    zero: ZeroConfig = ZeroConfig()
     precision: PrecisionConfig = PrecisionConfig()
     activations: ActivationConfig = ActivationConfig()
     optim: OptimConfig = OptimConfig()
@@ -227,7 +240,8 @@ class RunConfig:
 
 
 # TOML table -> its dataclass, in the order --help lists them.
-SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "precision": PrecisionConfig,
+SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "zero": ZeroConfig,
+            "precision": PrecisionConfig,
             "activations": ActivationConfig, "optim": OptimConfig, "data": DataConfig,
             "train": TrainConfig, "offload": OffloadConfig, "checkpoint": CheckpointConfig,
             "distributed": DistributedConfig}

@@ -76,7 +76,9 @@ class PipelineFns:
 class ModelFns:
     """A model as the train step sees it."""
 
-    init: Callable[[jax.Array], Any]  # PRNG key -> params boxed with logical names
+    # (PRNG key, hooks=None) -> params boxed with logical names; `hooks` says
+    # what the parameters depend on (delayed FP8 scaling adds amax histories)
+    init: Callable[..., Any]
     apply: Callable[[Any, jax.Array, Hooks], jax.Array]  # (params, tokens B x T, hooks) -> logits B x T x V
     vocab_size: int  # token ids are < vocab_size (logits may be padded beyond it)
     max_seq_len: int | None  # longest sequence the model takes (None: any)

@@ -13,9 +13,23 @@ mantissa bits; gradients are e5m2, largest 57344, 2 mantissa bits (the
 Transformer Engine / Micikevicius et al. 2022 recipe). Current scaling takes
 each tensor's scale from its own largest magnitude in this step: the
 largest value lands on the format's largest, nothing overflows.
+
+Delayed scaling takes it from the largest magnitude seen over the last H
+steps instead (Transformer Engine's "max" algorithm), so no step waits on a
+reduction over the whole tensor before rounding it. Each product keeps an
+amax history: a float32 parameter of shape (3, H), rows x, w and the output
+gradient, newest first, named `<weight>_fp8_history`. Being a parameter it is
+sharded, stacked over layers, checkpointed and restored onto any mesh like
+the rest. The product reports this step's three amaxes as the history's
+"gradient" (column 0, zeros elsewhere); where gradients are summed
+(microbatches, batch shards, pipeline ticks) histories' are combined by max
+(`combine`), and the step shifts them in (`advance`) in place of an
+optimizer update. An empty history (the first step) scales currently.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -61,3 +75,67 @@ def rounded(x: jax.Array, dtype) -> jax.Array:
     q, scale = current(x, dtype)
     return dequantize(q, scale, x.dtype)
 
+
+
+# --- delayed scaling: the amax history --------------------------------------
+
+SCALINGS = ("current", "delayed")
+HISTORY = "_fp8_history"  # the suffix of an amax history parameter's name
+ROWS = 3  # x, w, the output gradient
+
+
+def history_name(weight: str) -> str:
+    return weight + HISTORY
+
+
+def is_history(path) -> bool:
+    """Whether a tree path (jax.tree_util key path) names an amax history."""
+    last = path[-1] if path else None
+    key = getattr(last, "key", getattr(last, "name", None))
+    return isinstance(key, str) and key.endswith(HISTORY)
+
+
+def delayed(x: jax.Array, dtype, history: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x in `dtype` at the scale of the largest magnitude in `history` (one
+    row), clipped where x has outgrown it; at x's own scale where the
+    history is still empty."""
+    seen = jnp.max(history)
+    scale = jnp.where(seen > 0, scale_for(seen, dtype), scale_for(jnp.max(jnp.abs(x)), dtype))
+    return quantize(x, dtype, scale), scale
+
+
+def amax(x: jax.Array) -> jax.Array:
+    return jnp.max(jnp.abs(x)).astype(jnp.float32)
+
+
+def report(history: jax.Array, amaxes: tuple[jax.Array, ...]) -> jax.Array:
+    """The history's "gradient": this use's amaxes (x, w, output gradient)
+    in column 0, zeros elsewhere."""
+    return jnp.zeros_like(history).at[:, 0].set(jnp.stack(amaxes))
+
+
+def combine(a: Any, b: Any) -> Any:
+    """Two gradient trees' sum, histories' reports combined by max."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x, y: jnp.maximum(x, y) if is_history(path) else x + y, a, b)
+
+
+def without_histories(grads: Any) -> Any:
+    """The gradients an optimizer sees: zeros for the histories."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, g: jnp.zeros_like(g) if is_history(path) else g, grads)
+
+
+def advance(new_params: Any, old_params: Any, grads: Any) -> Any:
+    """`new_params` with each history shifted one step (oldest dropped) and
+    this step's amaxes (its reported column 0) put first."""
+    def one(path, new, old, g):
+        if not is_history(path):
+            return new
+        shifted = jnp.roll(old, 1, axis=-1)
+        return shifted.at[..., 0].set(g[..., 0].astype(old.dtype))
+    return jax.tree_util.tree_map_with_path(one, new_params, old_params, grads)
+
+
+def has_histories(tree: Any) -> bool:
+    return any(is_history(path) for path, _ in jax.tree_util.tree_leaves_with_path(tree))

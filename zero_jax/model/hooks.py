@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from zero_jax.model import param_use
+from zero_jax.model import fp8_dense, param_use
 from zero_jax.context import attention as context_attention
 from zero_jax.context import order as context_order
 from zero_jax.context.order import Context
@@ -102,7 +102,16 @@ class Hooks:
     scan_layers: bool = True  # False: the layer stack is unrolled (one copy of each layer in the program)
     context: Context | None = None  # the sequence split over `context`: strategy and order
     vmapped: tuple[str, ...] = ()  # mesh axes a vmap over batch shards maps to (per_shard)
-    fp8: bool = False  # the products that ask (`dense(fp8=True)`) multiply in FP8 (fp8.py)
+    # The products that ask (`dense(fp8=True)`) multiply in FP8 (fp8.py), with
+    # "current" or "delayed" scaling; "": none do. Delayed: histories this long.
+    fp8: str = ""
+    fp8_history: int = 1024
+    # > 0: stored-sharded (ZeRO-3) parameters are gathered in int8 blocks of about
+    # this many elements (ZeRO++'s qwZ, sharding/quantized.py)
+    int8_gather_block: int = 0
+    # > 0: weight gradients reduced on the spot (ZeRO-3) go through int8 blocks
+    # of about this many elements (ZeRO++'s qgZ, sharding/quantized.py)
+    int8_reduce_block: int = 0
 
     def per_shard(self, axes: Sequence[str]) -> "Hooks":
         """These hooks for one shard of the batch over the data-parallel mesh
@@ -135,7 +144,14 @@ class Hooks:
         return Use(stored, compute, jnp.dtype(dtype or self.dtype), jnp.dtype(self.grad_dtype),
                    w.dtype, None if self.partial_grads else stored,
                    fetch=stored if self.host_params else None, flat_rows=self._rows_merge(),
-                   manual_rows=self._manual_rows(compute))
+                   manual_rows=self._manual_rows(compute), int8_block=self.int8_gather_block,
+                   int8_reduce_block=self.int8_reduce_block, batch_axes=self._batch_axes())
+
+    def _batch_axes(self) -> tuple[str, ...]:
+        """The mesh axes of size > 1 the batch is split over (qgZ's partial sums)."""
+        if self.mesh is None or self.rules is None or not self.int8_reduce_block:
+            return ()
+        return tuple(a for a in self.rules.mesh_axes("batch") if self.mesh.shape[a] > 1)
 
     def _manual_rows(self, compute: NamedSharding | None) -> ManualRows | None:
         """Inside a pipeline's shard_map (`rows`), the mesh axes of size > 1
@@ -168,13 +184,23 @@ class Hooks:
         return checkpoint_name(w, WEIGHT)  # never kept for backward: gathered again
 
     def dense(self, eq: str, x: jax.Array, w: jax.Array, names: Sequence[str | None],
-              fp8: bool = False) -> jax.Array:
+              fp8: bool = False, history: jax.Array | None = None) -> jax.Array:
         """einsum(eq, x, w) with w in the compute dtype and layout. `fp8`: a
         projection of a block, which multiplies in FP8 where the precision
-        policy says so; the embedding, head and router never ask."""
-        fp8 = fp8 and self.fp8
+        policy says so; the embedding, head and router never ask. Under
+        delayed scaling `history` is its amax history (`fp8_history`)."""
+        fp8 = fp8 and bool(self.fp8)
         if fp8 and isinstance(w, (Gathered, Tapped)):  # job.check_combination refuses both
             raise ValueError("an FP8 product on a table or under a split backward")
+        if fp8:
+            if self.fp8 == "current":
+                history = None
+            elif history is None:
+                raise ValueError(f"delayed FP8 scaling: the product of weight {tuple(names)} "
+                                 "has no amax history (models/common/layers.py projection)")
+            else:
+                history = self.weight(history, (None,) * history.ndim, jnp.float32)
+            return checkpoint_name(fp8_dense.dense(self._use(w, names), eq, x, w, history), DOT)
         if isinstance(w, Gathered):
             y = self._on_gathered(lambda use, x, t: param_use.dense(use, eq, x, t), w, names, x)
         elif isinstance(w, Tapped):  # a split backward (pipeline/weight_grad.py)
@@ -185,7 +211,7 @@ class Hooks:
             else:
                 y = param_use.tapped_dense(use, eq, x, w.w, w.x, w.y)
         else:
-            y = param_use.dense(dataclasses.replace(self._use(w, names), fp8=fp8), eq, x, w)
+            y = param_use.dense(self._use(w, names), eq, x, w)
         return checkpoint_name(y, DOT)  # a matrix product, for dots_saveable
 
     def dense_weight_grad(self, eq: str, x: jax.Array, g: jax.Array, w: jax.ShapeDtypeStruct,

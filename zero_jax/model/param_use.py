@@ -30,7 +30,8 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from zero_jax.model import fp8
-from zero_jax.sharding.specs import entry_axes
+from zero_jax.sharding import quantized
+from zero_jax.sharding.specs import entries, entry_axes
 
 
 def put(x, sharding):
@@ -123,24 +124,33 @@ class Use:
     flat_rows: bool = False
     # a table's rows split by hand in `lookup`, inside a manual region (ManualRows)
     manual_rows: ManualRows | None = None
-    # `dense` multiplies in FP8 (fp8.py): w rounded to e4m3 where it is stored
-    # and gathered in 8 bits, x to e4m3, the output gradient to e5m2
-    fp8: bool = False
+    # > 0: gathered in int8 with a scale per block of about this many elements
+    # (ZeRO++'s qwZ, sharding/quantized.py), quantized from the stored copy
+    int8_block: int = 0
+    # > 0: a product's weight gradient reduced in int8 blocks of about this
+    # many elements (ZeRO++'s qgZ), from per-device partial sums over the
+    # batch's mesh axes `batch_axes` (sharding/quantized.py)
+    int8_reduce_block: int = 0
+    batch_axes: tuple[str, ...] = ()
 
     def gather(self, w):
         if self.fetch is not None:
             w = jax.device_put(w, self.fetch)
+        if self.int8_block and self.stored is not None and self.compute is not None:
+            return quantized.gather(w, self.stored, self.compute, self.int8_block, self.dtype)
         # Pinning the cast to the stored layout first makes the gather that the
         # compute layout needs move `dtype` bytes: without it XLA may gather the
         # float32 master copy and cast afterwards.
         return put(put(w.astype(self.dtype), self.stored), self.compute)
 
-    def gather_fp8(self, w):
-        """w rounded to e4m3 at its own scale where it is stored, gathered in
-        8 bits, and that scale: the gather moves a byte per element."""
+    def gather_fp8(self, w, history=None):
+        """w rounded to e4m3 where it is stored, gathered in 8 bits, and its
+        scale: its own, or the amax `history` row's (fp8.delayed). The
+        gather moves a byte per element."""
         if self.fetch is not None:
             w = jax.device_put(w, self.fetch)
-        q, scale = fp8.current(put(w, self.stored), fp8.E4M3)
+        w = put(w, self.stored)
+        q, scale = fp8.current(w, fp8.E4M3) if history is None else fp8.delayed(w, fp8.E4M3, history)
         return put(put(q, self.stored), self.compute), scale
 
     def reduce(self, g):
@@ -170,7 +180,7 @@ weight.defvjp(_weight_fwd, _weight_bwd)
 
 # --- dense: use in a matrix product ------------------------------------------
 
-def _operands(eq: str) -> tuple[str, str, str]:
+def operands(eq: str) -> tuple[str, str, str]:
     inputs, out = eq.replace(" ", "").split("->")
     x, w = inputs.split(",")
     return x, w, out
@@ -178,21 +188,16 @@ def _operands(eq: str) -> tuple[str, str, str]:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def dense(use: Use, eq: str, x, w):
-    """einsum(eq, x, w) with w gathered; its gradient in the gradient dtype.
-    Under `use.fp8` both operands are rounded to e4m3 first (fp8_dense)."""
-    if use.fp8:
-        return fp8_dense(use, eq, x, w)
+    """einsum(eq, x, w) with w gathered; its gradient in the gradient dtype."""
     return jnp.einsum(eq, x, use.gather(w))
 
 
 def _dense_fwd(use, eq, x, w):
-    if use.fp8:
-        return _fp8_fwd(use, eq, x, w)
     return dense(use, eq, x, w), (x, use.gather(w) if use.gathered else w)
 
 
 def _input_grad(use, eq, x, w, g):
-    xs, ws, ys = _operands(eq)
+    xs, ws, ys = operands(eq)
     dx = jnp.einsum(f"{ys},{ws}->{xs}", g, w if use.gathered else use.gather(w))
     return dx.astype(x.dtype)
 
@@ -200,13 +205,44 @@ def _input_grad(use, eq, x, w, g):
 def dense_weight_grad(use: Use, eq: str, x, g):
     """The gradient of w in einsum(eq, x, w) from x and the output's
     gradient g, in the gradient dtype, reduced into w's stored layout."""
-    xs, ws, ys = _operands(eq)
+    xs, ws, ys = operands(eq)
+    if _int8_reduces(use, xs, ws, ys, x, g):
+        partials = _per_device(use, xs, ws, ys, x, g)
+        return quantized.reduce_scatter(partials, use.batch_axes, use.reduce_to, use.compute,
+                                        use.int8_reduce_block, use.grad_dtype).astype(use.param_dtype)
     # One dtype throughout: XLA:CPU's plain dot has no bf16 x bf16 -> f32 kernel.
     same = x.dtype == g.dtype == jnp.dtype(use.grad_dtype)
     flat = _rows_contraction(xs, ws, ys, x, g, use.grad_dtype) if use.flat_rows and same else None
     if flat is None:
         flat = jnp.einsum(f"{xs},{ys}->{ws}", x, g, preferred_element_type=use.grad_dtype)
     return use.reduce(flat)
+
+
+def _int8_reduces(use: Use, xs: str, ws: str, ys: str, x, g) -> bool:
+    """Whether qgZ reduces this gradient: ZeRO-3 reducing it on the spot, the
+    batch the leading dimension of both operands, split over mesh axes that
+    include every ZeRO axis of w (else it is reduced in the gradient dtype)."""
+    if not (use.int8_reduce_block and use.reduce_to is not None and use.compute is not None
+            and use.batch_axes and xs[0] == ys[0] and xs[0] not in ws):
+        return False
+    sizes = {**dict(zip(xs, x.shape)), **dict(zip(ys, g.shape))}
+    mesh = use.reduce_to.mesh
+    split = quantized.split_of(tuple(sizes[c] for c in ws), use.reduce_to.spec, use.compute.spec,
+                               dict(mesh.shape))
+    return split is not None and set(split.axes) <= set(use.batch_axes)
+
+
+def _per_device(use: Use, xs: str, ws: str, ys: str, x, g):
+    """Each device's partial sum of the weight gradient over its rows of the
+    batch: (S, *w), S laid out over the batch's mesh axes."""
+    mesh = use.reduce_to.mesh
+    n = math.prod(mesh.shape[a] for a in use.batch_axes)
+    z = next(c for c in "ZYXWVUTSRQ" if c not in xs + ys)
+    x = x.reshape(n, x.shape[0] // n, *x.shape[1:])
+    g = g.reshape(n, g.shape[0] // n, *g.shape[1:])
+    p = jnp.einsum(f"{z}{xs},{z}{ys}->{z}{ws}", x, g, preferred_element_type=use.grad_dtype)
+    spec = PartitionSpec(use.batch_axes, *entries(use.compute.spec, p.ndim - 1))
+    return put(p, NamedSharding(mesh, spec))
 
 
 def _rows_contraction(xs: str, ws: str, ys: str, x, g, dtype):
@@ -242,46 +278,11 @@ def _rows_contraction(xs: str, ws: str, ys: str, x, g, dtype):
 
 
 def _dense_bwd(use, eq, res, g):
-    if use.fp8:
-        return _fp8_bwd(use, eq, res, g)
     x, w = res
     return _input_grad(use, eq, x, w, g), dense_weight_grad(use, eq, x, g)
 
 
 dense.defvjp(_dense_fwd, _dense_bwd)
-
-
-# --- dense in FP8: current scaling ---------------------------------------------
-
-def _fp8_operand(use: Use, w):
-    """The weight as the FP8 product uses it: e4m3 at its scale, gathered."""
-    if use.gathered:  # already gathered in the compute dtype: rounded here
-        return fp8.current(w, fp8.E4M3)
-    return use.gather_fp8(w)
-
-
-def fp8_dense(use: Use, eq: str, x, w):
-    """einsum(eq, x, w) with x and w rounded to e4m3 at their own scales."""
-    return _fp8_fwd(use, eq, x, w)[0]
-
-
-def _fp8_fwd(use, eq, x, w):
-    xq, sx = fp8.current(x, fp8.E4M3)
-    wq, sw = _fp8_operand(use, w)
-    y = jnp.einsum(eq, fp8.dequantize(xq, sx, x.dtype), fp8.dequantize(wq, sw, x.dtype))
-    # x is kept in 8 bits; w as stored (gathered again, rounded alike, backward).
-    return y, (xq, sx, w)
-
-
-def _fp8_bwd(use, eq, res, g):
-    """Both backward products take the e5m2 output gradient and the e4m3
-    operands of the forward."""
-    xq, sx, w = res
-    g8 = fp8.rounded(g, fp8.E5M2)
-    wq, sw = _fp8_operand(use, w)
-    xs, ws, ys = _operands(eq)
-    dx = jnp.einsum(f"{ys},{ws}->{xs}", g8, fp8.dequantize(wq, sw, g.dtype))
-    return dx, dense_weight_grad(use, eq, fp8.dequantize(xq, sx, g.dtype), g8)
 
 
 # --- tapped dense: the input gradient now, the weight's later ------------------

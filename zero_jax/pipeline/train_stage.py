@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
+from zero_jax.model import fp8
 from zero_jax.model.hooks import RowSplit
 from zero_jax.model.loss import cross_entropy
 from zero_jax.pipeline.program import Row, Tables
@@ -373,9 +374,11 @@ class TrainStage(LocalStage):
     # -- accumulators ----------------------------------------------------------
     def add_stack(self, acc, k, g):
         """acc with per-shard chunk gradients g added at local chunk k (None leaves: nothing)."""
-        def add(a, g):
-            return a if g is None else a.at[:, k].add(g)
-        return self.pin(jax.tree.map(add, acc, g), self.where.stage_grads)
+        def add(path, a, g):  # an amax history's reports combine by max (fp8.py)
+            if g is None:
+                return a
+            return a.at[:, k].max(g) if fp8.is_history(path) else a.at[:, k].add(g)
+        return self.pin(jax.tree_util.tree_map_with_path(add, acc, g), self.where.stage_grads)
 
     def add_outer(self, acc, g):
-        return self.pin(jax.tree.map(jnp.add, acc, g), self.where.outer_grads)
+        return self.pin(fp8.combine(acc, g), self.where.outer_grads)

@@ -64,16 +64,21 @@ def wrap(tx: optax.GradientTransformation) -> optax.GradientTransformation:
 
 
 def apply(tx: optax.GradientTransformation, grads: Any, opt_state: Any, params: Any,
-          to_working: Callable[[Any], Any]) -> tuple[Any, Any]:
+          to_working: Callable[[Any], Any],
+          then: Callable[[Any, Any], Any] = lambda new, old: new) -> tuple[Any, Any]:
     """(new parameters, new optimizer state) after one update.
 
     With master weights the parameters are the working copy cast from the
     new master weights (`to_working`); otherwise optax's updates are added.
+    `then(new, old)` finishes the new parameters from the old, the master
+    weights where they are kept (FP8 amax histories advance: they are
+    saved from there).
     """
-    updates, opt_state = tx.update(grads, opt_state, params)
-    if isinstance(opt_state, MasterState):
-        return to_working(opt_state.master), opt_state
-    return optax.apply_updates(params, updates), opt_state
+    updates, new_state = tx.update(grads, opt_state, params)
+    if isinstance(new_state, MasterState):
+        master = then(new_state.master, opt_state.master)
+        return to_working(master), new_state._replace(master=master)
+    return then(optax.apply_updates(params, updates), params), new_state
 
 
 def cast_to(dtypes: Any) -> Callable[[Any], Any]:
@@ -91,32 +96,55 @@ def _array(w):
 class _Recording(Hooks):
     """Hooks that note the dtype each parameter is used in (no mesh, no remat)."""
 
-    def __init__(self, compute_dtype: str, uses: dict):
+    def __init__(self, compute_dtype: str, uses: dict, kinds: dict):
         super().__init__(compute_dtype=compute_dtype)
         object.__setattr__(self, "uses", uses)
+        object.__setattr__(self, "kinds", kinds)
 
-    def _note(self, w, names, dtype):
+    def _note(self, w, names, dtype, kind):
         key = (tuple(names), tuple(_array(w).shape))
         widest = self.uses.get(key)
         dtype = jnp.dtype(dtype)
         if widest is None or dtype.itemsize > widest.itemsize:
             self.uses[key] = dtype
+        self.kinds[key] = self.kinds.get(key, frozenset()) | {kind}
 
     def weight(self, w, names, dtype=None):
-        self._note(w, names, dtype or self.dtype)
+        self._note(w, names, dtype or self.dtype, "weight")
         return super().weight(w, names, dtype)
 
-    def dense(self, eq, x, w, names, fp8=False):
-        self._note(w, names, self.dtype)
-        return super().dense(eq, x, w, names, fp8)
+    def dense(self, eq, x, w, names, fp8=False, history=None):
+        self._note(w, names, self.dtype, "dense")  # an FP8 amax history is unused here: float32
+        return super().dense(eq, x, w, names, fp8, history)
 
     def lookup(self, w, ids, names, out_dtype=None):
-        self._note(w, names, self.dtype)
+        self._note(w, names, self.dtype, "lookup")
         return super().lookup(w, ids, names, out_dtype)
 
     def gathered(self, w, names):
-        self._note(w, names, self.dtype)
+        self._note(w, names, self.dtype, "gathered")
         return super().gathered(w, names)
+
+
+def _traced(apply, abstract_params, compute_dtype: str, tokens_shape) -> tuple[dict, dict]:
+    """(dtype, kinds of use) per (logical names, shape) of a parameter, from
+    tracing `apply` with recording hooks."""
+    uses: dict = {}
+    kinds: dict = {}
+    tokens = jax.ShapeDtypeStruct(tokens_shape, jnp.int32)
+    jax.eval_shape(lambda p, t: apply(p, t, _Recording(compute_dtype, uses, kinds)),
+                   abstract_params, tokens)
+    return uses, kinds
+
+
+def _per_leaf(table: dict, abstract_params, names, default):
+    """`table`'s entry for each parameter, a scanned `layers` dimension left out."""
+    def one(leaf, spec):
+        kept = [(n, size) for n, size in zip(tuple(spec), leaf.shape) if n != "layers"]
+        key = (tuple(n for n, _ in kept), tuple(size for _, size in kept))
+        return table.get(key, default)
+
+    return jax.tree.map(one, abstract_params, names)
 
 
 def use_dtypes(apply, abstract_params, names, compute_dtype: str, tokens_shape=(1, 8),
@@ -128,14 +156,14 @@ def use_dtypes(apply, abstract_params, names, compute_dtype: str, tokens_shape=(
     A parameter used in several dtypes gets the widest; one never used gets
     `unused_dtype`.
     """
-    uses: dict = {}
-    tokens = jax.ShapeDtypeStruct(tokens_shape, jnp.int32)
-    jax.eval_shape(lambda p, t: apply(p, t, _Recording(compute_dtype, uses)),
-                   abstract_params, tokens)
+    uses, _ = _traced(apply, abstract_params, compute_dtype, tokens_shape)
+    return _per_leaf(uses, abstract_params, names, jnp.dtype(unused_dtype))
 
-    def per_leaf(leaf, spec):
-        kept = [(n, size) for n, size in zip(tuple(spec), leaf.shape) if n != "layers"]
-        key = (tuple(n for n, _ in kept), tuple(size for _, size in kept))
-        return uses.get(key, jnp.dtype(unused_dtype))
 
-    return jax.tree.map(per_leaf, abstract_params, names)
+def product_only(apply, abstract_params, names, tokens_shape=(1, 8)) -> Any:
+    """Per parameter, whether the model uses it only as a matrix product's
+    weight (`Hooks.dense`): the uses ZeRO++'s quantized gradient reduction
+    and FP8's 8-bit gather reach, matched as `use_dtypes` matches."""
+    _, kinds = _traced(apply, abstract_params, "float32", tokens_shape)
+    return jax.tree.map(lambda k: k == frozenset({"dense"}),
+                        _per_leaf(kinds, abstract_params, names, frozenset()))

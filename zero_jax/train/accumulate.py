@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from zero_jax.data.microbatches import split_microbatches
+from zero_jax.model import fp8
 from zero_jax.sharding.specs import entries, entry_axes, spec_leaves
 
 
@@ -52,7 +53,7 @@ def accumulate(value_and_grad: Callable[[Any, Any], tuple[jax.Array, Any]],
     def body(carry, micro):
         loss_sum, acc = carry
         loss, grads = value_and_grad(params, micro)
-        acc = constrain_grads(jax.tree.map(jnp.add, acc, constrain_grads(grads)))
+        acc = constrain_grads(fp8.combine(acc, constrain_grads(grads)))
         return (jax.tree.map(jnp.add, loss_sum, loss), acc), None
 
     zeros = constrain_grads(jax.tree.map(jnp.zeros_like, params))
@@ -92,7 +93,7 @@ def accumulate_partials(value_and_grad: Callable[[Any, Any], tuple[jax.Array, An
     def body(carry, rows):
         loss_sum, acc = carry
         loss, grads = per_shard(params, rows)
-        acc = constrain_partials(jax.tree.map(jnp.add, acc, constrain_partials(grads)))
+        acc = constrain_partials(fp8.combine(acc, constrain_partials(grads)))
         return (jax.tree.map(jnp.add, loss_sum, loss), acc), None
 
     zeros = constrain_partials(jax.tree.map(lambda p: jnp.zeros((shards, *p.shape), p.dtype),
@@ -123,12 +124,15 @@ def reduce_partials(partials: Any, grad_specs: Any, mesh: Mesh, axes: Sequence[s
     def pin(x, spec):
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
-    def total(x, dims):
+    def reduce_one(x, spec, history):
         # In the gradient dtype: jnp.sum would sum bf16 in float32, and so
-        # reduce 4 bytes per parameter across devices instead of 2.
-        return jax.lax.reduce(x, jnp.zeros((), x.dtype), jax.lax.add, dims)
+        # reduce 4 bytes per parameter across devices instead of 2. An amax
+        # history's reports combine by max (fp8.py).
+        op = jax.lax.max if history else jax.lax.add
 
-    def reduce_one(x, spec):
+        def total(x, dims):
+            return jax.lax.reduce(x, jnp.zeros((), x.dtype), op, dims)
+
         dims = entries(spec, x.ndim - 1)
         first = tuple(a for a in zero_axes if a in axes and any(a in entry_axes(e) for e in dims))
         rest = tuple(a for a in axes if a not in first)
@@ -141,5 +145,6 @@ def reduce_partials(partials: Any, grad_specs: Any, mesh: Mesh, axes: Sequence[s
         return pin(total(x, tuple(range(len(rest)))), spec)
 
     specs = spec_leaves(grad_specs)
-    leaves, tree = jax.tree.flatten(partials)
-    return jax.tree.unflatten(tree, [reduce_one(x, s) for x, s in zip(leaves, specs)])
+    leaves, tree = jax.tree_util.tree_flatten_with_path(partials)
+    return jax.tree.unflatten(tree, [reduce_one(x, s, fp8.is_history(path))
+                                     for (path, x), s in zip(leaves, specs)])

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from zero_jax.model import fp8
 from zero_jax.precision import loss_scale as loss_scale_lib
 from zero_jax.precision import master as master_lib
 from zero_jax.sharding import offload as offload_lib
@@ -49,13 +50,19 @@ def train_step(state: TrainState, batch: Any, *, loss_and_grads: Callable,
     scale = state.loss_scale.scale
     batch = grads.weighted(batch)
     measured, g = loss_and_grads(state.params, batch, scale if scale_cfg.enabled else None)
-    if scale_cfg.enabled:
-        g = jax.tree.map(lambda x: (x.astype(jnp.float32) / scale).astype(x.dtype), g)
-    grad_norm = optax.tree.norm(g)  # before clipping
+    if scale_cfg.enabled:  # FP8 amax histories' reports are amaxes, not gradients
+        g = jax.tree_util.tree_map_with_path(
+            lambda path, x: x if fp8.is_history(path)
+            else (x.astype(jnp.float32) / scale).astype(x.dtype), g)
+    grad_norm = optax.tree.norm(fp8.without_histories(g))  # before clipping
     finite = jnp.isfinite(grad_norm)
 
     def update(g, opt_state, params, finite):
-        new_params, new_opt = master_lib.apply(tx, g, opt_state, params, state_plan.to_working)
+        # The optimizer sees zeros for the amax histories, which the step's
+        # reports then advance (fp8.py): they are statistics, not weights.
+        new_params, new_opt = master_lib.apply(tx, fp8.without_histories(g), opt_state, params,
+                                               state_plan.to_working,
+                                               lambda new, old: fp8.advance(new, old, g))
         # A step with non-finite gradients leaves parameters and optimizer state
         # bitwise as they were; only the step count and the loss scale move.
         def keep(new, old):
