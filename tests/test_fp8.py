@@ -191,3 +191,18 @@ def test_histories_survive_a_checkpoint_onto_another_mesh_bit_for_bit(corpus, tm
     restored = host(restored)
     assert _histories(restored.params) and all(np.any(h) for h in _histories(restored.params).values())
     jax.tree.map(np.testing.assert_array_equal, restored, saved)
+
+
+def test_a_product_through_autodiff_rounds_as_the_custom_vjp_does():
+    """fp8.product (a mixture's grouped GEMMs): the forward and both
+    gradients of the FP8 dense's custom VJP, from autodiff alone."""
+    use = param_use.Use(None, None, jnp.bfloat16, jnp.float32, jnp.float32, None)
+    x, w, g = _inputs("heavy", jax.random.key(4))
+    w = w.astype(jnp.bfloat16)
+    ours = jax.vjp(lambda x, w: fp8.product(lambda a, b: jnp.einsum("td,df->tf", a, b))(x, w), x, w)
+    theirs = jax.vjp(lambda x, w: fp8_dense.dense(use, "td,df->tf", x, w, None), x, w)
+    f32 = lambda a: np.asarray(a.astype(jnp.float32))  # noqa: E731
+    np.testing.assert_allclose(f32(ours[0]), f32(theirs[0]), rtol=2 ** -7, atol=1e-6)
+    for a, b in zip(ours[1](g), theirs[1](g)):
+        # The weight gradient: bf16 (autodiff) against float32 (the custom VJP's gradient dtype).
+        np.testing.assert_allclose(f32(a), f32(b), rtol=2 ** -6, atol=1e-3 * float(jnp.max(jnp.abs(f32(b)))))

@@ -350,3 +350,28 @@ def test_hardware_flops_are_megatrons_equation_3_where_the_layout_recomputes():
     assert full.model_flops == pytest.approx(eq3 * 3 / 4, rel=0.02)  # the forward 3 times, not 4
     plain = _megatron_row("none")
     assert plain.hardware_flops == plain.model_flops
+
+
+def test_quantized_collectives_are_planned_at_zero_3_and_shrink_its_traffic():
+    """qwZ+qgZ is a choice at ZeRO-3 without a pipeline only (quantized.check
+    refuses the rest); across nodes its gathers and reductions take about
+    (1 + 4/256) bytes per element where bf16 took 2 and float32 gradients 4."""
+    build = models.for_run(config_lib.ModelConfig(name="gpt-tiny"), 256)[0]
+    cluster = choices.Cluster(A100.device, 2, 8)
+    found = choices.choices(build(1).config, cluster, 16)
+    assert {c.quantized for c in found if c.zero == 3 and c.pipe == 1} == {False, True}
+    assert not any(c.quantized for c in found if c.zero < 3 or c.pipe > 1)
+    plain = choices.Choice(1, 1, 16, 3, "full", 1, 1)
+    quant = dataclasses.replace(plain, quantized=True)
+    assert "qwZ+qgZ" in quant.label
+    # gpt-small's layers: large enough that bytes, not latencies, set the time.
+    base = {**BASE, "model.name": "gpt-small", "model.vocab_size": 50304, "precision.policy": "bf16",
+            "data.seq_len": 256}
+    small = models.for_run(config_lib.ModelConfig(name="gpt-small"), 50304)[0]
+    time = {c: cost.estimate(choices.abstract_job(c.flat(base), small, 16), c, cluster).time
+            for c in (plain, quant)}
+    total = {c: time[c].comm_s["data"] + time[c].hidden_s["data"] for c in time}
+    assert total[quant] < 0.55 * total[plain]
+    with pytest.raises(config_lib.ConfigError, match="--zero-quantized-grads with a pipeline"):
+        choices.abstract_job(dataclasses.replace(quant, pipe=2, data=8, microbatches=2,
+                                                 schedule="1f1b").flat(BASE), build, 16)

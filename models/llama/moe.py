@@ -41,6 +41,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from models.common import layers
+from zero_jax.model import fp8 as fp8_lib
 from zero_jax.model.hooks import Hooks
 
 
@@ -84,9 +85,12 @@ def row_stats(routing: Routing, n_experts: int, rows: int) -> dict[str, jax.Arra
             "expert_load": chosen_BxSxE.sum(1) / k}
 
 
-def _swiglu(x, w_gate, w_up, w_down, product):
+def _swiglu(x, w_gate, w_up, w_down, product, fp8: bool = False):
     """SwiGLU through `product(x, w)` (one matrix per expert), its
-    activations named as the dense MLP names them (for remat policies)."""
+    activations named as the dense MLP names them (for remat policies);
+    with `fp8` each product in FP8 (zero_jax.model.fp8.product)."""
+    if fp8:
+        product = fp8_lib.product(product)
     gate = checkpoint_name(product(x, w_gate), "mlp_hidden")
     up = checkpoint_name(product(x, w_up), "mlp_hidden")
     hidden = checkpoint_name(jax.nn.silu(gate.astype(jnp.float32)).astype(up.dtype) * up,
@@ -94,11 +98,11 @@ def _swiglu(x, w_gate, w_up, w_down, product):
     return product(hidden, w_down)
 
 
-def _grouped(rows_AxD, counts_E, w_gate, w_up, w_down):
+def _grouped(rows_AxD, counts_E, w_gate, w_up, w_down, fp8: bool = False):
     """SwiGLU of rows sorted by expert, `counts_E` rows each: grouped matmuls.
     Rows past the counts' sum come out zero."""
     return _swiglu(rows_AxD, w_gate, w_up, w_down,
-                   lambda x, w: jax.lax.ragged_dot(x, w, counts_E))
+                   lambda x, w: jax.lax.ragged_dot(x, w, counts_E), fp8)
 
 
 def _count(ids, n: int) -> jax.Array:
@@ -116,9 +120,10 @@ def _exchange(x, axis: str | None):
 
 
 def dropless(x_NxD, routing: Routing, w_gate, w_up, w_down, n_experts: int,
-             axis: str | None, ep: int):
+             axis: str | None, ep: int, fp8: bool = False):
     """Every copy multiplied by its expert; (N, D), weighted and summed over k.
-    The expert weights are this device's El = E / ep experts."""
+    The expert weights are this device's El = E / ep experts; `fp8`: the
+    grouped GEMMs in FP8."""
     N, D = x_NxD.shape
     k = routing.experts_Nxk.shape[1]
     A, El = N * k, n_experts // ep
@@ -127,7 +132,7 @@ def dropless(x_NxD, routing: Routing, w_gate, w_up, w_down, n_experts: int,
     sorted_e = flat[order]
     rows = x_NxD[order // k]
     if ep == 1:
-        out = _grouped(rows, _count(sorted_e, El), w_gate, w_up, w_down)
+        out = _grouped(rows, _count(sorted_e, El), w_gate, w_up, w_down, fp8)
     else:
         # Copies for device d sit at rows [0, sent_d) of block d, sorted by expert.
         dest = sorted_e // El
@@ -138,7 +143,7 @@ def dropless(x_NxD, routing: Routing, w_gate, w_up, w_down, n_experts: int,
         got, got_e = _exchange(send, axis).reshape(ep * A, D), _exchange(local, axis).reshape(-1)
         # Padding rows carry id El: sorted last, not counted, multiplied by nothing.
         by_expert = jnp.argsort(got_e, stable=True)
-        done = _grouped(got[by_expert], _count(got_e, El), w_gate, w_up, w_down)
+        done = _grouped(got[by_expert], _count(got_e, El), w_gate, w_up, w_down, fp8)
         back = jnp.zeros_like(done).at[by_expert].set(done)
         out = _exchange(back.reshape(ep, A, D), axis)[dest, pos]
     copies = jnp.zeros_like(out).at[order].set(out).reshape(N, k, D)
@@ -151,9 +156,10 @@ def capacity(tokens: int, k: int, n_experts: int, factor: float) -> int:
 
 
 def capped(x_NxD, routing: Routing, w_gate, w_up, w_down, n_experts: int,
-           axis: str | None, ep: int, factor: float):
+           axis: str | None, ep: int, factor: float, fp8: bool = False):
     """At most C copies per expert from this device, first choices first;
-    the copies past C contribute nothing. (N, D)."""
+    the copies past C contribute nothing. (N, D). `fp8`: the expert GEMMs
+    in FP8."""
     N, D = x_NxD.shape
     k = routing.experts_Nxk.shape[1]
     E, El, C = n_experts, n_experts // ep, capacity(N, k, n_experts, factor)
@@ -169,7 +175,7 @@ def capped(x_NxD, routing: Routing, w_gate, w_up, w_down, n_experts: int,
     # blocks from every source device.
     got = _exchange(slots.reshape(ep, El, C, D), axis)
     got = got.transpose(1, 0, 2, 3).reshape(El, ep * C, D)
-    done = _swiglu(got, w_gate, w_up, w_down, lambda x, w: jnp.einsum("ecd,edf->ecf", x, w))
+    done = _swiglu(got, w_gate, w_up, w_down, lambda x, w: jnp.einsum("ecd,edf->ecf", x, w), fp8)
     back = _exchange(done.reshape(El, ep, C, D).transpose(1, 0, 2, 3), axis).reshape(E, C, D)
     kept = (pos < C)[:, None]
     out = jnp.where(kept, back[sorted_e, jnp.minimum(pos, C - 1)], 0)
@@ -215,9 +221,10 @@ class MoEMLP(nn.Module):
             ep = E // w_gate.shape[0]
             x = x_BxTxD.reshape(b * t, D)
             if c.capacity_factor:
-                out = capped(x, local, w_gate, w_up, w_down, E, axis, ep, c.capacity_factor)
+                out = capped(x, local, w_gate, w_up, w_down, E, axis, ep, c.capacity_factor,
+                             fp8=bool(h.fp8))
             else:
-                out = dropless(x, local, w_gate, w_up, w_down, E, axis, ep)
+                out = dropless(x, local, w_gate, w_up, w_down, E, axis, ep, fp8=bool(h.fp8))
             if tensor is not None:  # row-parallel down projection: partial sums
                 out = jax.lax.psum(out.astype(jnp.float32), tensor).astype(out.dtype)
             return out.reshape(b, t, D)

@@ -34,6 +34,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from zero_jax.analysis import hlo
+from zero_jax.model import fp8
 from zero_jax.precision import master
 from zero_jax.sharding import quantized
 from zero_jax.sharding import zero as zero_lib
@@ -273,6 +274,17 @@ def _quantized_rows(state_plan, leaves, compute, sharded) -> list[int | None]:
     return rows
 
 
+def _leaf_kinds(state_plan, with_paths, compute, sharded, quant: Quantized):
+    """Per leaf: its quantized row (or None), whether it is only a product's
+    weight, and whether its gradient is reduced at all (an FP8 amax
+    history's "gradient" is computed whole on every device)."""
+    leaves = [p for _, p in with_paths]
+    products = (jax.tree.leaves(quant.products) if quant.products is not None
+                else [False] * len(leaves))
+    return (_quantized_rows(state_plan, leaves, compute, sharded), products,
+            [not fp8.is_history(path) for path, _ in with_paths])
+
+
 def theory(state_plan, microbatches: int, reduce_once: bool, compute_dtype,
            gathered_once: tuple[str, ...] = (),
            quant: Quantized = Quantized()) -> dict[str, int] | None:
@@ -323,11 +335,10 @@ def theory(state_plan, microbatches: int, reduce_once: bool, compute_dtype,
         uses = [m if o else 2 * m for o in once]
     else:
         uses = [1] * len(leaves)
-    products = jax.tree.leaves(quant.products) if quant.products is not None else [False] * len(leaves)
-    rows = _quantized_rows(state_plan, leaves, compute, sharded)
+    rows, products, reduced = _leaf_kinds(state_plan, with_paths, compute, sharded, quant)
     on_the_spot = stage.params and reductions == m  # qgZ: inside the backward pass
     grads = sum(quant.reduced(e, g, r, pr, on_the_spot) * reductions
-                for e, r, pr in zip(elements, rows, products))
+                for e, r, pr, red in zip(elements, rows, products, reduced) if red)
     if stage.grads and across > 1:
         grads += sum(e * g // n_zero for e, s in zip(elements, split) if s)
     params = sum(quant.gathered(e, c, r, pr) * u

@@ -109,6 +109,9 @@ def parse(argv):
     p.add_argument("--tables", default="rows,whole",
                    help="how pipelines use the embedding and head to consider "
                         "(--pipeline-tables): rows, whole")
+    p.add_argument("--quantized", default="off,on",
+                   help="ZeRO++'s int8 collectives (qwZ+qgZ) at ZeRO-3 to consider: off, on "
+                        "(default: %(default)s)")
     p.add_argument("--top", type=int, default=10, help="layouts shown (default: %(default)s)")
     p.add_argument("--reserve-gb", type=float, default=None,
                    help="memory per device kept free beyond the estimate (default: the larger "
@@ -207,7 +210,9 @@ def layout_options(args) -> Space:
                  remats=names("--remat", args.remat, remat.POLICIES),
                  micros=int_list("--micro", args.micro),
                  offloads=tuple("" if o == "none" else o for o in offloads),
-                 tables=names("--tables", args.tables, ("rows", "whole")))
+                 tables=names("--tables", args.tables, ("rows", "whole")),
+                 quantized=tuple(q == "on" for q in names("--quantized", args.quantized,
+                                                          ("off", "on"))))
 
 
 def problem_of(args) -> tuple[search.Problem, str, Space]:

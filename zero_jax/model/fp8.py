@@ -77,6 +77,33 @@ def rounded(x: jax.Array, dtype) -> jax.Array:
 
 
 
+@jax.custom_vjp
+def entering(x: jax.Array) -> jax.Array:
+    """x rounded to e4m3 at its current scale; its gradient passes through."""
+    return rounded(x, E4M3)
+
+
+entering.defvjp(lambda x: (rounded(x, E4M3), None), lambda _, g: (g,))
+
+
+@jax.custom_vjp
+def leaving(y: jax.Array) -> jax.Array:
+    """y itself; its gradient rounded to e5m2 at its current scale."""
+    return y
+
+
+leaving.defvjp(lambda y: (y, None), lambda _, g: (rounded(g, E5M2),))
+
+
+def product(fn):
+    """`fn(x, w)`, a matrix product, in FP8 through autodiff: both operands
+    rounded to e4m3 as they enter and the output's gradient to e5m2 as it
+    leaves, so both backward products take the rounded operands (a product
+    with no custom VJP of its own: a mixture's grouped expert GEMMs). The
+    residuals are the rounded operands in their own dtype."""
+    return lambda x, w: leaving(fn(entering(x), entering(w)))
+
+
 # --- delayed scaling: the amax history --------------------------------------
 
 SCALINGS = ("current", "delayed")

@@ -70,6 +70,7 @@ class Choice:
     tables: str = "rows"  # with pipe > 1: how the loops use the embedding and head (--pipeline-tables)
     expert: int = 1  # of the data-parallel devices, the expert axis (a mixture of experts' split)
     context: int = 1  # devices each sequence is split over (context parallelism), beside data
+    quantized: bool = False  # ZeRO-3: ZeRO++'s int8 gathers and gradient reductions (qwZ, qgZ)
 
     @property
     def label(self) -> str:
@@ -79,7 +80,8 @@ class Choice:
         return (f"PP={self.pipe} TP={self.tensor}{cp} DP={self.data}{ep} ZeRO-{self.zero} {self.remat} "
                 f"mb={self.micro}x{self.microbatches} {s}"
                 + (" tables=whole" if self.pipe > 1 and self.tables == "whole" else "")
-                + (f" offload={self.offload}" if self.offload else ""))
+                + (f" offload={self.offload}" if self.offload else "")
+                + (" qwZ+qgZ" if self.quantized else ""))
 
     def mesh(self, cluster: Cluster) -> dict[str, dict[str, int]]:
         """[ici] and [dcn] sizes: tensor inside a node first, then context
@@ -129,6 +131,8 @@ class Choice:
         if self.offload:
             out["offload.optimizer"] = True
             out["offload.params"] = self.offload == "opt+params"
+        if self.quantized:
+            out["zero.quantized_weights"] = out["zero.quantized_grads"] = True
         return out
 
 
@@ -145,6 +149,7 @@ class Space:
     schedules: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zb-h1")  # with a pipeline
     offloads: tuple[str, ...] = OFFLOADS  # "" none, "opt" the optimizer state, "opt+params" both
     tables: tuple[str, ...] = ("rows", "whole")  # how a pipeline uses the tables
+    quantized: tuple[bool, ...] = (False, True)  # ZeRO++'s qwZ+qgZ, at ZeRO-3 without a pipeline
 
 
 def choices(model_cfg, cluster: Cluster, global_batch: int, space: Space = Space(),
@@ -160,9 +165,14 @@ def choices(model_cfg, cluster: Cluster, global_batch: int, space: Space = Space
     A mixture of experts also takes every expert axis that divides both its
     experts and the data-parallel devices. For sequences of LONG tokens or
     more, the devices beside tensor and pipe are also split between
-    `context` (each sequence over c of them, 2c dividing it) and data."""
+    `context` (each sequence over c of them, 2c dividing it) and data.
+    At ZeRO-3 without a pipeline, each layout with and without ZeRO++'s
+    quantized collectives (`space.quantized`)."""
     stages, remats, micros, schedules, offloads, tables = (
         space.stages, space.remats, space.micros, space.schedules, space.offloads, space.tables)
+
+    def quantized(zero: int, pipe: int) -> tuple[bool, ...]:  # quantized.check's rule
+        return space.quantized if zero == 3 and pipe == 1 else tuple(q for q in space.quantized if not q)
     if not cluster.device.can_offload:
         offloads = tuple(o for o in offloads if not o)
     out = []
@@ -189,9 +199,10 @@ def choices(model_cfg, cluster: Cluster, global_batch: int, space: Space = Space
                 for remat in remats:
                     for schedule, v in plans:
                         out += [Choice(pipe, tensor, data, zero, remat, micro, m, schedule, v, o,
-                                       t, e, context)
+                                       t, e, context, q)
                                 for o in kept for t in (tables if pipe > 1 else ("rows",))
-                                for e in _divisors(math.gcd(experts, data) if experts else 1)]
+                                for e in _divisors(math.gcd(experts, data) if experts else 1)
+                                for q in quantized(zero, pipe)]
     return out
 
 

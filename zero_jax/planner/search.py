@@ -76,7 +76,7 @@ def estimate_all(problem: Problem, layouts: list[Choice],
     estimates = []
     for choice in progress(layouts, "estimate"):
         key = (choice.pipe, choice.tensor, choice.data, choice.zero, choice.virtual, choice.offload,
-               choice.expert, choice.context)
+               choice.expert, choice.context, choice.quantized)
         if key not in jobs:
             try:
                 jobs[key] = abstract_job(choice.flat(problem.base), problem.build,

@@ -45,6 +45,7 @@ from zero_jax.planner import kernels, links
 from zero_jax.planner.choices import Choice, Cluster, pipeline_schedule
 from zero_jax.planner.step_bytes import (compute_grad_bytes, dtype_bytes, reduces_each_microbatch,
                                          tables_in_blocks, update_elements)
+from zero_jax.sharding import quantized
 from zero_jax.sharding import zero as zero_lib
 
 # Bytes of host memory the update reads and writes per parameter it updates:
@@ -271,8 +272,9 @@ def _data_time(job: job_lib.Job, choice: Choice, cluster: Cluster,
     t = work.times
     backward = layers_here * (t.forward * (work.passes - 1) + t.backward)  # one microbatch's
     reduce = "reduce-scatter" if stage.grads else "all-reduce"
-    grads = layers_here * links.collective_s(reduce, psi * g / layers_here, n, link)
     each_microbatch = reduces_each_microbatch(job, stage)
+    c, g, reduce = _quantized(job, c, g, reduce, stage.params and each_microbatch)
+    grads = layers_here * links.collective_s(reduce, psi * g / layers_here, n, link)
     if stage.params:
         # Per microbatch the link carries each layer's gathers (forward
         # passes and backward), prefetched a layer ahead, and with ZeRO-3's
@@ -293,6 +295,24 @@ def _data_time(job: job_lib.Job, choice: Choice, cluster: Cluster,
         total += gather
         exposed += gather
     return total, exposed
+
+
+def _quantized(job: job_lib.Job, c: float, g: float, reduce: str,
+               on_the_spot: bool) -> tuple[float, float, str]:
+    """Bytes per element gathered and reduced, and the reduction, under
+    ZeRO++ (sharding/quantized.py): a byte and a float32 scale per block
+    for every ZeRO-3 gather (qwZ) and, reduced on the spot, every gradient
+    (qgZ, an all-to-all); FP8 products' weights a byte each. Every
+    parameter is counted as a product's (the embedding's and norms' few are
+    not quantized: a slight underestimate of the bytes)."""
+    h = job.hooks
+    if h.int8_gather_block:
+        c = 1 + quantized.SCALE_BYTES / h.int8_gather_block
+    elif h.fp8:
+        c = 1
+    if h.int8_reduce_block and on_the_spot:
+        g, reduce = 1 + quantized.SCALE_BYTES / h.int8_reduce_block, "all-to-all"
+    return c, g, reduce
 
 
 def _host_time(job: job_lib.Job, choice: Choice, cluster: Cluster) -> dict[str, float]:

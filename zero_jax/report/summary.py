@@ -174,7 +174,7 @@ def summary_rows(job: Job, data_line: str, model_line: str,
                  + (f"{'*'.join(shard_axes)} (N_d={n_shard})" if shard_axes else "no axis (N_d=1)")
                  + f": optimizer state {_sharded(stage.opt_state)}, gradients "
                    f"{_sharded(stage.grads)}, parameters {_sharded(stage.params)}; gradients "
-                   f"reduced {reduce}"),
+                   f"reduced {reduce}" + _zero_plus_plus(job)),
         ("states", report.formula),
         ("batch", f"global {t.batch_size} = {t.batch_size // (t.microbatches * dp)} per device x "
                   f"{t.microbatches} microbatches x {dp} data-parallel; seq {run.data.seq_len}"
@@ -185,6 +185,24 @@ def summary_rows(job: Job, data_line: str, model_line: str,
                       f"{run.optim.decay} to x{run.optim.min_lr_ratio:g}), weight decay "
                       f"{run.optim.weight_decay:g}, clip {run.optim.clip_norm:g}; {t.steps} steps"),
     ]
+
+
+def _zero_plus_plus(job: Job) -> str:
+    """What the run gathers or reduces in 8 bits (ZeRO++, FP8), for the zero row."""
+    h = job.hooks
+    parts = []
+    if h.int8_gather_block:
+        parts.append(f"parameters gathered in int8 (qwZ; blocks of about {h.int8_gather_block}, "
+                     "a float32 scale each)")
+    elif h.fp8 and zero_lib.stage(job.state_plan.zero_stage).params:
+        parts.append("the FP8 products' weights gathered in e4m3")
+    if h.int8_reduce_block:
+        parts.append(f"products' gradients reduced in int8 through all-to-all (qgZ; blocks of "
+                     f"about {h.int8_reduce_block}), summed in float32")
+    if h.fp8:
+        parts.append(f"FP8 scaling {h.fp8}" + (f" (amax history of {h.fp8_history} steps)"
+                                                if h.fp8 == "delayed" else ""))
+    return "; " + "; ".join(parts) if parts else ""
 
 
 def _state_row(label: str, figures: dict[str, float]) -> tuple[str, ...]:

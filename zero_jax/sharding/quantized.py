@@ -62,8 +62,18 @@ def wire_bytes(elements: int, row: int, block: int) -> float:
     return rows * (b.padded + SCALE_BYTES * b.count())
 
 
-def check(zero: ZeroConfig, zero_stage: int) -> None:
-    """qwZ and qgZ quantize ZeRO-3's collectives: refused below it."""
+def check(zero: ZeroConfig, zero_stage: int, pipelined: bool, grad_reduce: str) -> None:
+    """qwZ and qgZ quantize ZeRO-3's collectives: refused below it; qgZ the
+    reductions it runs inside the backward pass, which a pipeline, or
+    gradients reduced once per step, leave to a reduction of partial sums."""
+    if zero.quantized_grads and zero_lib.stage(zero_stage).params and (
+            pipelined or grad_reduce == "step"):
+        why = "a pipeline" if pipelined else "--grad-reduce step"
+        raise ConfigError(
+            f"--zero-quantized-grads with {why}: qgZ quantizes the gradient reduction ZeRO-3 "
+            "runs in the backward pass, layer by layer, and here gradients are summed per "
+            "device and reduced once per step; leave --zero-quantized-grads out, or use "
+            "--grad-reduce microbatch without a pipeline")
     if zero_lib.stage(zero_stage).params:
         return
     if zero.quantized_weights:
