@@ -28,13 +28,17 @@
 #   gemm       the published runs' layer GEMMs timed in bf16 and float32
 #              (scripts/gemm_sweep.py), written as OUT_DIR/gemm.toml: the
 #              `gemm_sweep` line a device kind's TOML takes as its measured curve
+#   fp8        gpt-small and gpt-xl in FP8 against bf16 (scripts/fp8_check.py):
+#              the compiled step's cuBLASLt FP8 GEMMs counted, and each one's
+#              tokens/s in one run
 #
 # Without a GPU the GPU parts run their CPU stand-ins (XLA's attention, the
-# gpu-1 selection's dry run, gpt-tiny), which check the script itself.
+# gpu-1 selection's dry run, gpt-tiny, a tiny GPT in FP8), which check the
+# script itself.
 set -u
 OUT=${1:?usage: bash scripts/gpu_checks.sh OUT_DIR [PART ...]}
 shift
-PARTS=${*:-versions suite moves anatomy attention bench gemm}
+PARTS=${*:-versions suite moves anatomy attention bench gemm fp8}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
@@ -77,15 +81,18 @@ if [ "$GPU" = 1 ]; then
     ATTENTION=(--attention cudnn --precision bf16)
     BENCH=(--cases 'gpt-small/none,gpt-xl/none')
     GEMM=()
+    FP8=()
 else
     DEVICES=(--devices 1)
     ANATOMY=()
     ATTENTION=(--attention xla --seq-lens 256,512)
     BENCH=(--dry-run --cases 'dry-d64/none')
     GEMM=(--shapes 256x256x256,512x128x256 --dtypes float32 --repeats 3)
+    FP8=(--dry-run --steps 2)
 fi
 run moves 90 $PY scripts/hlo_moves.py "${DEVICES[@]}" --mesh data=1 --zero-stage 0 --top 15
 run anatomy 120 $PY scripts/anatomy.py "${DEVICES[@]}" --mesh data=1 "${ANATOMY[@]}" --top 20
 run attention 90 $PY scripts/check_attention.py "${ATTENTION[@]}"
 run bench 240 $PY scripts/bench.py --suite gpu-1 "${BENCH[@]}" --json-out "$OUT/bench.json"
 run gemm 180 $PY scripts/gemm_sweep.py "${GEMM[@]}" --toml "$OUT/gemm.toml"
+run fp8 240 $PY scripts/fp8_check.py "${FP8[@]}"

@@ -3,6 +3,12 @@ allow on random and heavy-tailed inputs, the weight gathered in 8 bits at
 ZeRO-3, the combinations refused, and delayed scaling's amax histories:
 advanced each step, combined by max over a step's parts, checkpointed."""
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,8 +17,11 @@ import pytest
 import models
 from tests.helpers import host, make_job, train
 from zero_jax import config as config_lib, job as job_lib, run as run_lib
+from zero_jax.analysis import hlo
 from zero_jax.checkpoint import manager as manager_lib
 from zero_jax.model import fp8, fp8_dense, param_use
+
+ROOT = Path(__file__).resolve().parent.parent
 
 # Half an ulp, relative, for normal numbers: e4m3 has 3 mantissa bits, e5m2 2; each
 # rounded operand is widened to bf16 with its bf16 scale (half a bf16 ulp twice).
@@ -206,3 +215,30 @@ def test_a_product_through_autodiff_rounds_as_the_custom_vjp_does():
     for a, b in zip(ours[1](g), theirs[1](g)):
         # The weight gradient: bf16 (autodiff) against float32 (the custom VJP's gradient dtype).
         np.testing.assert_allclose(f32(a), f32(b), rtol=2 ** -6, atol=1e-3 * float(jnp.max(jnp.abs(f32(b)))))
+
+
+def test_gemms_are_counted_by_kind():
+    text = "\n".join([
+        '  %g.1 = (bf16[8,8]{1,0}, s8[4]{0}) custom-call(f8e4m3fn[8,16]{1,0} %a, f8e4m3fn[16,8]{0,1} %b),'
+        ' custom_call_target="__cublas$lt$matmul$f8"',
+        '  %g.2 = (bf16[8,8]{1,0}, s8[4]{0}) custom-call(bf16[8,16]{1,0} %a, bf16[16,8]{1,0} %b),'
+        ' custom_call_target="__cublas$lt$matmul"',
+        '  %d.3 = bf16[8,8]{1,0} dot(bf16[8,16]{1,0} %a, bf16[16,8]{1,0} %b), lhs_contracting_dims={1}',
+        '  %d.4 = f32[8,8]{1,0} dot(f8e4m3fn[8,16]{1,0} %a, f8e5m2[16,8]{1,0} %b), lhs_contracting_dims={1}',
+        '  %c.5 = bf16[8,8]{1,0} convert(f8e4m3fn[8,8]{1,0} %q)',
+    ])
+    assert hlo.gemms(text) == {"cublas_fp8": 1, "cublas_other": 1, "triton_gemm": 0,
+                               "dot_fp8": 1, "dot": 1}
+
+
+def test_the_fp8_check_runs_its_stand_in(tmp_path):
+    """scripts/fp8_check.py --dry-run (what gpu_checks.sh runs without a GPU):
+    both precisions compiled, counted and timed."""
+    out = subprocess.run([sys.executable, "scripts/fp8_check.py", "--dry-run", "--steps", "1",
+                          "--warmup", "0", "--json"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "XLA_FLAGS": ""})
+    assert out.returncode == 0, out.stderr[-2000:]
+    results = json.loads(out.stdout[out.stdout.index("["):])
+    assert [r["case"] for r in results] == ["dry-d64/bf16", "dry-d64/fp8"]
+    assert all(r["gemms"]["dot"] > 0 and r["tokens_per_s"] > 0 for r in results)
+    assert results[1]["fp8_over_bf16"] > 0

@@ -75,6 +75,28 @@ def counts(hlo_text: str) -> dict[str, int]:
     return {op: found.get(op, 0) for op in OPS}
 
 
+_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+_DOT = re.compile(r"=\s*(\S+)\s+dot\(([^)]*)\)")
+
+
+def gemms(hlo_text: str) -> dict[str, int]:
+    """Matrix products in a compiled program's text, by kind: cuBLASLt's FP8
+    GEMMs (the custom call XLA:GPU rewrites a quantise-dequantise product
+    into), its other GEMM custom calls, Triton GEMM fusions, and plain dots
+    (what other backends keep) with FP8 operands or without. Instructions,
+    not executions: a loop body's count once."""
+    found = collections.Counter()
+    for line in hlo_text.splitlines():
+        target = _TARGET.search(line)
+        if target and ("cublas" in target[1] or "gemm" in target[1]):
+            found["cublas_fp8" if "f8" in target[1] else "cublas_other"] += 1
+        elif "__triton_gemm" in line and " fusion(" in line:
+            found["triton_gemm"] += 1
+        elif (dot := _DOT.search(line)) is not None:
+            found["dot_fp8" if "f8e" in dot[2] else "dot"] += 1
+    return {k: found.get(k, 0) for k in ("cublas_fp8", "cublas_other", "triton_gemm", "dot_fp8", "dot")}
+
+
 def _iota(dims: list[int], perm: list[int] | None) -> np.ndarray:
     ids = np.arange(int(np.prod(dims))).reshape(dims)
     return ids.transpose(perm) if perm else ids
