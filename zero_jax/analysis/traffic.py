@@ -243,10 +243,11 @@ class Quantized:
     reduce_block: int = 0  # qgZ: products' gradients reduced in int8 blocks (on the spot)
     fp8_gather: bool = False  # FP8 products' weights gathered in e4m3, a byte each
     products: Any = None  # params tree: used only as a product's weight (master.product_only)
+    fp8_products: Any = None  # params tree: used only as an FP8 product's weight
 
-    def gathered(self, elements: int, itemsize: int, row: int | None, product: bool) -> float:
+    def gathered(self, elements: int, itemsize: int, row: int | None, fp8_product: bool) -> float:
         """Bytes a split leaf's gather moves (`row`: quantized.Split.row)."""
-        if self.fp8_gather and product:
+        if self.fp8_gather and fp8_product:
             return elements
         if self.gather_block and row:
             return quantized.wire_bytes(elements, row, self.gather_block)
@@ -276,13 +277,15 @@ def _quantized_rows(state_plan, leaves, compute, sharded) -> list[int | None]:
 
 def _leaf_kinds(state_plan, with_paths, compute, sharded, quant: Quantized):
     """Per leaf: its quantized row (or None), whether it is only a product's
-    weight, and whether its gradient is reduced at all (an FP8 amax
-    history's "gradient" is computed whole on every device)."""
+    weight, only an FP8 product's, and whether its gradient is reduced at
+    all (an FP8 amax history's "gradient" is computed whole on every device)."""
     leaves = [p for _, p in with_paths]
-    products = (jax.tree.leaves(quant.products) if quant.products is not None
-                else [False] * len(leaves))
-    return (_quantized_rows(state_plan, leaves, compute, sharded), products,
-            [not fp8.is_history(path) for path, _ in with_paths])
+
+    def flags(tree):
+        return jax.tree.leaves(tree) if tree is not None else [False] * len(leaves)
+
+    return (_quantized_rows(state_plan, leaves, compute, sharded), flags(quant.products),
+            flags(quant.fp8_products), [not fp8.is_history(path) for path, _ in with_paths])
 
 
 def theory(state_plan, microbatches: int, reduce_once: bool, compute_dtype,
@@ -335,14 +338,14 @@ def theory(state_plan, microbatches: int, reduce_once: bool, compute_dtype,
         uses = [m if o else 2 * m for o in once]
     else:
         uses = [1] * len(leaves)
-    rows, products, reduced = _leaf_kinds(state_plan, with_paths, compute, sharded, quant)
+    rows, products, fp8s, reduced = _leaf_kinds(state_plan, with_paths, compute, sharded, quant)
     on_the_spot = stage.params and reductions == m  # qgZ: inside the backward pass
     grads = sum(quant.reduced(e, g, r, pr, on_the_spot) * reductions
                 for e, r, pr, red in zip(elements, rows, products, reduced) if red)
     if stage.grads and across > 1:
         grads += sum(e * g // n_zero for e, s in zip(elements, split) if s)
-    params = sum(quant.gathered(e, c, r, pr) * u
-                 for e, c, s, u, r, pr in zip(elements, gathered, split, uses, rows, products) if s)
+    params = sum(quant.gathered(e, c, r, f) * u
+                 for e, c, s, u, r, f in zip(elements, gathered, split, uses, rows, fp8s) if s)
     return {"gradients": round(grads), "parameters": round(params)}
 
 
@@ -353,5 +356,5 @@ def quantized_of(hooks, state_plan, model) -> Quantized:
             or plan.mesh_shape.sizes["pipe"] > 1:  # no theory with a pipeline
         return Quantized()
     tokens = (1, min(8, model.max_seq_len or 8))
-    products = master.product_only(model.apply, plan.abstract.params, plan.names, tokens)
-    return Quantized(h.int8_gather_block, h.int8_reduce_block, bool(h.fp8), products)
+    products, fp8s = master.product_only(model.apply, plan.abstract.params, plan.names, tokens)
+    return Quantized(h.int8_gather_block, h.int8_reduce_block, bool(h.fp8), products, fp8s)

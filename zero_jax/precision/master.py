@@ -114,7 +114,8 @@ class _Recording(Hooks):
         return super().weight(w, names, dtype)
 
     def dense(self, eq, x, w, names, fp8=False, history=None):
-        self._note(w, names, self.dtype, "dense")  # an FP8 amax history is unused here: float32
+        # An FP8 amax history is unused here: float32.
+        self._note(w, names, self.dtype, "fp8" if fp8 else "dense")
         return super().dense(eq, x, w, names, fp8, history)
 
     def lookup(self, w, ids, names, out_dtype=None):
@@ -160,10 +161,12 @@ def use_dtypes(apply, abstract_params, names, compute_dtype: str, tokens_shape=(
     return _per_leaf(uses, abstract_params, names, jnp.dtype(unused_dtype))
 
 
-def product_only(apply, abstract_params, names, tokens_shape=(1, 8)) -> Any:
+def product_only(apply, abstract_params, names, tokens_shape=(1, 8)) -> tuple[Any, Any]:
     """Per parameter, whether the model uses it only as a matrix product's
-    weight (`Hooks.dense`): the uses ZeRO++'s quantized gradient reduction
-    and FP8's 8-bit gather reach, matched as `use_dtypes` matches."""
+    weight (`Hooks.dense`: what ZeRO++'s quantized gradient reduction
+    reaches), and only as an FP8 product's (what FP8 gathers in 8 bits
+    under `--precision fp8`), matched as `use_dtypes` matches."""
     _, kinds = _traced(apply, abstract_params, "float32", tokens_shape)
-    return jax.tree.map(lambda k: k == frozenset({"dense"}),
-                        _per_leaf(kinds, abstract_params, names, frozenset()))
+    per_leaf = _per_leaf(kinds, abstract_params, names, frozenset())
+    return (jax.tree.map(lambda k: bool(k) and k <= {"dense", "fp8"}, per_leaf),
+            jax.tree.map(lambda k: k == frozenset({"fp8"}), per_leaf))
