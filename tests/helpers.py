@@ -53,7 +53,8 @@ def initial_state(job):
     key, in the form checkpoints hold, and each layout receives a copy: a
     transfer instead of a compile.
     """
-    key = (repr(job.model.config), job.run.optim, job.policy, job.scale_cfg, job.run.train.seed)
+    key = (repr(job.model.config), job.run.optim, job.run.precision, job.policy, job.scale_cfg,
+           job.run.train.seed)  # the precision's FP8 scaling adds amax histories
     if key not in _INITIAL:
         _INITIAL[key] = host(job.state_plan.saved_form(job.init_state()))
     targets = job.state_plan.targets

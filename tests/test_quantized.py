@@ -4,6 +4,8 @@ quantized where it is stored, all-gathered as int8 in the compiled
 program), the bytes qwZ, qgZ and FP8 move against bf16's and the formula,
 and training with them against full precision."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -140,3 +142,30 @@ def test_quantized_steps_track_the_unquantized_ones(corpus, overrides):
 def test_quantized_collectives_below_stage_3_are_refused(corpus, flag):
     with pytest.raises(config_lib.ConfigError, match=f"--{flag.replace('_', '-')} with --zero-stage 1"):
         make_job(corpus, zero_stage=1, **{flag: True})
+
+
+# Every mesh axis, accumulation, remat and offload with FP8 and ZeRO++ together: two
+# steps each, against the same layout without them. CI runs the first three.
+Q = dict(zero_quantized_weights=True, zero_quantized_grads=True)
+COMBINATIONS = {
+    "tensor": dict(mesh="fsdp=4,tensor=2", layout="fsdp_tp", precision="fp8", **Q),
+    "context-delayed": dict(mesh="fsdp=4,context=2", seq_len=64, precision="fp8", fp8="delayed", **Q),
+    "pipe-qwz-delayed": dict(mesh="pipe=2,fsdp=4", microbatches=2, precision="fp8", fp8="delayed",
+                             zero_quantized_weights=True),
+    "offload": dict(precision="fp8", offload_optimizer=True, offload_params=True, **Q),
+    "remat-accumulated": dict(precision="fp8", fp8="delayed", remat="full", microbatches=2, **Q),
+    "experts": dict(model="moe-tiny", mesh="expert=2,fsdp=4", precision="fp8", **Q),
+    "data-fsdp": dict(mesh="data=2,fsdp=4", precision="fp8", **Q),
+}
+FULL = bool(os.environ.get("ZERO_JAX_FULL_GRID"))
+
+
+@pytest.mark.parametrize("name", list(COMBINATIONS) if FULL else list(COMBINATIONS)[:3])
+def test_fp8_and_zero_plus_plus_compose_with_the_layouts(corpus, name):
+    flags = COMBINATIONS[name]
+    plain = {k: v for k, v in flags.items()
+             if k not in ("fp8", "zero_quantized_weights", "zero_quantized_grads")}
+    plain["precision"] = "bf16"
+    base, _ = train(make_job(corpus, steps=2, **plain), corpus)
+    got, _ = train(make_job(corpus, steps=2, **flags), corpus)
+    np.testing.assert_allclose(got, base, rtol=0.02)
