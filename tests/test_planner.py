@@ -353,16 +353,18 @@ def test_hardware_flops_are_megatrons_equation_3_where_the_layout_recomputes():
 
 
 def test_quantized_collectives_are_planned_at_zero_3_and_shrink_its_traffic():
-    """qwZ+qgZ is a choice at ZeRO-3 without a pipeline only (quantized.check
-    refuses the rest); across nodes its gathers and reductions take about
-    (1 + 4/256) bytes per element where bf16 took 2 and float32 gradients 4."""
+    """ZeRO++ is a choice at ZeRO-3 only, qgZ without a pipeline only
+    (quantized.check refuses the rest); across nodes its gathers and
+    reductions take about (1 + 4/256) bytes per element where bf16 took 2
+    and float32 gradients 4."""
     build = models.for_run(config_lib.ModelConfig(name="gpt-tiny"), 256)[0]
     cluster = choices.Cluster(A100.device, 2, 8)
     found = choices.choices(build(1).config, cluster, 16)
-    assert {c.quantized for c in found if c.zero == 3 and c.pipe == 1} == {False, True}
-    assert not any(c.quantized for c in found if c.zero < 3 or c.pipe > 1)
+    assert {c.quantized for c in found if c.zero == 3 and c.pipe == 1} == {"", "qwZ+qgZ"}
+    assert {c.quantized for c in found if c.zero == 3 and c.pipe > 1} == {"", "qwZ"}
+    assert not any(c.quantized for c in found if c.zero < 3)
     plain = choices.Choice(1, 1, 16, 3, "full", 1, 1)
-    quant = dataclasses.replace(plain, quantized=True)
+    quant = dataclasses.replace(plain, quantized="qwZ+qgZ")
     assert "qwZ+qgZ" in quant.label
     # gpt-small's layers: large enough that bytes, not latencies, set the time.
     base = {**BASE, "model.name": "gpt-small", "model.vocab_size": 50304, "precision.policy": "bf16",

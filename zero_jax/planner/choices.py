@@ -70,7 +70,7 @@ class Choice:
     tables: str = "rows"  # with pipe > 1: how the loops use the embedding and head (--pipeline-tables)
     expert: int = 1  # of the data-parallel devices, the expert axis (a mixture of experts' split)
     context: int = 1  # devices each sequence is split over (context parallelism), beside data
-    quantized: bool = False  # ZeRO-3: ZeRO++'s int8 gathers and gradient reductions (qwZ, qgZ)
+    quantized: str = ""  # ZeRO-3: ZeRO++'s int8 gathers ("qwZ"), and gradient reductions ("qwZ+qgZ")
 
     @property
     def label(self) -> str:
@@ -81,7 +81,7 @@ class Choice:
                 f"mb={self.micro}x{self.microbatches} {s}"
                 + (" tables=whole" if self.pipe > 1 and self.tables == "whole" else "")
                 + (f" offload={self.offload}" if self.offload else "")
-                + (" qwZ+qgZ" if self.quantized else ""))
+                + (f" {self.quantized}" if self.quantized else ""))
 
     def mesh(self, cluster: Cluster) -> dict[str, dict[str, int]]:
         """[ici] and [dcn] sizes: tensor inside a node first, then context
@@ -132,7 +132,8 @@ class Choice:
             out["offload.optimizer"] = True
             out["offload.params"] = self.offload == "opt+params"
         if self.quantized:
-            out["zero.quantized_weights"] = out["zero.quantized_grads"] = True
+            out["zero.quantized_weights"] = True
+            out["zero.quantized_grads"] = self.quantized == "qwZ+qgZ"
         return out
 
 
@@ -149,7 +150,8 @@ class Space:
     schedules: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zb-h1")  # with a pipeline
     offloads: tuple[str, ...] = OFFLOADS  # "" none, "opt" the optimizer state, "opt+params" both
     tables: tuple[str, ...] = ("rows", "whole")  # how a pipeline uses the tables
-    quantized: tuple[bool, ...] = (False, True)  # ZeRO++'s qwZ+qgZ, at ZeRO-3 without a pipeline
+    # ZeRO++ at ZeRO-3: off, and on as far as the layout allows (qgZ not with a pipeline)
+    quantized: tuple[bool, ...] = (False, True)
 
 
 def choices(model_cfg, cluster: Cluster, global_batch: int, space: Space = Space(),
@@ -166,13 +168,14 @@ def choices(model_cfg, cluster: Cluster, global_batch: int, space: Space = Space
     experts and the data-parallel devices. For sequences of LONG tokens or
     more, the devices beside tensor and pipe are also split between
     `context` (each sequence over c of them, 2c dividing it) and data.
-    At ZeRO-3 without a pipeline, each layout with and without ZeRO++'s
-    quantized collectives (`space.quantized`)."""
+    At ZeRO-3, each layout with and without ZeRO++'s quantized collectives
+    (`space.quantized`): qwZ and qgZ, or qwZ alone under a pipeline."""
     stages, remats, micros, schedules, offloads, tables = (
         space.stages, space.remats, space.micros, space.schedules, space.offloads, space.tables)
 
-    def quantized(zero: int, pipe: int) -> tuple[bool, ...]:  # quantized.check's rule
-        return space.quantized if zero == 3 and pipe == 1 else tuple(q for q in space.quantized if not q)
+    def quantized(zero: int, pipe: int) -> list[str]:  # quantized.check's rule
+        on = "" if zero < 3 else "qwZ+qgZ" if pipe == 1 else "qwZ"
+        return sorted({on if q else "" for q in space.quantized})
     if not cluster.device.can_offload:
         offloads = tuple(o for o in offloads if not o)
     out = []

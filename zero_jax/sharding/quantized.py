@@ -15,6 +15,10 @@ axis splits, so each device quantizes only what it holds:
   scales, and dequantized into its compute layout. Each device's shard
   becomes one entry of a leading axis over the ZeRO axes, so a block never
   straddles two devices.
+- `reduce_scatter` (qgZ): per-device partial sums of a gradient, quantized
+  in the blocks of the shards they are summed into, exchanged by an
+  all-to-all over the ZeRO axes, dequantized and summed in float32.
+- `wire_bytes`: what either moves, scales included (analysis/traffic.py).
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ class Blocks:
 
 
 def blocks(row: int, block: int) -> Blocks:
+    """The blocks of a row of `row` elements, of about `block` each."""
     if row <= block:
         return Blocks(row, row)
     for size in range(block, (block + 1) // 2 - 1, -1):
