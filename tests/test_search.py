@@ -15,7 +15,7 @@ from zero_jax.runtime import device_kinds
 
 BASE = {"model.name": "gpt-tiny", "model.vocab_size": 256, "precision.policy": "fp32",
         "data.seq_len": 32, "train.batch_size": 16, "activations.remat": "full"}
-NARROW = Space(stages=(1, 3), remats=("full",), micros=(2,), offloads=("",))
+NARROW = Space(stages=(1, 3), remats=("full",), micros=(2,), offloads=("",), quantized=(False,))
 
 
 @pytest.fixture(scope="module")

@@ -55,9 +55,10 @@ _MEGATRON_PIPE = choices.Space(stages=(0,), remats=("none",), schedules=("1f1b",
 
 
 def _fsdp(micro: int) -> choices.Space:
-    """ZeRO-3 over every GPU, `micro` sequences per GPU in one microbatch."""
+    """ZeRO-3 over every GPU, `micro` sequences per GPU in one microbatch,
+    its collectives in full precision (no published run used ZeRO++)."""
     return choices.Space(stages=(3,), remats=("none", "dots_saveable", "full"), micros=(micro,),
-                         offloads=("",))
+                         offloads=("",), quantized=(False,))
 
 
 NARAYANAN = ("Narayanan et al. 2021 (arXiv 2104.04473), Table 1; Megatron-LM, fp16, "
