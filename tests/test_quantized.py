@@ -144,12 +144,27 @@ def test_quantized_collectives_below_stage_3_are_refused(corpus, flag):
         make_job(corpus, zero_stage=1, **{flag: True})
 
 
+@pytest.mark.parametrize("flags,says", [
+    (dict(mesh="pipe=2,fsdp=4", microbatches=2), "with a pipeline"),
+    (dict(microbatches=2, grad_reduce="step"), "with --grad-reduce step"),
+    (dict(mesh="fsdp=4,context=2", seq_len=64), "with ZeRO over context"),
+], ids=["pipe", "grad-reduce-step", "context"])
+def test_qgz_where_it_would_not_quantize_is_refused(corpus, flags, says):
+    """qgZ reduces each device's own rows' partial sums inside the backward
+    pass: where gradients are reduced elsewhere, or ZeRO shards over an axis
+    the batch does not split, it is refused, not silently skipped."""
+    with pytest.raises(config_lib.ConfigError, match=f"--zero-quantized-grads {says}"):
+        make_job(corpus, zero_quantized_grads=True, **flags)
+    make_job(corpus, zero_quantized_weights=True, **flags)  # qwZ has no such limit
+
+
 # Every mesh axis, accumulation, remat and offload with FP8 and ZeRO++ together: two
 # steps each, against the same layout without them. CI runs the first three.
 Q = dict(zero_quantized_weights=True, zero_quantized_grads=True)
 COMBINATIONS = {
     "tensor": dict(mesh="fsdp=4,tensor=2", layout="fsdp_tp", precision="fp8", **Q),
-    "context-delayed": dict(mesh="fsdp=4,context=2", seq_len=64, precision="fp8", fp8="delayed", **Q),
+    "context-delayed": dict(mesh="fsdp=4,context=2", seq_len=64, precision="fp8", fp8="delayed",
+                            zero_quantized_weights=True),
     "pipe-qwz-delayed": dict(mesh="pipe=2,fsdp=4", microbatches=2, precision="fp8", fp8="delayed",
                              zero_quantized_weights=True),
     "offload": dict(precision="fp8", offload_optimizer=True, offload_params=True, **Q),

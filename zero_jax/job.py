@@ -279,7 +279,7 @@ def check_combination(run: config_lib.RunConfig, zero_stage: int, shape: mesh_li
             f"[offload] optimizer = true with --zero-stage {zero_stage}: the optimizer state is "
             "replicated at stage 0, so every device would keep a whole copy in host memory and "
             "update it there; use --zero-stage 1 or more to offload each device's shard")
-    quantized.check(run.zero, zero_stage, pipelined, resolve_grad_reduce(run.parallel.grad_reduce, zero_stage))
+    quantized.check(run.zero, zero_stage, pipelined, run.parallel.grad_reduce, shape.shard_axes)
     if run.offload.params and not zero_lib.stage(zero_stage).params:
         raise config_lib.ConfigError(
             f"[offload] params = true with --zero-stage {zero_stage}: only ZeRO-3 gathers each "

@@ -169,12 +169,13 @@ def choices(model_cfg, cluster: Cluster, global_batch: int, space: Space = Space
     more, the devices beside tensor and pipe are also split between
     `context` (each sequence over c of them, 2c dividing it) and data.
     At ZeRO-3, each layout with and without ZeRO++'s quantized collectives
-    (`space.quantized`): qwZ and qgZ, or qwZ alone under a pipeline."""
+    (`space.quantized`): qwZ and qgZ, or qwZ alone under a pipeline or
+    over `context`."""
     stages, remats, micros, schedules, offloads, tables = (
         space.stages, space.remats, space.micros, space.schedules, space.offloads, space.tables)
 
-    def quantized(zero: int, pipe: int) -> list[str]:  # quantized.check's rule
-        on = "" if zero < 3 else "qwZ+qgZ" if pipe == 1 else "qwZ"
+    def quantized(zero: int, pipe: int, context: int) -> list[str]:  # quantized.check's rule
+        on = "" if zero < 3 else "qwZ+qgZ" if pipe == 1 and context == 1 else "qwZ"
         return sorted({on if q else "" for q in space.quantized})
     if not cluster.device.can_offload:
         offloads = tuple(o for o in offloads if not o)
@@ -205,7 +206,7 @@ def choices(model_cfg, cluster: Cluster, global_batch: int, space: Space = Space
                                        t, e, context, q)
                                 for o in kept for t in (tables if pipe > 1 else ("rows",))
                                 for e in _divisors(math.gcd(experts, data) if experts else 1)
-                                for q in quantized(zero, pipe)]
+                                for q in quantized(zero, pipe, context)]
     return out
 
 

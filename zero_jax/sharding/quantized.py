@@ -32,6 +32,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from zero_jax.config.sections import ConfigError, ZeroConfig
 from zero_jax.sharding import zero as zero_lib
+from zero_jax.sharding.mesh import DATA_AXES
 from zero_jax.sharding.specs import entries, entry_axes
 
 LEVELS = 127  # int8, symmetric: -127..127
@@ -67,10 +68,22 @@ def wire_bytes(elements: int, row: int, block: int) -> float:
     return rows * (b.padded + SCALE_BYTES * b.count())
 
 
-def check(zero: ZeroConfig, zero_stage: int, pipelined: bool, grad_reduce: str) -> None:
+def check(zero: ZeroConfig, zero_stage: int, pipelined: bool, grad_reduce: str,
+          shard_axes: tuple[str, ...]) -> None:
     """qwZ and qgZ quantize ZeRO-3's collectives: refused below it; qgZ the
     reductions it runs inside the backward pass, which a pipeline, or
-    gradients reduced once per step, leave to a reduction of partial sums."""
+    gradients reduced once per step, leave to a reduction of partial sums,
+    and which it can only make from each device's own rows of the batch:
+    not where ZeRO shards over `context`, which splits the sequence.
+    `grad_reduce` is --grad-reduce as given: "auto" reduces each
+    microbatch at ZeRO-3."""
+    unsplit = [a for a in shard_axes if a not in DATA_AXES]
+    if zero.quantized_grads and zero_lib.stage(zero_stage).params and unsplit:
+        raise ConfigError(
+            f"--zero-quantized-grads with ZeRO over {','.join(unsplit)}: qgZ sums each "
+            "device's partial gradient over its own rows of the batch, and that axis splits "
+            "the sequence, not the batch; set zero_shard_axes to the data axes (hybrid "
+            "sharding), or leave --zero-quantized-grads out")
     if zero.quantized_grads and zero_lib.stage(zero_stage).params and (
             pipelined or grad_reduce == "step"):
         why = "a pipeline" if pipelined else "--grad-reduce step"
