@@ -231,26 +231,29 @@ def reduce_scatter(partials: jax.Array, batch_axes: tuple[str, ...], stored: Nam
     mesh = stored.mesh
     shape = partials.shape[1:]
     s = split_of(shape, stored.spec, compute.spec, dict(mesh.shape))
-    sizes = tuple(mesh.shape[a] for a in batch_axes)
-    k = len(sizes)
-    x = partials.reshape(*sizes, *shape)
+    rest = tuple(a for a in batch_axes if a not in s.axes)
+    # S as (the other batch axes, one dimension over the ZeRO axes in their
+    # order), so that the exchange is one all-to-all between two dimensions.
+    order = [batch_axes.index(a) for a in (*rest, *s.axes)]
+    x = partials.reshape(*(mesh.shape[a] for a in batch_axes), *shape)
+    x = x.transpose(*order, *range(len(batch_axes), x.ndim))
+    x = x.reshape(*(mesh.shape[a] for a in rest), s.n, *shape)
+    k = len(rest) + 1
     d = k + s.dim
     x = jnp.moveaxis(x.reshape(*x.shape[:d], s.n, s.local[s.dim], *x.shape[d + 1:]), d, k)
     rows = jax.vmap(lambda a: _to_rows(a, s))(x.reshape(-1, s.n, *s.local))
-    rows = rows.reshape(*sizes, *rows.shape[1:])
+    rows = rows.reshape(*x.shape[:k], *rows.shape[1:])
     zero = s.axes[0] if len(s.axes) == 1 else s.axes
 
-    def pin(a, over_batch, over_n):
+    def pin(a, over_peers, over_n):
         inner = s.rows_spec(over_n, a.ndim - k)
         return jax.lax.with_sharding_constraint(
-            a, NamedSharding(mesh, PartitionSpec(*over_batch, *inner)))
+            a, NamedSharding(mesh, PartitionSpec(*rest, over_peers, *inner)))
 
-    kept = tuple(None if a in s.axes else a for a in batch_axes)  # after the all-to-all
-    q, scale = quantize(pin(rows, batch_axes, None), block)
-    q, scale = pin(q, batch_axes, None), pin(scale, batch_axes, None)
-    q, scale = pin(q, kept, zero), pin(scale, kept, zero)  # the all-to-all, in int8
-    x = dequantize(q, scale, s.row, jnp.float32)
-    x = pin(x, kept, zero).sum(tuple(i for i, a in enumerate(batch_axes) if a in s.axes))
-    x = x.sum(tuple(range(x.ndim - 2 - len([t for t in s.parts if t > 1]))))  # the rest: hybrid
+    q, scale = quantize(pin(rows, zero, None), block)
+    q, scale = pin(q, zero, None), pin(scale, zero, None)
+    q, scale = pin(q, None, zero), pin(scale, None, zero)  # the all-to-all, in int8
+    x = pin(dequantize(q, scale, s.row, jnp.float32), None, zero).sum(k - 1)
+    x = x.sum(tuple(range(len(rest))))  # the other batch axes, on the shard: hybrid
     x = jnp.moveaxis(_from_rows(x, s), 0, s.dim).reshape(shape)
     return jax.lax.with_sharding_constraint(x.astype(dtype), stored)
