@@ -131,7 +131,8 @@ def config_from(recorded: dict):
     """The model shape a checkpoint recorded (its meta "model" entry)."""
     fields = {k: v for k, v in recorded.items() if k != "name"}
     if "n_kv_head" in fields:
-        fields["rope_scaling"] = tuple(fields.get("rope_scaling") or ())
+        for key in ("rope_scaling", "rope_yarn"):  # JSON lists, tuples in the config
+            fields[key] = tuple(fields.get(key) or ())
         return llama.model.LlamaConfig(**fields)
     return gpt.model.GPTConfig(**fields)
 
@@ -170,7 +171,7 @@ def _check_hf_matches(path: Path, cfg, model_name: str) -> str:
     # another length than its config's max_position_embeddings.
     # The router's loss weights and capacity are training choices, not shape.
     free = ("max_seq_len", "router_aux_loss_coef", "router_z_loss_coef",
-            "capacity_factor") if family == "llama" else ()
+            "capacity_factor", "router_bias_update_rate") if family == "llama" else ()
     differ = {k: (v, mine[k]) for k, v in fields.items()
               if k in mine and k not in free and not hf_files.same(v, mine[k])}
     if (family == "llama") != isinstance(cfg, llama.model.LlamaConfig) or differ:

@@ -67,21 +67,24 @@ def pre_norm(hooks: Hooks, x_BxTxD: jax.Array, norm_1: Callable, attention: Call
 
 
 def ops(seq_len: int, d_model: int, heads: int, head_dim: int, qkv_features: int,
-        mlp: list[Op]) -> list[Op]:
+        mlp: list[Op], value_dim: int = 0) -> list[Op]:
     """One pre-norm block as contract.Op's, named as `pre_norm` and the
     families' pieces name their activations: norm, q/k/v projections
-    (`qkv_features` outputs per token), attention, output projection and
-    residual, norm ("norm_2", what `mlp`'s first ops read), then `mlp`,
-    whose last matmul feeds the residual only."""
+    (`qkv_features` outputs per token; for latent attention the FLOPs of
+    its compressions and expansions over D), attention, output projection
+    and residual, norm ("norm_2", what `mlp`'s first ops read), then `mlp`,
+    whose last matmul feeds the residual only. `value_dim`: each head's
+    value width where it is not `head_dim`."""
     D, H, Q, T = d_model, heads, head_dim, seq_len
+    V = value_dim or Q
     return [Op("norm_1", "ln_out", 0, ("x",), width=D),
             Op("qkv", "qkv", 2 * D * qkv_features, ("norm_1",), dot=True, width=qkv_features,
                split="out"),
             Op("scores", None, 2 * T * H * Q, ("qkv",), dot=True, width=H * T, split="out"),
             Op("probs", "attn_probs", 0, ("scores",), needs=("self",), width=H * T, split="out"),
-            Op("ctx", "attn_ctx", 2 * T * H * Q, ("probs", "qkv"), dot=True, width=H * Q,
+            Op("ctx", "attn_ctx", 2 * T * H * V, ("probs", "qkv"), dot=True, width=H * V,
                split="out"),
-            Op("out", None, 2 * H * Q * D, ("ctx",), dot=True, width=D, split="in"),
+            Op("out", None, 2 * H * V * D, ("ctx",), dot=True, width=D, split="in"),
             Op("mid", "resid_mid", 0, ("x", "out"), needs=(), width=D),
             Op("norm_2", "ln_out", 0, ("mid",), width=D),
             *mlp]

@@ -5,7 +5,6 @@ of their activation bytes."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any, NamedTuple
 
@@ -26,25 +25,31 @@ class ActivationParts(NamedTuple):
     head: float  # the head's logits-sized buffers, during its own backward only
 
 
-def scanned(block: type[nn.Module], cfg: Any, hooks: Hooks) -> nn.Module:
-    """cfg.n_layer `block`s as one scanned, stacked layer (remat per block),
-    called as `(x, segments or None)`: every layer sees the same segments."""
+def scanned(block: type[nn.Module], cfg: Any, hooks: Hooks, length: int | None = None,
+            **attributes: Any) -> nn.Module:
+    """`length` (default cfg.n_layer) `block`s as one scanned, stacked layer
+    (remat per block), called as `(x, segments or None)`: every layer sees
+    the same segments. `attributes`: the block's own fields beyond cfg and hooks."""
+    length = cfg.n_layer if length is None else length
     remat = nn.remat(block, policy=hooks.remat.jax_policy(), prevent_cse=False)
     # Unrolled, the parameters keep their stacked layout (checkpoints are the
     # same); the program holds every layer, so it compiles longer, and the
     # compiler's cost analysis counts every layer (a loop body counts once).
-    unroll = 1 if hooks.scan_layers else cfg.n_layer
+    unroll = 1 if hooks.scan_layers else length
     return nn.scan(remat, variable_axes={"params": 0}, split_rngs={"params": True},
-                   in_axes=nn.broadcast, length=cfg.n_layer, unroll=unroll,
-                   metadata_params={nn.PARTITION_NAME: "layers"})(cfg, hooks)
+                   in_axes=nn.broadcast, length=length, unroll=unroll,
+                   metadata_params={nn.PARTITION_NAME: "layers"})(cfg, hooks, **attributes)
 
 
 def fns(module: type[nn.Module], block: type[nn.Module], cfg: Any,
-        router_penalty: Any = None) -> dict[str, Any]:
+        router_penalty: Any = None, stacked: int | None = None) -> dict[str, Any]:
     """init, apply, decay_mask, pipeline and router_penalty (ModelFns fields)
     of `module`; a mixture of experts gives its `router_penalty` (a
     function of the stats over every layer and the rows' weights, with a
-    keyword `layers` for those of some of them: moe.penalty)."""
+    keyword `layers` for those of some of them: moe.penalty). `stacked`:
+    the layers in "blocks", what a pipeline splits (default cfg.n_layer;
+    fewer where the first layers are a stack of their own, run by `embed`)."""
+    stacked = cfg.n_layer if stacked is None else stacked
 
     def init(key, hooks: Hooks | None = None):  # hooks: what the parameters depend on (FP8 histories)
         tokens = jnp.zeros((1, min(8, cfg.max_seq_len)), jnp.int32)
@@ -54,13 +59,13 @@ def fns(module: type[nn.Module], block: type[nn.Module], cfg: Any,
         return module(cfg, hooks).apply({"params": params}, tokens_BxT, segments_BxT)
 
     def decay_mask(params):
-        # Matrices (named w*) decay; norm parameters, biases and FP8 amax histories do not.
+        # Matrices (named w*) decay; norms, biases, amax histories and selection biases do not.
         return jax.tree_util.tree_map_with_path(
             lambda path, _: str(path[-1].key).startswith("w") and not fp8.is_history(path), params)
 
     def stage(blocks, x_BxTxD, hooks):
         n = jax.tree.leaves(blocks)[0].shape[0]
-        stack = scanned(block, dataclasses.replace(cfg, n_layer=n), hooks)
+        stack = scanned(block, cfg, hooks, length=n)
         return stack.apply({"params": blocks}, x_BxTxD, None)
 
     pipeline = PipelineFns(
@@ -73,14 +78,15 @@ def fns(module: type[nn.Module], block: type[nn.Module], cfg: Any,
                                                               method=module.head),
         vocab_parallel=True,
         penalty=None if router_penalty is None
-        else functools.partial(router_penalty, layers=cfg.n_layer),
+        else functools.partial(router_penalty, layers=stacked),
     )
     return {"init": init, "apply": apply, "decay_mask": decay_mask, "pipeline": pipeline,
             "router_penalty": router_penalty}
 
 
-# Fields whose zero is a choice (no router loss; dropless), not "the preset's".
-ZERO_IS_SET = frozenset({"router_aux_loss_coef", "router_z_loss_coef", "capacity_factor"})
+# Fields whose zero is a choice (no router loss; dropless; a fixed bias), not "the preset's".
+ZERO_IS_SET = frozenset({"router_aux_loss_coef", "router_z_loss_coef", "capacity_factor",
+                         "router_bias_update_rate"})
 
 
 def given(overrides: dict) -> dict:

@@ -151,6 +151,36 @@ def rope_frequencies(head_dim: int, theta: float, scaling: tuple | None = None):
                      jnp.where(wavelen < original / high, inv, blended))
 
 
+def yarn_frequencies(head_dim: int, theta: float, yarn: tuple) -> tuple[jax.Array, float]:
+    """Inverse frequencies under YaRN (Peng et al. 2023) as DeepSeek-V3 and
+    transformers compute them, and the factor the rotated dimensions are
+    multiplied by. `yarn`: (factor, original_max_position_embeddings,
+    beta_fast, beta_slow, mscale, mscale_all_dim). Dimensions that turn
+    more than beta_fast times over the original length keep their
+    frequency, those under beta_slow are divided by `factor`, a linear
+    ramp between (its ends rounded outwards, as transformers' `truncate`)."""
+    factor, original, beta_fast, beta_slow, mscale, mscale_all_dim = yarn
+    base = theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+
+    def turns_to_dim(turns):
+        return head_dim * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = max(math.floor(turns_to_dim(beta_fast)), 0)
+    high = min(math.ceil(turns_to_dim(beta_slow)), head_dim - 1)
+    ramp = jnp.clip((jnp.arange(head_dim // 2, dtype=jnp.float32) - low)
+                    / ((high - low) or 0.001), 0, 1)
+    keep = 1 - ramp  # 1: the original frequency, 0: divided by factor
+    inv = (1 / (factor * base)) * (1 - keep) + (1 / base) * keep
+    scale = (yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+             if mscale and mscale_all_dim else yarn_mscale(factor))
+    return inv, float(scale)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature, 0.1 m ln(factor) + 1 (1 without scaling)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
 def positions(segments_BxT):
     """Each token's position within its document, the documents of a row
     numbered in order (segment ids): positions restart at every document."""

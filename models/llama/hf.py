@@ -20,18 +20,20 @@ from typing import Callable, Iterator
 import numpy as np
 
 from models.common.hf_files import Get, Read, padded_rows
-from models.llama.model import LlamaConfig
+from models.llama import deepseek_hf
+from models.llama.config import LlamaConfig
 
-MODEL_TYPES = ("llama", "mistral", "qwen2", "mixtral", "qwen2_moe", "qwen3_moe")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "mixtral": "MixtralForCausalLM",
-                 "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+                 "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                 "deepseek_v3": deepseek_hf.ARCHITECTURE}
 # Whether each family's q, k and v projections have biases: "always" (Qwen2),
 # "flag" (Qwen2-MoE's `qkv_bias`, default true), or "never" (Mistral and
 # Mixtral whatever `attention_bias` says; Llama's and Qwen3-MoE's
 # `attention_bias` would bias o_proj too, which this model does not have).
 QKV_BIAS = {"llama": "never", "mistral": "never", "qwen2": "always", "mixtral": "never",
-            "qwen2_moe": "flag", "qwen3_moe": "never"}
+            "qwen2_moe": "flag", "qwen3_moe": "never", "deepseek_v3": "never"}
 # A mixture of experts' tensors in layer i: the router, and expert j's
 # (gate, up, down) matrices, as torch Linear weights (out, in).
 EXPERTS = {"mixtral": ("block_sparse_moe.gate.weight",
@@ -42,6 +44,7 @@ EXPERTS = {"mixtral": ("block_sparse_moe.gate.weight",
                          ("mlp.experts.{j}.gate_proj.weight", "mlp.experts.{j}.up_proj.weight",
                           "mlp.experts.{j}.down_proj.weight"))}
 EXPERTS["qwen2_moe"] = EXPERTS["qwen3_moe"]
+EXPERTS["deepseek_v3"] = deepseek_hf.EXPERTS
 STACKED = ("blocks.moe.w_experts_gate", "blocks.moe.w_experts_up", "blocks.moe.w_experts_down")
 
 
@@ -52,6 +55,8 @@ def shape_from(hf: dict, where: str = "config.json") -> dict:
     naming it; one the class ignores (a Llama's sliding_window, a Mistral's
     attention_bias) is ignored here too. docs/models.md has the table."""
     kind = hf["model_type"]
+    if kind == deepseek_hf.MODEL_TYPE:
+        return deepseek_hf.shape_from(hf, where)
     heads = hf["num_attention_heads"]
     if hf.get("hidden_act", "silu") not in ("silu", "swish"):
         raise ValueError(f"{where}: hidden_act = {hf['hidden_act']!r} is not supported: the "
@@ -195,6 +200,11 @@ def exportable(cfg: LlamaConfig) -> None:
     """Raises, naming the field, where `cfg` computes attention that its
     architecture in transformers cannot: checked before anything is written."""
     arch = ARCHITECTURES[cfg.family]
+    if cfg.mla != (cfg.family == deepseek_hf.MODEL_TYPE) or (
+            cfg.n_experts and (cfg.score_func == "sigmoid") != cfg.mla):
+        raise ValueError(f"{cfg.family}: latent attention and sigmoid routing are "
+                         f"{deepseek_hf.ARCHITECTURE}'s; {arch} has neither, so this model "
+                         "cannot be exported as it")
     if cfg.sliding_window and cfg.family == "llama":
         raise ValueError(f"sliding_window = {cfg.sliding_window} cannot be exported: {arch} has "
                          "no sliding window (transformers ignores the key) and would attend to "
@@ -210,6 +220,8 @@ def config_json(cfg: LlamaConfig) -> dict:
     attention stated (shape_from reads them back): transformers' defaults
     differ by class and version (a Mistral without `sliding_window` has 4096)."""
     exportable(cfg)
+    if cfg.family == deepseek_hf.MODEL_TYPE:
+        return deepseek_hf.config_json(cfg)
     window = cfg.sliding_window or None
     out = {
         "architectures": [ARCHITECTURES[cfg.family]], "model_type": cfg.family,
@@ -303,6 +315,14 @@ def _tables(cfg: LlamaConfig) -> dict[str, str]:
     return out
 
 
+def _stacks(cfg: LlamaConfig) -> list[tuple[int, int, dict]]:
+    """(layers, the Hugging Face layer of the first, {our stacked path: its
+    _layer_map entry}) of each of our stacks, in layer order."""
+    if cfg.family == deepseek_hf.MODEL_TYPE:
+        return deepseek_hf.stacks(cfg)
+    return [(cfg.n_layer, 0, _layer_map(cfg))]
+
+
 def sources(cfg: LlamaConfig) -> dict[str, Callable[[Get, int | None], np.ndarray]]:
     """Our parameter path -> how to build it, or one layer of it, from
     Hugging Face tensors: one tensor read per call."""
@@ -320,14 +340,17 @@ def sources(cfg: LlamaConfig) -> dict[str, Callable[[Get, int | None], np.ndarra
 
     out = {ours: table(theirs) for ours, theirs in _tables(cfg).items()}
     out["norm_f.scale"] = lambda tensors, _: get(tensors, "model.norm.weight")
-    for ours, (theirs, to_ours, _, _) in _layer_map(cfg).items():
-        out[ours] = (lambda tensors, i, theirs=theirs, to_ours=to_ours:
-                     np.ascontiguousarray(to_ours(get(tensors, f"model.layers.{i}.{theirs}"))))
+    for _, first, layer_map in _stacks(cfg):
+        for ours, (theirs, to_ours, _, _) in layer_map.items():
+            out[ours] = (lambda tensors, i, theirs=theirs, to_ours=to_ours, first=first:
+                         np.ascontiguousarray(to_ours(get(tensors,
+                                                          f"model.layers.{i + first}.{theirs}"))))
     if cfg.n_experts:
         # One layer's stacked experts, read one expert's matrix at a time.
+        first = cfg.first_k_dense_replace
         for ours, theirs in zip(STACKED, EXPERTS[cfg.family][1]):
             out[ours] = (lambda tensors, i, theirs=theirs: np.stack([
-                get(tensors, f"model.layers.{i}.{theirs.format(j=j)}").T
+                get(tensors, f"model.layers.{i + first}.{theirs.format(j=j)}").T
                 for j in range(cfg.n_experts)]))
     return out
 
@@ -337,18 +360,21 @@ def pieces(cfg: LlamaConfig, read: Read) -> Iterator[tuple[str, tuple[int, ...],
     exportable(cfg)  # at the first tensor asked for, before any is written
     V, D = cfg.vocab_size, cfg.d_model
     yield "model.embed_tokens.weight", (V, D), lambda: read("wte", None)[:V]
-    layer_map = _layer_map(cfg)
     F = cfg.expert_mlp
-    for i in range(cfg.n_layer):
-        for ours, (theirs, _, to_theirs, shape) in layer_map.items():
-            yield (f"model.layers.{i}.{theirs}", shape,
-                   lambda ours=ours, i=i, to_theirs=to_theirs: to_theirs(read(ours, i)))
-        if cfg.n_experts:
+    for count, first, layer_map in _stacks(cfg):
+        experts = cfg.n_experts and any(ours.startswith("blocks.") for ours in layer_map)
+        for i in range(count):
+            hf_i = i + first
+            for ours, (theirs, _, to_theirs, shape) in layer_map.items():
+                yield (f"model.layers.{hf_i}.{theirs}", shape,
+                       lambda ours=ours, i=i, to_theirs=to_theirs: to_theirs(read(ours, i)))
+            if not experts:
+                continue
             for ours, theirs, shape in zip(STACKED, EXPERTS[cfg.family][1],
                                            ((F, D), (F, D), (D, F))):
                 layer = _OneLayer(read, ours, i, cfg.n_experts)
                 for j in range(cfg.n_experts):
-                    yield (f"model.layers.{i}.{theirs.format(j=j)}", shape,
+                    yield (f"model.layers.{hf_i}.{theirs.format(j=j)}", shape,
                            lambda layer=layer, j=j: np.ascontiguousarray(layer.expert(j).T))
     yield "model.norm.weight", (D,), lambda: read("norm_f.scale", None)
     if not cfg.tie_embeddings:

@@ -16,7 +16,6 @@ heads, K key/value heads, Q head size, F MLP width, V vocabulary, L layers.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
@@ -25,212 +24,10 @@ import jax
 import jax.numpy as jnp
 
 from models.common import block, decoder, layers
-from models.llama import moe
-from models.llama.presets import PRESETS
+from models.llama import mla, moe
+from models.llama.config import LlamaConfig, config  # noqa: F401  (the family's shape, by preset)
 from zero_jax.model.hooks import Hooks
-from zero_jax.model.contract import ModelFns, Op
-from zero_jax.model.remat import Remat
-
-
-@dataclasses.dataclass(frozen=True)
-class LlamaConfig:
-    """Shape of a Llama-family model."""
-
-    vocab_size: int  # tokens the data can produce
-    n_layer: int  # transformer blocks (L)
-    n_head: int  # query heads (H)
-    n_kv_head: int  # key/value heads (K), dividing H: grouped-query attention
-    d_model: int  # residual width (D)
-    d_mlp: int  # SwiGLU hidden width (F)
-    max_seq_len: int  # longest sequence (rotary embeddings need no table)
-    head_dim: int = 0  # Q (0: D / H)
-    rope_theta: float = 10000.0  # rotary base
-    rms_eps: float = 1e-5  # RMSNorm epsilon
-    tie_embeddings: bool = False  # the head is the embedding table
-    qkv_bias: bool = False  # biases on the q, k, v projections (Qwen2)
-    sliding_window: int = 0  # each query sees the last this many positions (0: all)
-    # Llama 3 rope scaling: (factor, low_freq_factor, high_freq_factor,
-    # original_max_position_embeddings), or () for none
-    rope_scaling: tuple = ()
-    vocab_multiple: int = 1  # embedding rows padded to a multiple of this (masked in the logits)
-    family: str = "llama"  # llama | mistral | qwen2 | mixtral | qwen2_moe | qwen3_moe: the HF architecture
-    qk_norm: bool = False  # RMSNorm of each head's q and k before rotation (Qwen3)
-    # A mixture of experts (models/llama/moe.py) in place of every block's MLP:
-    n_experts: int = 0  # routed experts (0: a dense MLP)
-    n_experts_per_tok: int = 0  # experts each token is routed to (top-k)
-    d_expert: int = 0  # each expert's SwiGLU width (0: d_mlp)
-    n_shared_experts: int = 0  # always-on experts beside the routed ones (DeepSeek, Qwen2-MoE)
-    d_shared: int = 0  # their SwiGLU width together (0: n_shared_experts x the expert width)
-    shared_expert_gate: bool = False  # a sigmoid of x w (w: D x 1) scales their output (Qwen2-MoE)
-    norm_topk_prob: bool = True  # the k routing weights renormalised to sum to one
-    router_aux_loss_coef: float = 0.0  # weight of the load-balancing loss in the training loss
-    router_z_loss_coef: float = 0.0  # weight of the router z-loss in the training loss
-    capacity_factor: float = 0.0  # > 0: each expert takes at most this times its even share (drops)
-
-    def __post_init__(self):
-        if self.n_experts and not 0 < self.n_experts_per_tok <= self.n_experts:
-            raise ValueError(f"n_experts_per_tok={self.n_experts_per_tok} with n_experts="
-                             f"{self.n_experts}: each token goes to between 1 and n_experts "
-                             "experts; choose a top-k in that range")
-        if not self.n_experts and (self.n_experts_per_tok or self.n_shared_experts):
-            raise ValueError("n_experts_per_tok / n_shared_experts given without n_experts: "
-                             "set n_experts for a mixture of experts")
-        if self.n_head % self.n_kv_head:
-            raise ValueError(f"n_head={self.n_head} is not a multiple of n_kv_head={self.n_kv_head}")
-        if not self.head_dim and self.d_model % self.n_head:
-            raise ValueError(f"d_model={self.d_model} is not divisible by n_head={self.n_head}; "
-                             "give head_dim")
-        if self.rope_scaling and len(self.rope_scaling) != 4:
-            raise ValueError("rope_scaling: (factor, low_freq_factor, high_freq_factor, "
-                             "original_max_position_embeddings)")
-
-    @property
-    def padded_vocab(self) -> int:
-        return -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple
-
-    @property
-    def q_dim(self) -> int:
-        return self.head_dim or self.d_model // self.n_head
-
-    @property
-    def expert_mlp(self) -> int:
-        """Each expert's SwiGLU width."""
-        return self.d_expert or self.d_mlp
-
-    @property
-    def shared_mlp(self) -> int:
-        """The shared experts' SwiGLU width together."""
-        return self.d_shared or self.n_shared_experts * self.expert_mlp
-
-    def _mlp_params(self, active: bool) -> int:
-        """One block's MLP matrices: every expert's, or (`active`) those a
-        token computes with: its k experts, the shared ones and the router."""
-        D = self.d_model
-        if not self.n_experts:
-            return 3 * D * self.d_mlp
-        experts = self.n_experts_per_tok if active else self.n_experts
-        return (3 * D * (self.expert_mlp * experts + self.shared_mlp) + D * self.n_experts
-                + (D if self.shared_expert_gate else 0))
-
-    def _attn_params(self) -> int:
-        D, Q, H, K = self.d_model, self.q_dim, self.n_head, self.n_kv_head
-        return D * H * Q + 2 * D * K * Q + H * Q * D
-
-    @property
-    def param_count(self) -> int:
-        D, L, Q = self.d_model, self.n_layer, self.q_dim
-        H, K = self.n_head, self.n_kv_head
-        attn = self._attn_params() + ((H + 2 * K) * Q if self.qkv_bias else 0) \
-            + (2 * Q if self.qk_norm else 0)
-        per_layer = 2 * D + attn + self._mlp_params(active=False)
-        tables = self.padded_vocab * D * (1 if self.tie_embeddings else 2)
-        return tables + L * per_layer + D
-
-    @property
-    def active_param_count(self) -> int:
-        """Parameters a token computes with (all of them in a dense model)."""
-        return self.param_count - self.n_layer * (self._mlp_params(False) - self._mlp_params(True))
-
-    def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token, 6 N + 12 L H Q T (PaLM, appendix B), N
-        the matmul parameters a token computes with, including the head: in
-        a mixture of experts its k experts, the shared ones and the router."""
-        L, Q, H = self.n_layer, self.q_dim, self.n_head
-        n_matmul = L * (self._attn_params() + self._mlp_params(active=True)) \
-            + self.padded_vocab * self.d_model
-        return 6 * n_matmul + 12 * L * H * Q * seq_len
-
-    def block_ops(self, seq_len: int) -> list[Op]:
-        """One block as the tensors `Block` computes, named as it names them
-        (contract.Op): what a remat policy recomputes."""
-        D, H, K, Q = self.d_model, self.n_head, self.n_kv_head, self.q_dim
-        # A mixture of experts computes its k experts (and shared ones) per token.
-        F = self.active_mlp
-        return block.ops(seq_len, D, H, Q, qkv_features=(H + 2 * K) * Q, mlp=[
-            Op("gate", "mlp_hidden", 2 * D * F, ("norm_2",), dot=True, width=F, split="out"),
-            Op("up", "mlp_hidden", 2 * D * F, ("norm_2",), dot=True, width=F, split="out"),
-            Op("act", "mlp_act", 0, ("gate", "up"), width=F, split="out"),
-            Op("down", None, 2 * F * D, ("act",), dot=True, width=D, split="in")])
-
-    @property
-    def active_mlp(self) -> int:
-        """The SwiGLU width a token computes with: d_mlp, or its k experts'
-        and the shared experts' widths together."""
-        if not self.n_experts:
-            return self.d_mlp
-        return self.expert_mlp * self.n_experts_per_tok + self.shared_mlp
-
-    def head_cost(self, seq_len: int) -> float:
-        """The head's forward FLOPs in units of one block's forward."""
-        D, F, Q, H, K = self.d_model, self.active_mlp, self.q_dim, self.n_head, self.n_kv_head
-        block_flops = 2 * (2 * D * H * Q + 2 * D * K * Q + 3 * D * F) + 4 * seq_len * H * Q
-        return 2 * self.padded_vocab * D / block_flops
-
-    def activation_bytes(self, rows: int, seq_len: int, dtype_bytes: int, remat: Remat,
-                         tensor: int = 1, sequence_parallel: bool = False,
-                         attention: str = "xla", context: int = 1,
-                         context_attention: str = "") -> float:
-        kept, rebuilt, head = self.activation_parts(rows, seq_len, dtype_bytes, remat, tensor,
-                                                    sequence_parallel, attention, context,
-                                                    context_attention)
-        return kept + max(rebuilt, head)
-
-    def activation_parts(self, rows: int, seq_len: int, dtype_bytes: int, remat: Remat,
-                         tensor: int = 1, sequence_parallel: bool = False,
-                         attention: str = "xla", context: int = 1,
-                         context_attention: str = "") -> decoder.ActivationParts:
-        """Activation bytes per device for one microbatch (models/gpt/model.py
-        has the method). Per layer the block names: the block input, both norm
-        outputs and the residual after attention (4 s b h), q, k, v and the
-        attention context ((2 H + 2 K) Q s b / t), the attention
-        probabilities (a s^2 b / t; none under cuDNN's fused attention), the
-        SwiGLU gate and up projections and their product (3 s b f / t).
-        Over `context` every per-token tensor is a c-th (s / c tokens), and
-        the probabilities are `layers.attention_probs`'s; Ulysses also keeps
-        its head-split q, k and v (k and v repeated to the heads where c
-        does not divide the kv heads), ring its log-sum-exp."""
-        # A mixture of experts keeps its k copies' (and shared experts') hidden
-        # widths per token, and the copies themselves (k s b h, dropless).
-        b, h, f, L, t = rows, self.d_model, self.active_mlp, self.n_layer, tensor
-        s = seq_len / context
-        H, K, Q = self.n_head, self.n_kv_head, self.q_dim
-        res = s * b * h / (t if sequence_parallel else 1)
-        full = s * b * h
-        q = s * b * H * Q / t
-        kv = s * b * K * Q / (t if K % t == 0 else 1)  # replicated where tensor does not divide K
-        mlp = s * b * f / t
-        probs = layers.attention_probs(H, seq_len, b, t, attention, context, context_attention)
-        named = {"ln_out": 2 * res, "qkv": q + 2 * kv, "attn_probs": probs, "attn_ctx": q,
-                 "resid_mid": res, "mlp_hidden": 2 * mlp, "mlp_act": mlp}
-        if context_attention == "ulysses":
-            local_kv = K // t if K % t == 0 else K
-            named["qkv"] += q + 2 * (kv if local_kv % context == 0 else q)
-        elif context_attention == "ring":
-            named["attn_ctx"] += s * b * H / t
-        copies = self.n_experts_per_tok * full if self.n_experts else 0
-        layer = res + sum(named.values()) + copies
-        kept = {
-            "none": L * layer,
-            "full": L * res,
-            "dots_saveable": L * (res + q + 2 * kv + probs + q + full + 2 * mlp + full),
-            "save_names": L * (res + sum(named.get(n, 0) for n in remat.names)),
-            "offload": L * res,
-        }[remat.policy]
-        rebuilt = 0 if remat.policy == "none" else layer
-        head = 3 * s * b * self.padded_vocab / t * 4 / dtype_bytes + 2 * res
-        return decoder.ActivationParts(kept * dtype_bytes, rebuilt * dtype_bytes, head * dtype_bytes)
-
-
-
-
-def config(name: str, data_vocab: int, **overrides) -> LlamaConfig:
-    """A preset's shape with any field overridden (zero/empty values are not
-    overrides); `data_vocab` where neither names a vocabulary."""
-    if name not in PRESETS:
-        raise ValueError(f"unknown model {name!r}; Llama-family presets: {', '.join(PRESETS)}")
-    fields = {**PRESETS[name], **decoder.given(overrides)}
-    fields["vocab_size"] = fields["vocab_size"] or data_vocab
-    return LlamaConfig(**fields)
+from zero_jax.model.contract import ModelFns
 
 
 class RMSNorm(nn.Module):
@@ -246,10 +43,13 @@ class RMSNorm(nn.Module):
 
 
 class Block(nn.Module):
-    """One pre-norm Llama block (block.pre_norm); scanned over `layers` by Llama."""
+    """One pre-norm Llama block (block.pre_norm); scanned over `layers` by
+    Llama. `dense_mlp`: a dense MLP of d_mlp in a mixture of experts (its
+    first first_k_dense_replace layers)."""
 
     cfg: LlamaConfig
     hooks: Hooks
+    dense_mlp: bool = False
 
     @nn.compact
     def __call__(self, x_BxTxD, segments_BxT):
@@ -266,6 +66,8 @@ class Block(nn.Module):
             return block.add_bias(h, param, x, name, shape, names) if c.qkv_bias else x
 
         def attention(y):
+            if c.mla:  # DeepSeek's multi-head latent attention
+                return mla.attention(self, h, c, dense, y, segments_BxT)
             q = bias(dense("btd,dhq->bthq", y, "w_q", (D, H, Q), ("embed", "heads", "kv")),
                      "b_q", (H, Q), ("heads", "kv"))
             k = bias(dense("btd,dhq->bthq", y, "w_k", (D, K, Q), ("embed", "kv_heads", "kv")),
@@ -287,7 +89,7 @@ class Block(nn.Module):
                          ("heads", "kv", "embed"), residual)
 
         def mlp(y):
-            if c.n_experts:
+            if c.n_experts and not self.dense_mlp:
                 return moe.MoEMLP(c, h, name="moe")(y)
             return _swiglu(h, dense, y, D, F, residual), None
 
@@ -313,8 +115,9 @@ def _swiglu(h: Hooks, dense, y_BxTxD, D: int, F: int, residual):
 
 
 def stack(cfg, hooks: Hooks) -> nn.Module:
-    """The scanned stack of cfg.n_layer blocks (a pipeline stage uses fewer)."""
-    return decoder.scanned(Block, cfg, hooks)
+    """The scanned stack of cfg.n_layer blocks, or of the mixtures after the
+    first first_k_dense_replace (a pipeline stage uses fewer)."""
+    return decoder.scanned(Block, cfg, hooks, length=cfg.n_layer - cfg.first_k_dense_replace)
 
 
 class Llama(nn.Module):
@@ -335,16 +138,24 @@ class Llama(nn.Module):
                                        table((c.padded_vocab, c.d_model), ("vocab", "embed")),
                                        ("vocab", "embed"), normal)
         self.blocks = stack(c, self.hooks)
+        if c.first_k_dense_replace:  # their own stack: their MLP is another shape
+            self.dense_blocks = decoder.scanned(Block, c, self.hooks,
+                                                length=c.first_k_dense_replace, dense_mlp=True)
         self.norm_f = RMSNorm(c, self.hooks)
 
-    def embed(self, tokens_BxT, wte=None):
+    def embed(self, tokens_BxT, wte=None, segments_BxT=None):
+        """The tokens' embeddings, through the dense layers that come before
+        a mixture's (so that a pipeline's first stage runs them)."""
         h = self.hooks
         if tokens_BxT.shape[1] > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {tokens_BxT.shape[1]} exceeds the model's "
                              f"max_seq_len={self.cfg.max_seq_len}")
         x = h.lookup(self.wte if wte is None else wte, tokens_BxT, ("vocab", "embed"))
         x = h.act(x, ("batch", "seq", "embed"))
-        return h.act(x, ("batch", "res_seq", "embed"))
+        x = h.act(x, ("batch", "res_seq", "embed"))
+        if self.cfg.first_k_dense_replace:
+            x, _ = self.dense_blocks(x, segments_BxT)
+        return x
 
     def stack(self, x_BxTxD, segments_BxT=None):
         x_BxTxD, _ = self.blocks(x_BxTxD, segments_BxT)
@@ -365,7 +176,7 @@ class Llama(nn.Module):
         """Logits; for a mixture of experts, with the router's per-layer,
         per-row statistics (moe.row_stats, stacked over layers)."""
         wte = self.hooks.gathered(self.wte, ("vocab", "embed")) if self.cfg.tie_embeddings else None
-        x_BxTxD, stats = self.blocks(self.embed(tokens_BxT, wte), segments_BxT)
+        x_BxTxD, stats = self.blocks(self.embed(tokens_BxT, wte, segments_BxT), segments_BxT)
         logits = self.head(x_BxTxD, wte)
         return (logits, stats) if self.cfg.n_experts else logits
 
@@ -374,11 +185,12 @@ def model_fns(cfg: LlamaConfig) -> ModelFns:
     """The Llama as the zero_jax train step sees it."""
     penalty = functools.partial(moe.penalty, aux_coef=cfg.router_aux_loss_coef,
                                 z_coef=cfg.router_z_loss_coef) if cfg.n_experts else None
-    return ModelFns(**decoder.fns(Llama, Block, cfg, penalty), vocab_size=cfg.vocab_size,
-                    max_seq_len=cfg.max_seq_len,
-                    layers=cfg.n_layer, flops_per_token=cfg.flops_per_token,
+    stacked = cfg.n_layer - cfg.first_k_dense_replace
+    return ModelFns(**decoder.fns(Llama, Block, cfg, penalty, stacked),
+                    vocab_size=cfg.vocab_size, max_seq_len=cfg.max_seq_len,
+                    layers=stacked, flops_per_token=cfg.flops_per_token,
                     block_ops=cfg.block_ops,
                     activation_bytes=cfg.activation_bytes, config=cfg,
                     gathered_once=("wte",) if cfg.tie_embeddings else (),
                     head_cost=cfg.head_cost, replicable={"kv_heads": cfg.n_kv_head},
-                    experts=cfg.n_experts)
+                    experts=cfg.n_experts, balance_rate=cfg.router_bias_update_rate)

@@ -41,6 +41,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from models.common import layers
+from zero_jax.model import balance
 from zero_jax.model import fp8 as fp8_lib
 from zero_jax.model.hooks import Hooks
 
@@ -54,15 +55,38 @@ class Routing(NamedTuple):
     logz_N: jax.Array  # float32 log-sum-exp of the router's scores (for the z-loss)
 
 
-def route(logits_NxE: jax.Array, k: int, normalise: bool) -> Routing:
-    """Softmax over the experts, then the top k, their weights renormalised
-    to sum to one when `normalise` (as Hugging Face's Mixtral and Qwen3-MoE)."""
+def route(logits_NxE: jax.Array, k: int, normalise: bool, sigmoid: bool = False,
+          bias_E: jax.Array | None = None, groups: tuple[int, int] = (1, 1),
+          scale: float = 1.0) -> Routing:
+    """Scores over the experts (softmax, or DeepSeek-V3's per-expert
+    sigmoid), then the top k, their weights renormalised to sum to one when
+    `normalise` (Mixtral, Qwen3-MoE, DeepSeek-V3) and times `scale`
+    (DeepSeek-V3's routed_scaling_factor).
+
+    `bias_E` (aux-loss-free balancing) is added to the scores to choose
+    the k and to nothing else. `groups` = (n_group, topk_group): the
+    experts in n_group equal groups, each scored by its two best experts'
+    sum, and a token's k chosen from its topk_group best groups only
+    (DeepSeek-V3's group-limited routing)."""
     logits = logits_NxE.astype(jnp.float32)
-    probs = jax.nn.softmax(logits, axis=-1)
-    weights, experts = jax.lax.top_k(probs, k)
+    N, E = logits.shape
+    scores = jax.nn.sigmoid(logits) if sigmoid else jax.nn.softmax(logits, axis=-1)
+    choice = scores if bias_E is None else scores + jax.lax.stop_gradient(bias_E)
+    n_group, topk_group = groups
+    if n_group > 1:
+        grouped = choice.reshape(N, n_group, E // n_group)
+        best = jnp.sum(jax.lax.top_k(grouped, min(2, E // n_group))[0], axis=-1)
+        chosen = jax.nn.one_hot(jax.lax.top_k(best, topk_group)[1], n_group).sum(1) > 0
+        allowed = jnp.repeat(chosen, E // n_group, axis=1)
+        choice = jnp.where(allowed, choice, -jnp.inf)
+    experts = jax.lax.top_k(choice, k)[1]
+    weights = jnp.take_along_axis(scores, experts, axis=-1)
     if normalise:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    return Routing(weights, experts.astype(jnp.int32), probs, jax.nn.logsumexp(logits, axis=-1))
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + (1e-20 if sigmoid else 0))
+    # The balance loss's probabilities: sigmoid scores normalised per token (DeepSeek-V3).
+    probs = scores / jnp.sum(scores, axis=-1, keepdims=True) if sigmoid else scores
+    return Routing(weights * scale, experts.astype(jnp.int32), probs,
+                   jax.nn.logsumexp(logits, axis=-1))
 
 
 def row_stats(routing: Routing, n_experts: int, rows: int) -> dict[str, jax.Array]:
@@ -205,8 +229,16 @@ class MoEMLP(nn.Module):
         # The router sees every expert on every device: its output axis is unsplit.
         logits = h.dense("btd,de->bte", y_BxTxD, param("w_router", (D, E), ("embed", None)),
                          ("embed", None))
-        routing = route(logits.reshape(B * T, E), k, c.norm_topk_prob)
+        bias = None
+        if c.expert_bias:  # aux-loss-free balancing (zero_jax/model/balance.py)
+            bias = h.weight(param(balance.NAME, (E,), (None,), nn.initializers.zeros), (None,),
+                            jnp.float32)
+        routing = route(logits.reshape(B * T, E), k, c.norm_topk_prob,
+                        sigmoid=c.score_func == "sigmoid", bias_E=bias,
+                        groups=(c.n_group, c.topk_group), scale=c.routed_scaling_factor)
         stats = row_stats(routing, E, B)
+        if c.score_func == "sigmoid":  # DeepSeek-V3's sequence-wise loss: E / k sum_e f_e P_e
+            stats["aux_loss"] = stats["aux_loss"] / k
         stacked = ("experts", "embed", "mlp")
         w_gate = h.weight(param("w_experts_gate", (E, D, F), stacked), stacked)
         w_up = h.weight(param("w_experts_up", (E, D, F), stacked), stacked)
@@ -235,6 +267,9 @@ class MoEMLP(nn.Module):
             y_BxTxD, routing.weights_Nxk.reshape(B, T, k), routing.experts_Nxk.reshape(B, T, k),
             w_gate, w_up, w_down)
         out = h.act(out, tokens)
+        if bias is not None:  # the loads, reported as the bias's gradient
+            out = balance.reported(out, bias, _count(routing.experts_Nxk.reshape(-1), E)
+                                   .astype(jnp.float32))
         if c.n_shared_experts:
             out = out + self.shared(y_BxTxD, param, residual)
         return out, stats

@@ -104,6 +104,9 @@ class ModelFns:
     # losses add to the loss, their metrics) (models/llama/moe.py `penalty`)
     router_penalty: Callable[[Any, jax.Array], tuple[jax.Array, dict]] | None = None
     experts: int = 0  # routed experts per block (0: dense), split over the `expert` axis
+    # Aux-loss-free balancing: the step by which each step moves the
+    # experts' selection biases against their load error (balance.py; 0: fixed)
+    balance_rate: float = 0.0
 
     def logits(self, params: Any, tokens_BxT: jax.Array, hooks: Hooks, **kwargs) -> jax.Array:
         """`apply`'s logits alone (a mixture of experts' without its statistics)."""

@@ -161,8 +161,9 @@ def state_specs(abstract_params: Any, compute_specs: Any, names: Any, abstract_o
     step for the first and last stage.
     """
     over_pipe = over_pipe or PipeSplit(None, None)
+    stacked = layer_stacks(names) if over_pipe.stacked is None else over_pipe.stacked
     outer = (jax.tree.map(lambda _: False, abstract_params) if over_pipe.pipe is None
-             else jax.tree.map(lambda stacked: not stacked, layer_stacks(names)))
+             else jax.tree.map(lambda st: not st, stacked))
     replicated: list[tuple[str, str]] = []
 
     def sharded(path, leaf, spec, leaf_names, is_outer):
@@ -221,6 +222,10 @@ class PipeSplit:
 
     pipe: Placement | None
     axis_sizes: dict[str, int] | None  # the mesh's axis sizes
+    # The leaves in the pipeline's cut (a tree of bools; None: every layer
+    # stack). A stack outside it (dense layers before a mixture's, which the
+    # first stage runs) is stored as the outer parameters are.
+    stacked: Any = None
 
     def __call__(self, leaf, spec: PartitionSpec, leaf_names, is_outer: bool) -> PartitionSpec:
         if not is_outer or self.pipe is None:

@@ -236,6 +236,12 @@ def plan_state(model: ModelFns, tx: optax.GradientTransformation, mesh: Mesh,
     names = logical_names(boxed)
     params = jax.eval_shape(lambda: init_params(model, jax.random.key(0), param_dtype))
     stacked_params = zero_lib.layer_stacks(names)
+    compute_names = names
+    if stages is not None:  # a stack the pipeline runs whole (dense layers before experts) is outer
+        stacked_params = _pipeline_stack(model, stacked_params)
+        compute_names = jax.tree.map(  # ... and its layers are not split over `pipe`
+            lambda n, st: n if st or not len(n) or n[0] != "layers" else PartitionSpec(None, *n[1:]),
+            names, stacked_params, is_leaf=lambda x: isinstance(x, PartitionSpec))
     master = needs_master(zero_stage, param_dtype, compute_dtype)
     if master:  # traced in layer order, before any padding
         tokens = (1, min(8, model.max_seq_len or 8))
@@ -260,15 +266,23 @@ def plan_state(model: ModelFns, tx: optax.GradientTransformation, mesh: Mesh,
         lambda path, p, n: rules.spec(
             n, p.shape, sizes,
             what=f"parameter {path_name(path)}"),
-        params, names)
+        params, compute_names)
     placement = zero_lib.Placement.on(mesh_shape, min_shard_elements)
     over_pipe = zero_lib.PipeSplit(zero_lib.Placement(("pipe",), sizes["pipe"], min_shard_elements),
-                                   dict(sizes)) if stages is not None else None
+                                   dict(sizes), stacked_params) if stages is not None else None
     specs = zero_lib.state_specs(params, compute, names, opt_state, tx,
                                  zero_lib.stage(zero_stage), placement, over_pipe)
     return StatePlan(mesh, mesh_shape, rules, zero_stage, abstract, names, specs, placement,
                      jnp.dtype(policy.dtype("grads")), master, stages,
                      (stacked_params, stacked_opt))
+
+
+def _pipeline_stack(model: ModelFns, stacked: Any) -> Any:
+    """Of the layer stacks (`stacked`, a tree of bools), those in the
+    pipeline's cut (`PipelineFns.split`'s second part); the others stay
+    with the outer parameters."""
+    outer, inner = model.pipeline.split(stacked)
+    return model.pipeline.merge(jax.tree.map(lambda _: False, outer), inner)
 
 
 def init_state(state_plan: StatePlan, model: ModelFns, tx: optax.GradientTransformation,

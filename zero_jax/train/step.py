@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from zero_jax.model import fp8
+from zero_jax.model import balance, fp8
 from zero_jax.precision import loss_scale as loss_scale_lib
 from zero_jax.precision import master as master_lib
 from zero_jax.sharding import offload as offload_lib
@@ -40,29 +40,35 @@ from zero_jax.train.state import StatePlan, TrainState
 
 def train_step(state: TrainState, batch: Any, *, loss_and_grads: Callable,
                tx: optax.GradientTransformation, lr: optax.Schedule, state_plan: StatePlan,
-               options: StepOptions) -> tuple[TrainState, dict[str, jax.Array]]:
+               options: StepOptions, balance_rate: float = 0.0
+               ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer step. `loss_and_grads(params, batch, scale)` returns the
     batch's metrics (lm_loss's: "loss", the mean next-token loss, and the
     router's) and the training loss's gradients times `scale` (grads.py).
     New master weights are cast to the working copy (master.py); the update
-    runs where `state_plan` keeps the optimizer state (`_update_placement`)."""
+    runs where `state_plan` keeps the optimizer state (`_update_placement`).
+    Statistics kept as parameters (FP8 amax histories, experts' selection
+    biases) get reports for gradients, which move them instead of the
+    optimizer (`balance_rate`: the biases' step)."""
     scale_cfg = options.loss_scale
     scale = state.loss_scale.scale
     batch = grads.weighted(batch)
     measured, g = loss_and_grads(state.params, batch, scale if scale_cfg.enabled else None)
-    if scale_cfg.enabled:  # FP8 amax histories' reports are amaxes, not gradients
+    if scale_cfg.enabled:  # amax histories' and biases' reports are not gradients
         g = jax.tree_util.tree_map_with_path(
-            lambda path, x: x if fp8.is_history(path)
+            lambda path, x: x if fp8.is_history(path) or balance.is_bias(path)
             else (x.astype(jnp.float32) / scale).astype(x.dtype), g)
-    grad_norm = optax.tree.norm(fp8.without_histories(g))  # before clipping
+    grad_norm = optax.tree.norm(_gradients_only(g))  # before clipping
     finite = jnp.isfinite(grad_norm)
 
     def update(g, opt_state, params, finite):
-        # The optimizer sees zeros for the amax histories, which the step's
-        # reports then advance (fp8.py): they are statistics, not weights.
-        new_params, new_opt = master_lib.apply(tx, fp8.without_histories(g), opt_state, params,
-                                               state_plan.to_working,
-                                               lambda new, old: fp8.advance(new, old, g))
+        # The optimizer sees zeros for the amax histories and selection biases,
+        # which the step's reports then move (fp8.py, balance.py): they are
+        # statistics, not weights.
+        def then(new, old):
+            return balance.advance(fp8.advance(new, old, g), old, g, balance_rate)
+        new_params, new_opt = master_lib.apply(tx, _gradients_only(g), opt_state, params,
+                                               state_plan.to_working, then)
         # A step with non-finite gradients leaves parameters and optimizer state
         # bitwise as they were; only the step count and the loss scale move.
         def keep(new, old):
@@ -93,6 +99,11 @@ def train_step(state: TrainState, batch: Any, *, loss_and_grads: Callable,
     return new_state, metrics
 
 
+def _gradients_only(g: Any) -> Any:
+    """The gradient tree with the statistics' reports zeroed."""
+    return balance.without_loads(fp8.without_histories(g))
+
+
 def _update_placement(state_plan: StatePlan) -> tuple[offload_lib.HostUpdate | None, Any]:
     """(host, fetch): with `host` the update runs in host memory, where the
     optimizer state is (offload.py), and the new parameters go where they
@@ -114,7 +125,8 @@ def jit_train_step(state_plan: StatePlan, model: ModelFns, hooks: Hooks,
     loss_and_grads = rounding.without_no_op_rounding(
         grads.make_loss_and_grads(state_plan, model, hooks, options))
     step = functools.partial(train_step, loss_and_grads=loss_and_grads, tx=tx, lr=lr,
-                             state_plan=state_plan, options=options)
+                             state_plan=state_plan, options=options,
+                             balance_rate=model.balance_rate)
     replicated = NamedSharding(state_plan.mesh, PartitionSpec())
     return jax.jit(step, in_shardings=(state_plan.shardings, state_plan.batch_sharding),
                    out_shardings=(state_plan.shardings, replicated), donate_argnums=0,

@@ -1,0 +1,176 @@
+"""DeepSeek-V3's architecture (models/llama: latent attention in mla.py,
+DeepSeekMoE routing in moe.py, aux-loss-free balancing in
+zero_jax/model/balance.py): the published parameter counts, the router
+against a per-token reference of transformers' DeepseekV3TopkRouter, every
+layout trained against one device with the bias update on, and the
+balance the bias buys.
+
+CI runs expert=4,data=2 and one pipeline (1F1B); ZERO_JAX_FULL_GRID=1 adds
+ZeRO-3 with tensor parallelism and interleaved pipelines at ZeRO-3.
+"""
+
+import os
+
+import jax
+import numpy as np
+import pytest
+
+import models
+from models.llama import moe
+from tests.helpers import assert_close, compile_step, host, initial_state, make_job
+from zero_jax.data import corpus as corpus_lib
+from zero_jax.model import balance
+
+FULL = bool(os.environ.get("ZERO_JAX_FULL_GRID"))
+# (mesh, ZeRO stage, pipeline schedule or "")
+LAYOUTS = [("expert=4,data=2", 1, ""), ("pipe=2,expert=2,data=2", 1, "1f1b"),
+           ("expert=2,fsdp=2,tensor=2", 3, ""), ("pipe=2,expert=2,data=2", 3, "interleaved")]
+CASES = LAYOUTS if FULL else LAYOUTS[:2]
+# DeepSeek-V3's config.json (deepseek-ai/DeepSeek-V3 on the Hugging Face Hub), as published.
+V3_CONFIG = dict(vocab_size=129280, hidden_size=7168, intermediate_size=18432,
+                 moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=128,
+                 n_shared_experts=1, n_routed_experts=256, kv_lora_rank=512, q_lora_rank=1536,
+                 qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128,
+                 first_k_dense_replace=3, tie_word_embeddings=False)
+
+
+def checkpoint_tensors(c: dict) -> dict[str, tuple[int, ...]]:
+    """Every tensor of DeepSeek's checkpoint layout (one layer of each kind,
+    with its count), by shape, from config.json alone: what its
+    model.safetensors.index.json lists, without the MTP layer."""
+    D, H, V = c["hidden_size"], c["num_attention_heads"], c["vocab_size"]
+    Cq, C, R = c["q_lora_rank"], c["kv_lora_rank"], c["qk_rope_head_dim"]
+    N, Vh, E, F = c["qk_nope_head_dim"], c["v_head_dim"], c["n_routed_experts"], \
+        c["moe_intermediate_size"]
+    attn = {"q_a_proj": (Cq, D), "q_a_layernorm": (Cq,), "q_b_proj": (H * (N + R), Cq),
+            "kv_a_proj_with_mqa": (C + R, D), "kv_a_layernorm": (C,),
+            "kv_b_proj": (H * (N + Vh), C), "o_proj": (D, H * Vh), "input_layernorm": (D,),
+            "post_attention_layernorm": (D,)}
+    dense = {f"mlp.{p}": s for p, s in (("gate_proj", (c["intermediate_size"], D)),
+                                        ("up_proj", (c["intermediate_size"], D)),
+                                        ("down_proj", (D, c["intermediate_size"])))}
+    S = F * c["n_shared_experts"]
+    moe_layer = {"mlp.gate.weight": (E, D), "mlp.gate.e_score_correction_bias": (E,),
+                 "mlp.experts.gate_proj": (E, F, D), "mlp.experts.up_proj": (E, F, D),
+                 "mlp.experts.down_proj": (E, D, F), "mlp.shared_experts.gate_proj": (S, D),
+                 "mlp.shared_experts.up_proj": (S, D), "mlp.shared_experts.down_proj": (D, S)}
+    k, L = c["first_k_dense_replace"], c["num_hidden_layers"]
+    out = {"embed_tokens": (V, D), "norm": (D,), "lm_head": (V, D)}
+    out.update({f"dense.{n}": (k, *s) for n, s in {**attn, **dense}.items()})
+    out.update({f"moe.{n}": (L - k, *s) for n, s in {**attn, **moe_layer}.items()})
+    return out
+
+
+def test_deepseek_v3_preset_has_the_published_parameter_count():
+    """671,026,419,200 parameters from config.json's shapes (DeepSeek-V3's
+    "671B"), and the preset's formula and built arrays give the same;
+    37.6B of them active per token (published: 37B). Kimi-K2's 1.026T."""
+    published = sum(int(np.prod(s)) for s in checkpoint_tensors(V3_CONFIG).values())
+    assert published == 671_026_419_200
+    for name, count in (("deepseek-v3", published), ("kimi-k2", 1_026_408_232_448)):
+        cfg = models.config(name, 256)
+        shapes = jax.eval_shape(models.model_fns(cfg).init, jax.random.key(0))
+        built = sum(int(np.prod(x.value.shape)) for x in jax.tree.leaves(
+            shapes, is_leaf=lambda x: hasattr(x, "value")))
+        assert cfg.param_count == built == count, name
+    v3 = models.config("deepseek-v3", 256)
+    assert 37.0e9 < v3.active_param_count < 38.0e9
+
+
+def _reference_route(logits, bias, k, groups, topk_groups, scale):
+    """transformers' DeepseekV3TopkRouter, per token, in numpy float64."""
+    scores = 1 / (1 + np.exp(-logits))
+    choice = scores + bias
+    N, E = logits.shape
+    out_e, out_w = [], []
+    for n in range(N):
+        per_group = choice[n].reshape(groups, -1)
+        group_score = np.sort(per_group, axis=1)[:, -2:].sum(1)
+        allowed = np.argsort(-group_score, kind="stable")[:topk_groups]
+        masked = np.full(E, -np.inf)
+        for g in allowed:
+            masked[g * E // groups:(g + 1) * E // groups] = per_group[g]
+        top = np.argsort(-masked, kind="stable")[:k]
+        w = scores[n, top]
+        out_e.append(sorted(top))
+        out_w.append(dict(zip(top, w / (w.sum() + 1e-20) * scale)))
+    return out_e, out_w
+
+
+def test_group_limited_sigmoid_routing_matches_transformers_rule():
+    """Sigmoid scores, the bias in the choice only, a token's experts from
+    its best groups by their top-2 sums, weights renormalised and scaled."""
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(64, 16)).astype(np.float32)
+    bias = rng.normal(scale=0.3, size=16).astype(np.float32)
+    r = moe.route(logits, 4, True, sigmoid=True, bias_E=bias, groups=(4, 2), scale=2.5)
+    experts, weights = _reference_route(logits.astype(np.float64), bias, 4, 4, 2, 2.5)
+    got_e = np.asarray(r.experts_Nxk)
+    assert [sorted(e) for e in got_e.tolist()] == [list(map(int, e)) for e in experts]
+    for n in range(64):
+        for j, e in enumerate(got_e[n]):
+            assert abs(float(r.weights_Nxk[n, j]) - weights[n][e]) < 1e-5
+        groups = {int(e) // 4 for e in got_e[n]}
+        assert len(groups) <= 2  # topk_group = 2 of 4 groups
+
+
+def _job(corpus, mesh, stage, schedule="", **extra):
+    # Two microbatches of 8 rows on 8 data-parallel devices; a pipeline's four.
+    fields = dict(model="deepseek-tiny", mesh=mesh, zero_stage=stage, precision="fp32",
+                  batch_size=16, seq_len=32, microbatches=4 if schedule else 2)
+    if schedule:
+        fields["pipeline_schedule"] = schedule
+    return make_job(corpus, **{**fields, **extra})
+
+
+def _train(job, corpus, steps=None):
+    """The steps' losses and expert-load ratios, and the final parameters."""
+    step_fn = compile_step(job)
+    state = initial_state(job)
+    t = job.run.train
+    losses, loads = [], []
+    for i in range(steps or t.steps):
+        batch = corpus_lib.global_batch(corpus, "train", job.run.data.seq_len, t.batch_size,
+                                        t.seed, step=i, sharding=job.state_plan.batch_sharding)
+        state, metrics = step_fn(state, batch)
+        losses.append(float(metrics["loss"]))
+        loads.append(np.asarray(metrics["expert_load"]))
+    return np.array(losses), np.array(loads), host(job.state_plan.saved_form(state).params)
+
+
+@pytest.fixture(scope="module")
+def reference(corpus):
+    return _train(_job(corpus, "fsdp=1", 0, devices=jax.devices()[:1]), corpus)
+
+
+@pytest.mark.parametrize("mesh,stage,schedule", CASES)
+def test_layouts_train_like_one_device_with_the_bias_moving(corpus, reference, mesh, stage,
+                                                            schedule):
+    """Ten steps of deepseek-tiny (latent attention, a dense first layer,
+    shared expert, 4 groups, sigmoid routing, bias rate 1e-3) on each
+    layout: losses and parameters, the selection biases included, as on
+    one device; and the biases did move (by multiples of the rate)."""
+    losses, _, params = _train(_job(corpus, mesh, stage, schedule), corpus)
+    ref_losses, _, ref_params = reference
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_close(params, ref_params)
+    bias = params["blocks"]["moe"][balance.NAME]
+    np.testing.assert_array_equal(bias, ref_params["blocks"]["moe"][balance.NAME])
+    assert np.abs(bias).max() > 0
+    steps = bias / 1e-3
+    np.testing.assert_allclose(steps, np.round(steps), atol=1e-3)
+
+
+def test_aux_loss_free_balancing_evens_the_experts_loads(corpus):
+    """Training with the bias update (rate 1e-2 here, to act within a short
+    run) ends with a lower busiest-expert-over-mean load than the same run
+    with the bias fixed (scripts/balance_check.py runs 300 steps)."""
+    def run(rate):
+        job = _job(corpus, "fsdp=1", 0, devices=jax.devices()[:1], microbatches=1, steps=120,
+                   router_bias_update_rate=rate)
+        _, loads, _ = _train(job, corpus)
+        return loads[-20:].mean()
+    on, off = run(1e-2), run(0.0)
+    print(f"max/mean expert load over the last 20 of 120 steps: bias update on {on:.3f}, "
+          f"off {off:.3f}")
+    assert on < off
