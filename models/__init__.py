@@ -80,10 +80,20 @@ def describe(name: str, data_vocab: int, vocab_multiple: int = 1, **overrides) -
         if c.n_experts:
             shared = f" + {c.n_shared_experts} shared" if c.n_shared_experts else ""
             mode = (f"capacity factor {c.capacity_factor:g}" if c.capacity_factor else "dropless")
-            mlp = (f"{c.n_experts} experts of {c.expert_mlp}{shared}, top-{c.n_experts_per_tok} "
+            groups = f" from the best {c.topk_group} of {c.n_group} groups" if c.n_group > 1 else ""
+            scores = " by sigmoid scores" if c.score_func == "sigmoid" else ""
+            mlp = (f"{c.n_experts} experts of {c.expert_mlp}{shared}, top-{c.n_experts_per_tok}"
+                   f"{groups}{scores} "
                    f"({mode}; {c.active_param_count:,} of {c.param_count:,} parameters active)")
+        attention = (f"{c.n_head} heads over {c.n_kv_head} kv heads of {c.q_dim}" if not c.mla
+                     else f"latent attention ({c.n_head} heads of q/k {c.q_dim} and v "
+                          f"{c.v_dim}, kv rank {c.kv_lora_rank}, q rank {c.q_lora_rank or 'full'})")
+        if c.first_k_dense_replace:
+            mlp = f"the first {c.first_k_dense_replace} with an mlp of {c.d_mlp}, then {mlp}"
+        if c.mtp_depth:
+            mlp += f", MTP depth {c.mtp_depth} weighted {c.mtp_loss_weight:g}"
         return (f"{head}: {c.family} family, {c.n_layer} layers, d_model {c.d_model}, "
-                f"{c.n_head} heads over {c.n_kv_head} kv heads of {c.q_dim}, {mlp}, "
+                f"{attention}, {mlp}, "
                 f"vocab {vocab}{', tied head' if c.tie_embeddings else ''}, rope theta "
                 f"{c.rope_theta:g}")
     return (f"{head}: {c.n_layer} layers, d_model {c.d_model}, {c.n_head} heads, "
@@ -171,7 +181,8 @@ def _check_hf_matches(path: Path, cfg, model_name: str) -> str:
     # another length than its config's max_position_embeddings.
     # The router's loss weights and capacity are training choices, not shape.
     free = ("max_seq_len", "router_aux_loss_coef", "router_z_loss_coef",
-            "capacity_factor", "router_bias_update_rate") if family == "llama" else ()
+            "capacity_factor", "router_bias_update_rate", "mtp_depth",
+            "mtp_loss_weight") if family == "llama" else ()
     differ = {k: (v, mine[k]) for k, v in fields.items()
               if k in mine and k not in free and not hf_files.same(v, mine[k])}
     if (family == "llama") != isinstance(cfg, llama.model.LlamaConfig) or differ:

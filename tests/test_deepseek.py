@@ -16,10 +16,13 @@ import numpy as np
 import pytest
 
 import models
+from models.llama import model as model_lib
 from models.llama import moe
 from tests.helpers import assert_close, compile_step, host, initial_state, make_job
+from zero_jax.context import order as context_order
 from zero_jax.data import corpus as corpus_lib
 from zero_jax.model import balance
+from zero_jax.model.hooks import Hooks
 
 FULL = bool(os.environ.get("ZERO_JAX_FULL_GRID"))
 # (mesh, ZeRO stage, pipeline schedule or "")
@@ -34,10 +37,12 @@ V3_CONFIG = dict(vocab_size=129280, hidden_size=7168, intermediate_size=18432,
                  first_k_dense_replace=3, tie_word_embeddings=False)
 
 
-def checkpoint_tensors(c: dict) -> dict[str, tuple[int, ...]]:
+def checkpoint_tensors(c: dict, mtp: bool = False) -> dict[str, tuple[int, ...]]:
     """Every tensor of DeepSeek's checkpoint layout (one layer of each kind,
     with its count), by shape, from config.json alone: what its
-    model.safetensors.index.json lists, without the MTP layer."""
+    model.safetensors.index.json lists; with `mtp`, its MTP layer too
+    (model.layers.61: a mixture layer, enorm, hnorm, eh_proj, shared_head's
+    norm, and copies of the embedding and head)."""
     D, H, V = c["hidden_size"], c["num_attention_heads"], c["vocab_size"]
     Cq, C, R = c["q_lora_rank"], c["kv_lora_rank"], c["qk_rope_head_dim"]
     N, Vh, E, F = c["qk_nope_head_dim"], c["v_head_dim"], c["n_routed_experts"], \
@@ -58,23 +63,39 @@ def checkpoint_tensors(c: dict) -> dict[str, tuple[int, ...]]:
     out = {"embed_tokens": (V, D), "norm": (D,), "lm_head": (V, D)}
     out.update({f"dense.{n}": (k, *s) for n, s in {**attn, **dense}.items()})
     out.update({f"moe.{n}": (L - k, *s) for n, s in {**attn, **moe_layer}.items()})
+    if mtp:
+        out.update({f"mtp.{n}": s for n, s in {**attn, **moe_layer}.items()})
+        out.update({"mtp.enorm": (D,), "mtp.hnorm": (D,), "mtp.eh_proj": (D, 2 * D),
+                    "mtp.shared_head.norm": (D,), "mtp.embed_tokens": (V, D),
+                    "mtp.shared_head.head": (V, D)})
     return out
 
 
+def _built(cfg) -> int:
+    shapes = jax.eval_shape(models.model_fns(cfg).init, jax.random.key(0))
+    return sum(int(np.prod(x.value.shape)) for x in jax.tree.leaves(
+        shapes, is_leaf=lambda x: hasattr(x, "value")))
+
+
 def test_deepseek_v3_preset_has_the_published_parameter_count():
-    """671,026,419,200 parameters from config.json's shapes (DeepSeek-V3's
-    "671B"), and the preset's formula and built arrays give the same;
-    37.6B of them active per token (published: 37B). Kimi-K2's 1.026T."""
-    published = sum(int(np.prod(s)) for s in checkpoint_tensors(V3_CONFIG).values())
-    assert published == 671_026_419_200
-    for name, count in (("deepseek-v3", published), ("kimi-k2", 1_026_408_232_448)):
-        cfg = models.config(name, 256)
-        shapes = jax.eval_shape(models.model_fns(cfg).init, jax.random.key(0))
-        built = sum(int(np.prod(x.value.shape)) for x in jax.tree.leaves(
-            shapes, is_leaf=lambda x: hasattr(x, "value")))
-        assert cfg.param_count == built == count, name
-    v3 = models.config("deepseek-v3", 256)
-    assert 37.0e9 < v3.active_param_count < 38.0e9
+    """671,026,419,200 parameters from config.json's shapes without the MTP
+    module (DeepSeek-V3's "671B"), 684,489,845,504 with its layer as the
+    checkpoint stores it; the preset's formula and built arrays give the
+    same, less the copies of the embedding and head that layer stores (the
+    module shares the model's, as the paper has it): 11,610,068,224 of its
+    own (DeepSeek's README: "11.5B unique parameters"). 37.6B active per
+    token without MTP (published: 37B). Kimi-K2's 1.026T."""
+    V, D = V3_CONFIG["vocab_size"], V3_CONFIG["hidden_size"]
+    without = sum(int(np.prod(s)) for s in checkpoint_tensors(V3_CONFIG).values())
+    with_mtp = sum(int(np.prod(s)) for s in checkpoint_tensors(V3_CONFIG, mtp=True).values())
+    assert (without, with_mtp) == (671_026_419_200, 684_489_845_504)
+    v3, plain = models.config("deepseek-v3", 256), models.config("deepseek-v3", 256, mtp_depth=0)
+    assert v3.param_count == _built(v3) == with_mtp - 2 * V * D
+    assert plain.param_count == _built(plain) == without
+    assert v3.param_count - plain.param_count == 11_610_068_224
+    kimi = models.config("kimi-k2", 256)
+    assert kimi.param_count == _built(kimi) == 1_026_408_232_448
+    assert 37.0e9 < plain.active_param_count < 38.0e9
 
 
 def _reference_route(logits, bias, k, groups, topk_groups, scale):
@@ -139,19 +160,29 @@ def _train(job, corpus, steps=None):
 
 
 @pytest.fixture(scope="module")
-def reference(corpus):
-    return _train(_job(corpus, "fsdp=1", 0, devices=jax.devices()[:1]), corpus)
+def references(corpus):
+    """One device's run, with its MTP module or (for pipelines) without."""
+    cache = {}
+
+    def get(mtp_depth):
+        if mtp_depth not in cache:
+            job = _job(corpus, "fsdp=1", 0, devices=jax.devices()[:1], mtp_depth=mtp_depth)
+            cache[mtp_depth] = _train(job, corpus)
+        return cache[mtp_depth]
+    return get
 
 
 @pytest.mark.parametrize("mesh,stage,schedule", CASES)
-def test_layouts_train_like_one_device_with_the_bias_moving(corpus, reference, mesh, stage,
+def test_layouts_train_like_one_device_with_the_bias_moving(corpus, references, mesh, stage,
                                                             schedule):
     """Ten steps of deepseek-tiny (latent attention, a dense first layer,
-    shared expert, 4 groups, sigmoid routing, bias rate 1e-3) on each
+    shared expert, 4 groups, sigmoid routing, bias rate 1e-3, one MTP
+    module; a pipeline without it: the MTP module follows the head) on each
     layout: losses and parameters, the selection biases included, as on
     one device; and the biases did move (by multiples of the rate)."""
-    losses, _, params = _train(_job(corpus, mesh, stage, schedule), corpus)
-    ref_losses, _, ref_params = reference
+    mtp_depth = 0 if schedule else 1
+    losses, _, params = _train(_job(corpus, mesh, stage, schedule, mtp_depth=mtp_depth), corpus)
+    ref_losses, _, ref_params = references(mtp_depth)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert_close(params, ref_params)
     bias = params["blocks"]["moe"][balance.NAME]
@@ -174,3 +205,27 @@ def test_aux_loss_free_balancing_evens_the_experts_loads(corpus):
     print(f"max/mean expert load over the last 20 of 120 steps: bias update on {on:.3f}, "
           f"off {off:.3f}")
     assert on < off
+
+
+def test_mtp_loss_is_the_loss_of_the_token_two_ahead(corpus):
+    """The MTP module's loss as the model reports it equals one computed
+    here: the main stack's output and the embedding of the next token
+    through the module, the shared head, and the cross-entropy against the
+    token two ahead of each position (the last position has none)."""
+    job = _job(corpus, "fsdp=1", 0, devices=jax.devices()[:1])
+    cfg, params = job.model.config, host(job.state_plan.saved_form(initial_state(job)).params)
+    tokens = np.asarray(corpus_lib.global_batch(corpus, "train", 32, 4, 0, step=0,
+                                                sharding=job.state_plan.batch_sharding)["tokens"])
+    B, T = tokens.shape[0], tokens.shape[1] - 1
+    batch = {"tokens": tokens, "weights": np.full((B, T), 1.0 / (B * T), np.float32)}
+    rows = context_order.ahead(batch, 1, None)
+    _, stats = model_lib.Llama(cfg).apply({"params": params}, tokens[:, :-1], None, rows)
+    x = model_lib.Llama(cfg).apply({"params": params}, tokens[:, :-1],
+                                   method=lambda m, t: m.stack(m.embed(t)))
+    ahead = params["wte"][tokens[:, 1:]]
+    _, normed = model_lib.MTP(cfg, Hooks()).apply({"params": params["mtp_0"]}, x, ahead, None)
+    logits = np.asarray(normed @ params["w_head"].T, np.float64)[:, :T - 1]
+    logz = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+    picked = np.take_along_axis(logits, tokens[:, 2:, None], -1)[..., 0]
+    expected = np.sum(logz - picked) / (B * T)
+    np.testing.assert_allclose(float(stats["mtp_loss"]), expected, rtol=1e-5)

@@ -140,6 +140,8 @@ class StepLog:
             load = [float(x) for x in values["expert_load"]]
             record.update(aux_loss=float(values["aux_loss"]), z_loss=float(values["z_loss"]),
                           expert_load=load, expert_load_max=max(load))
+        if "mtp_loss" in values:
+            record["mtp_loss"] = float(values["mtp_loss"])
         if self.throughput is not None:
             record.update(self.throughput.fields(record["tokens_per_s"]))
         record.update(metrics_lib.memory())

@@ -55,8 +55,8 @@ def fns(module: type[nn.Module], block: type[nn.Module], cfg: Any,
         tokens = jnp.zeros((1, min(8, cfg.max_seq_len)), jnp.int32)
         return module(cfg, hooks or Hooks()).init(key, tokens)["params"]
 
-    def apply(params, tokens_BxT, hooks, segments_BxT=None):
-        return module(cfg, hooks).apply({"params": params}, tokens_BxT, segments_BxT)
+    def apply(params, tokens_BxT, hooks, segments_BxT=None, **rows):
+        return module(cfg, hooks).apply({"params": params}, tokens_BxT, segments_BxT, **rows)
 
     def decay_mask(params):
         # Matrices (named w*) decay; norms, biases, amax histories and selection biases do not.
@@ -84,9 +84,10 @@ def fns(module: type[nn.Module], block: type[nn.Module], cfg: Any,
             "router_penalty": router_penalty}
 
 
-# Fields whose zero is a choice (no router loss; dropless; a fixed bias), not "the preset's".
+# Fields whose zero is a choice (no router loss; dropless; a fixed bias; no
+# multi-token prediction), not "the preset's".
 ZERO_IS_SET = frozenset({"router_aux_loss_coef", "router_z_loss_coef", "capacity_factor",
-                         "router_bias_update_rate"})
+                         "router_bias_update_rate", "mtp_depth", "mtp_loss_weight"})
 
 
 def given(overrides: dict) -> dict:

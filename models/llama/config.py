@@ -80,6 +80,13 @@ class LlamaConfig:
     # YaRN rope scaling (DeepSeek-V3): (factor, original_max_position_embeddings,
     # beta_fast, beta_slow, mscale, mscale_all_dim), or () for none
     rope_yarn: tuple = ()
+    # Multi-token prediction (DeepSeek-V3, 2.2): mtp_depth modules, module k
+    # predicting the token k + 1 ahead from module k - 1's output and the
+    # embedding of the token k ahead, through one more block, with the
+    # shared embedding and head; their mean loss weighted by mtp_loss_weight.
+    # Training only: the export leaves them out.
+    mtp_depth: int = 0
+    mtp_loss_weight: float = 0.0
 
     def __post_init__(self):
         if self.n_experts and not 0 < self.n_experts_per_tok <= self.n_experts:
@@ -123,6 +130,8 @@ class LlamaConfig:
                              and self.qk_rope_head_dim % 2 == 0):
             raise ValueError("kv_lora_rank > 0 (latent attention) needs qk_nope_head_dim, "
                              "v_head_dim and an even qk_rope_head_dim")
+        if self.mtp_depth < 0:  # 0 turns multi-token prediction off, whatever its weight
+            raise ValueError(f"mtp_depth={self.mtp_depth}: 0 (none) or more modules")
         if self.rope_yarn and len(self.rope_yarn) != 6:
             raise ValueError("rope_yarn: (factor, original_max_position_embeddings, beta_fast, "
                              "beta_slow, mscale, mscale_all_dim)")
@@ -198,26 +207,39 @@ class LlamaConfig:
             return self.q_lora_rank + self.kv_lora_rank
         return ((H + 2 * K) * Q if self.qkv_bias else 0) + (2 * Q if self.qk_norm else 0)
 
+    def _mtp_params(self, active: bool) -> int:
+        """One multi-token prediction module: its two input norms, the (2 D,
+        D) projection, one block (a mixture's where the model is one) and
+        its output norm; the embedding and head are the model's."""
+        D = self.d_model
+        block = 2 * D + self._attn_params() + self._attn_vectors() + self._mlp_params(active)
+        return 2 * D + 2 * D * D + block + D
+
     @property
     def param_count(self) -> int:
         D, L = self.d_model, self.n_layer
         per_layer = 2 * D + self._attn_params() + self._attn_vectors()
         tables = self.padded_vocab * D * (1 if self.tie_embeddings else 2)
-        return tables + L * per_layer + self._mlps(active=False) + D
+        return (tables + L * per_layer + self._mlps(active=False) + D
+                + self.mtp_depth * self._mtp_params(active=False))
 
     @property
     def active_param_count(self) -> int:
         """Parameters a token computes with (all of them in a dense model)."""
-        return self.param_count - (self._mlps(False) - self._mlps(True))
+        return self.param_count - (self._mlps(False) - self._mlps(True)) \
+            - self.mtp_depth * (self._mtp_params(False) - self._mtp_params(True))
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token, 6 N + 6 L H (Q + Q_v) T (PaLM,
         appendix B: 12 L H Q T where q.k and values have one width), N the
         matmul parameters a token computes with, including the head: in a
-        mixture of experts its k experts, the shared ones and the router."""
-        L, H = self.n_layer, self.n_head
-        n_matmul = L * self._attn_params() + self._mlps(active=True) \
-            + self.padded_vocab * self.d_model
+        mixture of experts its k experts, the shared ones and the router;
+        each multi-token prediction module adds a block, its projection and
+        the head once more."""
+        L, H, D = self.n_layer + self.mtp_depth, self.n_head, self.d_model
+        head = self.padded_vocab * D
+        n_matmul = L * self._attn_params() + self._mlps(active=True) + head + self.mtp_depth * (
+            2 * D * D + self._mlp_params(active=True) + head)
         return 6 * n_matmul + 6 * L * H * (self.q_dim + self.v_dim) * seq_len
 
     def block_ops(self, seq_len: int) -> list[Op]:
@@ -272,9 +294,8 @@ class LlamaConfig:
         the probabilities are `layers.attention_probs`'s; Ulysses also keeps
         its head-split q, k and v (k and v repeated to the heads where c
         does not divide the kv heads), ring its log-sum-exp. Latent attention
-        keeps q, k and v per head (H (2 Q + Q_v) s b / t) and the two
-        compressions, whole on every tensor rank ((r_q + r_kv + Q_rope) s b:
-        `q_latent`, `kv_latent`, what a policy that rebuilds q, k and v keeps)."""
+        keeps q, k and v per head (H (2 Q + Q_v) s b / t) and its compressions,
+        whole on every tensor rank ((r_q + r_kv + Q_rope) s b: `q_latent`, `kv_latent`)."""
         b, h, L, t = rows, self.d_model, self.n_layer, tensor
         s = seq_len / context
         H, K, Q = self.n_head, self.n_kv_head, self.q_dim
@@ -299,8 +320,11 @@ class LlamaConfig:
         # A mixture of experts keeps its k copies' (and shared experts') hidden
         # widths per token, and the copies themselves (k s b h, dropless); its
         # first first_k_dense_replace layers (if any) a dense MLP's.
-        kinds = [(self.n_layer - self.moe_layers, self.d_mlp, 0),
-                 (self.moe_layers, self.active_mlp, self.n_experts_per_tok * full)]
+        # A multi-token prediction module keeps one more block's (and its inputs').
+        moe_blocks = self.moe_layers + (self.mtp_depth if self.n_experts else 0)
+        kinds = [(self.n_layer - self.moe_layers + (0 if self.n_experts else self.mtp_depth),
+                  self.d_mlp, 0),
+                 (moe_blocks, self.active_mlp, self.n_experts_per_tok * full)]
         kept, rebuilt = 0.0, 0.0
         for count, f, copies in kinds:
             mlp = s * b * f / t

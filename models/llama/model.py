@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from models.common import block, decoder, layers
 from models.llama import mla, moe
 from models.llama.config import LlamaConfig, config  # noqa: F401  (the family's shape, by preset)
+from zero_jax.model import loss as loss_lib
 from zero_jax.model.hooks import Hooks
 from zero_jax.model.contract import ModelFns
 
@@ -114,6 +115,28 @@ def _swiglu(h: Hooks, dense, y_BxTxD, D: int, F: int, residual):
     return dense("btf,fd->btd", hid_BxTxF, "w_down", (F, D), ("mlp", "embed"), residual)
 
 
+class MTP(nn.Module):
+    """One multi-token prediction module (DeepSeek-V3, 2.2): the previous
+    depth's hidden states and the embeddings of the tokens one further
+    ahead, each RMS-normed, concatenated (embeddings first, as DeepSeek's
+    checkpoints' eh_proj reads them) and projected back to D, then one
+    block; returns its output and that output normed for the shared head."""
+
+    cfg: LlamaConfig
+    hooks: Hooks
+
+    @nn.compact
+    def __call__(self, h_BxTxD, ahead_BxTxD, segments_BxT):
+        c, h = self.cfg, self.hooks
+        both = jnp.concatenate([RMSNorm(c, h, name="enorm")(ahead_BxTxD),
+                                RMSNorm(c, h, name="hnorm")(h_BxTxD)], axis=-1)
+        w = layers.param(self, "w_eh", (2 * c.d_model, c.d_model), (None, "embed"),
+                         nn.initializers.normal(0.02))
+        x = h.act(h.dense("btc,cd->btd", both, w, (None, "embed")), block.RESIDUAL)
+        x, _ = Block(c, h, dense_mlp=not c.n_experts, name="block")(x, segments_BxT)
+        return x, RMSNorm(c, h, name="norm")(x)
+
+
 def stack(cfg, hooks: Hooks) -> nn.Module:
     """The scanned stack of cfg.n_layer blocks, or of the mixtures after the
     first first_k_dense_replace (a pipeline stage uses fewer)."""
@@ -142,6 +165,7 @@ class Llama(nn.Module):
             self.dense_blocks = decoder.scanned(Block, c, self.hooks,
                                                 length=c.first_k_dense_replace, dense_mlp=True)
         self.norm_f = RMSNorm(c, self.hooks)
+        self.mtp = [MTP(c, self.hooks) for _ in range(c.mtp_depth)]
 
     def embed(self, tokens_BxT, wte=None, segments_BxT=None):
         """The tokens' embeddings, through the dense layers that come before
@@ -161,9 +185,10 @@ class Llama(nn.Module):
         x_BxTxD, _ = self.blocks(x_BxTxD, segments_BxT)
         return x_BxTxD
 
-    def head(self, x_BxTxD, wte=None):
+    def head(self, x_BxTxD, wte=None, normed=False):
+        """Logits of x (`normed`: x has been normed already, by an MTP module)."""
         h = self.hooks
-        y = h.act(self.norm_f(x_BxTxD), ("batch", "seq", "embed"))
+        y = h.act(x_BxTxD if normed else self.norm_f(x_BxTxD), ("batch", "seq", "embed"))
         w = (self.wte if wte is None else wte) if self.cfg.tie_embeddings else self.w_head
         logits_BxTxV = h.act(h.dense("btd,vd->btv", y, w, ("vocab", "embed")),
                              ("batch", "seq", "vocab"))
@@ -172,25 +197,64 @@ class Llama(nn.Module):
             logits_BxTxV = jnp.where(real_V, logits_BxTxV, jnp.finfo(logits_BxTxV.dtype).min)
         return logits_BxTxV
 
-    def __call__(self, tokens_BxT, segments_BxT=None):
+    def __call__(self, tokens_BxT, segments_BxT=None, mtp_rows=None):
         """Logits; for a mixture of experts, with the router's per-layer,
-        per-row statistics (moe.row_stats, stacked over layers)."""
-        wte = self.hooks.gathered(self.wte, ("vocab", "embed")) if self.cfg.tie_embeddings else None
+        per-row statistics (moe.row_stats, stacked over layers). With
+        multi-token prediction, given `mtp_rows` (each depth's tokens
+        ahead, targets and weights: context/order.py `ahead`), the
+        statistics carry its loss, the weighted sum over depths ("mtp_loss")."""
+        c = self.cfg
+        wte = self.hooks.gathered(self.wte, ("vocab", "embed")) if c.tie_embeddings else None
         x_BxTxD, stats = self.blocks(self.embed(tokens_BxT, wte, segments_BxT), segments_BxT)
         logits = self.head(x_BxTxD, wte)
-        return (logits, stats) if self.cfg.n_experts else logits
+        if c.mtp_depth and mtp_rows is None and self.is_initializing():  # declare their parameters
+            mtp_rows = [(tokens_BxT, tokens_BxT, jnp.zeros(tokens_BxT.shape))] * c.mtp_depth
+        if c.mtp_depth and mtp_rows is not None:
+            stats = {**(stats or {}),
+                     "mtp_loss": self.mtp_loss(x_BxTxD, mtp_rows, segments_BxT, wte)}
+        return (logits, stats) if c.n_experts or c.mtp_depth else logits
+
+    def mtp_loss(self, x_BxTxD, mtp_rows, segments_BxT, wte):
+        """The MTP modules' next-token losses, each a weighted sum, summed."""
+        h, total = self.hooks, 0.0
+        for module, (ahead_BxT, targets_BxT, weights_BxT) in zip(self.mtp, mtp_rows):
+            ahead = h.lookup(self.wte if wte is None else wte, ahead_BxT, ("vocab", "embed"))
+            x_BxTxD, normed = module(x_BxTxD, h.act(ahead, block.RESIDUAL), segments_BxT)
+            total = total + loss_lib.cross_entropy(self.head(normed, wte, normed=True),
+                                                   targets_BxT, weights_BxT)
+        return total
+
+
+def penalty_of(cfg: LlamaConfig):
+    """The terms the model adds to the training loss, from its statistics:
+    the router's losses (moe.penalty) and the MTP modules' mean loss times
+    mtp_loss_weight; None for a dense model without MTP."""
+    router = functools.partial(moe.penalty, aux_coef=cfg.router_aux_loss_coef,
+                               z_coef=cfg.router_z_loss_coef) if cfg.n_experts else None
+    if not cfg.mtp_depth:
+        return router
+
+    def penalty(stats, row_weights_B, layers=None):
+        added, metrics = router(stats, row_weights_B, layers=layers) if router else (0.0, {})
+        if "mtp_loss" in stats:  # not in a pipeline stage's (the model is not pipelined)
+            mtp = stats["mtp_loss"] / cfg.mtp_depth
+            added, metrics = added + cfg.mtp_loss_weight * mtp, {**metrics, "mtp_loss": mtp}
+        return added, metrics
+    return penalty
 
 
 def model_fns(cfg: LlamaConfig) -> ModelFns:
     """The Llama as the zero_jax train step sees it."""
-    penalty = functools.partial(moe.penalty, aux_coef=cfg.router_aux_loss_coef,
-                                z_coef=cfg.router_z_loss_coef) if cfg.n_experts else None
     stacked = cfg.n_layer - cfg.first_k_dense_replace
-    return ModelFns(**decoder.fns(Llama, Block, cfg, penalty, stacked),
+    fns = decoder.fns(Llama, Block, cfg, penalty_of(cfg), stacked)
+    if cfg.mtp_depth:  # its modules follow the head, which no pipeline stage runs
+        fns["pipeline"] = None
+    return ModelFns(**fns,
                     vocab_size=cfg.vocab_size, max_seq_len=cfg.max_seq_len,
                     layers=stacked, flops_per_token=cfg.flops_per_token,
                     block_ops=cfg.block_ops,
                     activation_bytes=cfg.activation_bytes, config=cfg,
                     gathered_once=("wte",) if cfg.tie_embeddings else (),
                     head_cost=cfg.head_cost, replicable={"kv_heads": cfg.n_kv_head},
-                    experts=cfg.n_experts, balance_rate=cfg.router_bias_update_rate)
+                    experts=cfg.n_experts, balance_rate=cfg.router_bias_update_rate,
+                    mtp_depth=cfg.mtp_depth)

@@ -45,8 +45,10 @@ PRESETS: dict[str, dict] = {
     # 256 routed experts in 8 groups (a token's 8 from its best 4) beside one
     # shared, sigmoid scores with an aux-loss-free selection bias, YaRN to
     # 163840 positions, the first 3 layers dense. The sequence-wise balance
-    # loss and the bias's step are the paper's (arXiv:2412.19437, 4.2:
-    # alpha = 0.0001, gamma = 0.001), training choices config.json does not hold.
+    # loss, the bias's step and the MTP loss's weight are the paper's
+    # (arXiv:2412.19437, 4.2: alpha = 0.0001, gamma = 0.001, lambda = 0.3 for
+    # the first 10T tokens), training choices config.json does not hold; its
+    # one MTP module is (num_nextn_predict_layers = 1).
     "deepseek-v3": dict(n_layer=61, n_head=128, n_kv_head=128, d_model=7168, d_mlp=18432,
                         max_seq_len=163840, vocab_size=129280, rms_eps=1e-6,
                         n_experts=256, n_experts_per_tok=8, d_expert=2048, n_shared_experts=1,
@@ -55,7 +57,8 @@ PRESETS: dict[str, dict] = {
                         router_aux_loss_coef=0.0001, first_k_dense_replace=3,
                         q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
                         qk_rope_head_dim=64, v_head_dim=128,
-                        rope_yarn=(40.0, 4096, 32.0, 1.0, 1.0, 1.0), family="deepseek_v3"),
+                        rope_yarn=(40.0, 4096, 32.0, 1.0, 1.0, 1.0), mtp_depth=1,
+                        mtp_loss_weight=0.3, family="deepseek_v3"),
     # Kimi-K2 (moonshotai/Kimi-K2-Base config.json): DeepSeek-V3's architecture
     # with 384 experts in one group, 64 heads, one dense layer, YaRN x32.
     "kimi-k2": dict(n_layer=61, n_head=64, n_kv_head=64, d_model=7168, d_mlp=18432,
@@ -74,5 +77,5 @@ PRESETS: dict[str, dict] = {
                           topk_group=2, expert_bias=True, router_bias_update_rate=0.001,
                           first_k_dense_replace=1, q_lora_rank=64, kv_lora_rank=32,
                           qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
-                          family="deepseek_v3"),
+                          mtp_depth=1, mtp_loss_weight=0.3, family="deepseek_v3"),
 }

@@ -81,6 +81,8 @@ class ModelConfig:
     router_aux_loss_coef: float | None = None  # mixture of experts: load-balancing loss weight (unset: the preset's)
     router_z_loss_coef: float | None = None  # mixture of experts: router z-loss weight (unset: the preset's, 0)
     capacity_factor: float | None = None  # mixture of experts: > 0 caps each expert's tokens (drops); 0: dropless (unset: the preset's)
+    mtp_depth: int | None = None  # multi-token prediction modules, DeepSeek-V3's (0: none; unset: the preset's)
+    mtp_loss_weight: float | None = None  # their mean loss's weight in the training loss (unset: the preset's)
     router_bias_update_rate: float | None = None  # mixture of experts with a selection bias (DeepSeek-V3): its step per step against the load error, aux-loss-free balancing; 0: fixed (unset: the preset's)
     attention: Attention = "auto"  # xla | cudnn (jax.nn.dot_product_attention); auto: cudnn on GPU in 16 bits
     scan_layers: bool = True  # false: unroll the layer stack (longer compiles; the compiler then sees, and counts, every layer)
@@ -89,10 +91,12 @@ class ModelConfig:
                     "n_kv_head", "head_dim", "rope_theta", "sliding_window", "tie_embeddings",
                     "n_experts",
                     "n_experts_per_tok", "d_expert", "n_shared_experts", "router_aux_loss_coef",
-                    "router_z_loss_coef", "capacity_factor", "router_bias_update_rate")
-    # Fields whose zero is a choice (no router loss, dropless, a fixed bias), not "the preset's".
+                    "router_z_loss_coef", "capacity_factor", "router_bias_update_rate",
+                    "mtp_depth", "mtp_loss_weight")
+    # Fields whose zero is a choice (no router loss, dropless, a fixed bias, no MTP),
+    # not "the preset's".
     ZERO_IS_SET = ("router_aux_loss_coef", "router_z_loss_coef", "capacity_factor",
-                   "router_bias_update_rate")
+                   "router_bias_update_rate", "mtp_depth", "mtp_loss_weight")
 
     def shape(self) -> dict[str, Any]:
         """The shape fields given (non-zero, or set), to override the preset's."""

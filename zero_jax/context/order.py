@@ -64,6 +64,29 @@ def shifted(batch: dict, order: np.ndarray | None) -> dict[str, jax.Array]:
     return {k: arrange(v, order) for k, v in out.items()}
 
 
+def ahead(batch: dict, depth: int, order: np.ndarray | None) -> list[tuple[jax.Array, ...]]:
+    """For multi-token prediction depths k = 1..depth, from a weighted
+    batch (tokens (B, T + 1), weights (B, T)): at each input position i the
+    token k ahead (t_(i+k), what module k embeds), the token k + 1 ahead
+    (t_(i+k+1), its target) and that target's weight (zero where the row
+    runs out, or where a document ends between i and the target); each
+    (B, T), in natural order before they are laid out in `order`, so that
+    no shift crosses a device's block of the sequence."""
+    tokens, weights = batch["tokens"], batch["weights"]
+    T = weights.shape[1]
+    out = []
+    for k in range(1, depth + 1):
+        def padded(x, width=T):
+            return jnp.pad(x, ((0, 0), (0, width - x.shape[1])))
+        targets, kept = tokens[:, k + 1:], weights[:, k:]
+        if "segment_ids" in batch:
+            seg = batch["segment_ids"]
+            kept = kept * (seg[:, :T - k] == seg[:, k + 1:]).astype(kept.dtype)
+        out.append(tuple(arrange(x, order) for x in (padded(tokens[:, k:k + T]), padded(targets),
+                                                     padded(kept))))
+    return out
+
+
 def positions(order: np.ndarray | None, T: int, segments_BxT: jax.Array | None):
     """Each laid-out token's position ((1 or B) x T): its natural index, or
     with segment ids (documents numbered in a row, contiguous in natural

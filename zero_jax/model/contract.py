@@ -107,6 +107,10 @@ class ModelFns:
     # Aux-loss-free balancing: the step by which each step moves the
     # experts' selection biases against their load error (balance.py; 0: fixed)
     balance_rate: float = 0.0
+    # Multi-token prediction modules: `apply` takes `mtp_rows` (context/order.py
+    # `ahead`) and returns their loss among the statistics, which
+    # `router_penalty` weighs into the training loss
+    mtp_depth: int = 0
 
     def logits(self, params: Any, tokens_BxT: jax.Array, hooks: Hooks, **kwargs) -> jax.Array:
         """`apply`'s logits alone (a mixture of experts' without its statistics)."""

@@ -91,7 +91,7 @@ TAGS = {"loss": "train/loss", "val_loss": "val/loss", "grad_norm": "train/grad_n
         "device_peak_bytes": "memory/device_peak_bytes",
         "host_resident_bytes": "memory/host_resident_bytes",
         "aux_loss": "moe/aux_loss", "z_loss": "moe/z_loss",
-        "expert_load_max": "moe/expert_load_max"}
+        "expert_load_max": "moe/expert_load_max", "mtp_loss": "train/mtp_loss"}
 # A mixture of experts' per-layer load (record "expert_load", a list): one tag per layer.
 LOAD_TAG = "moe/expert_load_layer_{:02d}"
 

@@ -69,6 +69,9 @@ def lm_loss(model: ModelFns, hooks: Hooks, params: Any,
     rows = context_order.shifted(batch, hooks.sequence_order(batch["tokens"].shape[1] - 1))
     # With segment ids, each document in a row attends to itself only.
     segments = {"segments_BxT": rows["segments"]} if "segments" in rows else {}
+    if model.mtp_depth:  # the tokens further ahead, shifted before the layout
+        order = hooks.sequence_order(batch["tokens"].shape[1] - 1)
+        segments["mtp_rows"] = context_order.ahead(batch, model.mtp_depth, order)
     out = model.apply(params, rows["inputs"], hooks, **segments)
     if model.router_penalty is None:
         loss = cross_entropy(out, rows["targets"], rows["weights"])

@@ -80,13 +80,9 @@ def train_step(state: TrainState, batch: Any, *, loss_and_grads: Callable,
     params = state.params if fetch is None else jax.device_put(state.params, fetch)
     params, opt_state = run(g, state.opt_state, params, finite)
     new_scale = loss_scale_lib.update(scale_cfg, state.loss_scale, finite)
-    router = {}
-    if "expert_load" in measured:
-        router = {"aux_loss": measured["aux_loss"], "z_loss": measured["z_loss"],
-                  "expert_load": expert_load_ratio(measured["expert_load"])}
     metrics = {
         "loss": measured["loss"],
-        **router,
+        **_model_metrics(measured),
         "grad_norm": grad_norm,
         # The rate this update used: optax counts applied updates only.
         "lr": jnp.asarray(lr(state.step - state.loss_scale.skipped), jnp.float32),
@@ -97,6 +93,18 @@ def train_step(state: TrainState, batch: Any, *, loss_and_grads: Callable,
     }
     new_state = TrainState(state.step + 1, params, opt_state, new_scale)
     return new_state, metrics
+
+
+def _model_metrics(measured: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """What a model adds to the step's metrics: a mixture's router losses and
+    expert loads, the MTP modules' mean loss."""
+    out = {}
+    if "expert_load" in measured:
+        out = {"aux_loss": measured["aux_loss"], "z_loss": measured["z_loss"],
+               "expert_load": expert_load_ratio(measured["expert_load"])}
+    if "mtp_loss" in measured:
+        out["mtp_loss"] = measured["mtp_loss"]
+    return out
 
 
 def _gradients_only(g: Any) -> Any:
