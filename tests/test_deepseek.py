@@ -19,6 +19,7 @@ import models
 from models.llama import model as model_lib
 from models.llama import moe
 from tests.helpers import assert_close, compile_step, host, initial_state, make_job
+from zero_jax.config.sections import ConfigError
 from zero_jax.context import order as context_order
 from zero_jax.data import corpus as corpus_lib
 from zero_jax.model import balance
@@ -229,3 +230,14 @@ def test_mtp_loss_is_the_loss_of_the_token_two_ahead(corpus):
     picked = np.take_along_axis(logits, tokens[:, 2:, None], -1)[..., 0]
     expected = np.sum(logz - picked) / (B * T)
     np.testing.assert_allclose(float(stats["mtp_loss"]), expected, rtol=1e-5)
+
+
+def test_bad_deepseek_shapes_are_refused_before_compiling(corpus):
+    """A pipeline under MTP, groups that do not divide the experts, or a
+    token's k experts that cannot fit in its groups: one line naming them."""
+    with pytest.raises(ConfigError, match="multi-token prediction.*--mtp-depth 0"):
+        _job(corpus, "pipe=2,expert=2,data=2", 1, "1f1b")
+    with pytest.raises(ValueError, match="n_group=3 does not divide n_experts=8"):
+        models.config("deepseek-tiny", 256, n_group=3)
+    with pytest.raises(ValueError, match="topk_group=1 of n_group=4"):
+        models.config("deepseek-tiny", 256, topk_group=1, n_experts_per_tok=4)

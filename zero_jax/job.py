@@ -383,14 +383,14 @@ def check_grad_reduce(choice: str, zero_stage: int) -> None:
 
 def pipeline_schedule(run: config_lib.RunConfig, model: ModelFns, shape: mesh_lib.MeshShape
                       ) -> tuple[schedule_lib.Schedule | None, Stages | None]:
-    """The schedule table and the stack's cut for a mesh with a pipe axis;
-    checks before compiling."""
+    """The schedule table and the stack's cut for a pipe axis; checks before compiling."""
     p = shape.sizes["pipe"]
     if p == 1:
         return None, None
-    par = run.parallel
+    par, why = run.parallel, (": its multi-token prediction follows the head, which no stage "
+                              "runs; use --mtp-depth 0, or pipe=1") if model.mtp_depth else ""
     if model.pipeline is None:
-        raise config_lib.ConfigError(f"model {run.model.name} cannot be pipelined (pipe={p})")
+        raise config_lib.ConfigError(f"model {run.model.name} cannot be pipelined (pipe={p}){why}")
     v = par.virtual_stages or (2 if par.pipeline_schedule == "interleaved" else 1)
     try:
         schedule_lib.check_shape(par.pipeline_schedule, p, run.train.microbatches, v)
