@@ -5,8 +5,10 @@ against a per-token reference of transformers' DeepseekV3TopkRouter, every
 layout trained against one device with the bias update on, and the
 balance the bias buys.
 
-CI runs expert=4,data=2 and one pipeline (1F1B); ZERO_JAX_FULL_GRID=1 adds
-ZeRO-3 with tensor parallelism and interleaved pipelines at ZeRO-3.
+CI runs expert=4,data=2, one pipeline (1F1B) and ring attention over
+`context` (the MTP module's shifted rows laid out across it);
+ZERO_JAX_FULL_GRID=1 adds ZeRO-3 with tensor parallelism and an
+interleaved pipeline at ZeRO-3.
 """
 
 import os
@@ -26,10 +28,11 @@ from zero_jax.model import balance
 from zero_jax.model.hooks import Hooks
 
 FULL = bool(os.environ.get("ZERO_JAX_FULL_GRID"))
-# (mesh, ZeRO stage, pipeline schedule or "")
+# (mesh, ZeRO stage, pipeline schedule or context attention)
 LAYOUTS = [("expert=4,data=2", 1, ""), ("pipe=2,expert=2,data=2", 1, "1f1b"),
+           ("context=2,data=4", 1, "ring"),
            ("expert=2,fsdp=2,tensor=2", 3, ""), ("pipe=2,expert=2,data=2", 3, "interleaved")]
-CASES = LAYOUTS if FULL else LAYOUTS[:2]
+CASES = LAYOUTS if FULL else LAYOUTS[:3]
 # DeepSeek-V3's config.json (deepseek-ai/DeepSeek-V3 on the Hugging Face Hub), as published.
 V3_CONFIG = dict(vocab_size=129280, hidden_size=7168, intermediate_size=18432,
                  moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=128,
@@ -138,10 +141,13 @@ def test_group_limited_sigmoid_routing_matches_transformers_rule():
 
 def _job(corpus, mesh, stage, schedule="", **extra):
     # Two microbatches of 8 rows on 8 data-parallel devices; a pipeline's four.
+    pipelined = schedule in ("1f1b", "interleaved")
     fields = dict(model="deepseek-tiny", mesh=mesh, zero_stage=stage, precision="fp32",
-                  batch_size=16, seq_len=32, microbatches=4 if schedule else 2)
-    if schedule:
+                  batch_size=16, seq_len=32, microbatches=4 if pipelined else 2)
+    if pipelined:
         fields["pipeline_schedule"] = schedule
+    elif schedule:
+        fields["context_attention"] = schedule
     return make_job(corpus, **{**fields, **extra})
 
 
@@ -181,7 +187,7 @@ def test_layouts_train_like_one_device_with_the_bias_moving(corpus, references, 
     module; a pipeline without it: the MTP module follows the head) on each
     layout: losses and parameters, the selection biases included, as on
     one device; and the biases did move (by multiples of the rate)."""
-    mtp_depth = 0 if schedule else 1
+    mtp_depth = 0 if mesh.startswith("pipe") else 1
     losses, _, params = _train(_job(corpus, mesh, stage, schedule, mtp_depth=mtp_depth), corpus)
     ref_losses, _, ref_params = references(mtp_depth)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
@@ -198,12 +204,12 @@ def test_aux_loss_free_balancing_evens_the_experts_loads(corpus):
     run) ends with a lower busiest-expert-over-mean load than the same run
     with the bias fixed (scripts/balance_check.py runs 300 steps)."""
     def run(rate):
-        job = _job(corpus, "fsdp=1", 0, devices=jax.devices()[:1], microbatches=1, steps=120,
+        job = _job(corpus, "fsdp=1", 0, devices=jax.devices()[:1], microbatches=1, steps=80,
                    router_bias_update_rate=rate)
         _, loads, _ = _train(job, corpus)
         return loads[-20:].mean()
     on, off = run(1e-2), run(0.0)
-    print(f"max/mean expert load over the last 20 of 120 steps: bias update on {on:.3f}, "
+    print(f"max/mean expert load over the last 20 of 80 steps: bias update on {on:.3f}, "
           f"off {off:.3f}")
     assert on < off
 

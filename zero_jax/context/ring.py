@@ -152,7 +152,8 @@ def _forward(axis, size, window, q, k, v, order, seg):
         return out
 
     Th = T // 2
-    state = [(_full((B, H, Th), NEG, q), _full((B, H, Th), 0.0, q), _full((B, Th, H, Q), 0.0, q))
+    state = [(_full((B, H, Th), NEG, q), _full((B, H, Th), 0.0, q),
+              _full((B, Th, H, v.shape[-1]), 0.0, q))  # values may be narrower (latent attention)
              for _ in range(2)]
     block = (k, v, seg)
 
@@ -233,7 +234,7 @@ def _ring_bwd(axis, size, window, res, dout):
                                          preferred_element_type=jnp.float32)
                     dk_r = jnp.einsum("bhts,bthq->bshq", ds.astype(qh.dtype), qh,
                                       preferred_element_type=jnp.float32)
-                    fold_heads = lambda x: x.reshape(*x.shape[:2], K, groups, Q).sum(3)
+                    fold_heads = lambda x: x.reshape(*x.shape[:2], K, groups, x.shape[-1]).sum(3)
                     return dq, dk + fold_heads(dk_r), dv + fold_heads(dv_r)
                 dqs[a], dks[b], dvs[b] = jax.lax.cond(
                     _any_visible(query.idx, key.idx, window), grads,
