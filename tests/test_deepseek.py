@@ -202,7 +202,7 @@ def test_layouts_train_like_one_device_with_the_bias_moving(corpus, references, 
 def test_aux_loss_free_balancing_evens_the_experts_loads(corpus):
     """Training with the bias update (rate 1e-2 here, to act within a short
     run) ends with a lower busiest-expert-over-mean load than the same run
-    with the bias fixed (scripts/balance_check.py runs 300 steps)."""
+    with the bias fixed (docs/experts.md: 300 steps at the presets' 1e-3)."""
     def run(rate):
         job = _job(corpus, "fsdp=1", 0, devices=jax.devices()[:1], microbatches=1, steps=80,
                    router_bias_update_rate=rate)
