@@ -24,7 +24,7 @@ BASE = {"model.name": "gpt-tiny", "model.vocab_size": 256, "precision.policy": "
 
 
 def test_every_device_kind_loads_with_its_numbers():
-    for kind in ("a100-40gb", "a100-80gb", "h100-80gb", "h200-141gb", "tpu-v5p"):
+    for kind in ("a100-40gb", "a100-80gb", "h100-80gb", "h200-141gb", "h800-80gb", "tpu-v5p"):
         d = device_kinds.load(kind)
         assert d.hbm_bytes > 30e9 and d.peak_flops > 1e14 and d.hbm_bw > 1e12
         for fraction in (d.gemm_efficiency, d.flash_efficiency, d.hbm_efficiency,

@@ -18,6 +18,7 @@ experts one by one and the shared experts as one MLP.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import numpy as np
@@ -195,3 +196,43 @@ def stacks(cfg: LlamaConfig) -> list[tuple[int, int, dict]]:
         return {f"{prefix}.{name}": entry for name, entry in both.items()}
     dense = [(k, 0, stack("dense_blocks", True))] if k else []
     return dense + [(cfg.n_layer - k, k, stack("blocks", False))]
+
+
+def mtp_sources(cfg: LlamaConfig, get: Callable) -> dict[str, Callable]:
+    """Our MTP modules' parameters from DeepSeek's files, where module k is
+    layer n_layer + k (its block's tensors named as a mixture layer's, with
+    enorm, hnorm, eh_proj and shared_head.norm beside them; the copies of
+    the embedding and head it also stores are not read: ours are shared).
+    transformers neither reads nor writes that layer: a directory it saved
+    has none, and is refused here naming --mtp-depth 0."""
+    (_, _, layer_map), = stacks(dataclasses.replace(cfg, first_k_dense_replace=0))
+
+    def read(name):
+        def build(tensors, _):
+            try:
+                return get(tensors, name)
+            except KeyError:
+                raise ValueError(f"{name} is not in the weights: the model has "
+                                 f"{cfg.mtp_depth} multi-token prediction module(s), which a "
+                                 "directory transformers saved does not hold; use --mtp-depth 0, "
+                                 "or DeepSeek's own files") from None
+        return build
+
+    out = {}
+    for k in range(cfg.mtp_depth):
+        at, ours = f"model.layers.{cfg.n_layer + k}", f"mtp_{k}"
+        for name, theirs in (("enorm.scale", "enorm.weight"), ("hnorm.scale", "hnorm.weight"),
+                             ("norm.scale", "shared_head.norm.weight")):
+            out[f"{ours}.{name}"] = read(f"{at}.{theirs}")
+        eh = read(f"{at}.eh_proj.weight")
+        out[f"{ours}.w_eh"] = lambda tensors, i, eh=eh: np.ascontiguousarray(eh(tensors, i).T)
+        for path, (theirs, to_ours, _, _) in layer_map.items():
+            one = read(f"{at}.{theirs}")
+            out[f"{ours}.block.{path[len('blocks.'):]}"] = (
+                lambda tensors, i, one=one, to_ours=to_ours:
+                np.ascontiguousarray(to_ours(one(tensors, i))))
+        for path, theirs in zip(("w_experts_gate", "w_experts_up", "w_experts_down"), EXPERTS[1]):
+            experts = [read(f"{at}.{theirs.format(j=j)}") for j in range(cfg.n_experts)]
+            out[f"{ours}.block.moe.{path}"] = (lambda tensors, i, experts=experts: np.stack(
+                [e(tensors, i).T for e in experts]))
+    return out

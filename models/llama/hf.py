@@ -352,6 +352,8 @@ def sources(cfg: LlamaConfig) -> dict[str, Callable[[Get, int | None], np.ndarra
             out[ours] = (lambda tensors, i, theirs=theirs: np.stack([
                 get(tensors, f"model.layers.{i + first}.{theirs.format(j=j)}").T
                 for j in range(cfg.n_experts)]))
+    if cfg.mtp_depth and cfg.family == deepseek_hf.MODEL_TYPE:  # after the layers, in its files
+        out.update(deepseek_hf.mtp_sources(cfg, get))
     return out
 
 

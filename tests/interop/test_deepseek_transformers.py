@@ -109,3 +109,39 @@ def test_fine_tuned_export_reloads_in_transformers(corpus, saved, tmp_path):
         theirs = back(torch.tensor(TOKENS)).logits.numpy()
     print(f"deepseek_v3 fine-tuned: max |logits difference| {np.abs(ours - theirs).max():.2e}")
     np.testing.assert_allclose(ours, theirs, atol=1e-5, rtol=0)
+
+
+def test_deepseek_files_mtp_layer_imports_into_the_mtp_module(corpus, saved, tmp_path):
+    """DeepSeek's own files hold the MTP module as layer n_layer (a mixture
+    layer with enorm, hnorm, eh_proj and shared_head.norm); transformers'
+    do not. Written as DeepSeek's are, each tensor lands in its place; a
+    directory without it is refused naming --mtp-depth 0."""
+    from safetensors.numpy import load_file, save_file
+    _, _, tmp = saved
+    files = load_file(str(tmp / "whole" / "model.safetensors"))
+    rng = np.random.default_rng(1)
+    L, D = SHAPE["num_hidden_layers"], SHAPE["hidden_size"]
+    mtp = {k.replace(f"layers.{L - 1}.", f"layers.{L}."): rng.normal(size=v.shape).astype(v.dtype)
+           for k, v in files.items() if f"layers.{L - 1}." in k}
+    mtp.update({f"model.layers.{L}.{n}": rng.normal(size=s).astype(np.float32) for n, s in (
+        ("enorm.weight", (D,)), ("hnorm.weight", (D,)), ("eh_proj.weight", (D, 2 * D)),
+        ("shared_head.norm.weight", (D,)))})
+    theirs = tmp_path / "deepseek"
+    theirs.mkdir()
+    save_file({**files, **mtp}, str(theirs / "model.safetensors"), metadata={"format": "pt"})
+    (theirs / "config.json").write_text((tmp / "whole" / "config.json").read_text())
+    job = make_job(corpus, model=f"hf:{theirs}", mtp_depth=1, mesh="data=1", zero_stage=3,
+                   devices=jax.devices()[:1])
+    params = jax.tree.map(np.asarray, run.load_params(str(theirs), job,
+                                                      loaders=[models.hf_loader]))
+    m = params["mtp_0"]
+    np.testing.assert_array_equal(m["w_eh"], mtp[f"model.layers.{L}.eh_proj.weight"].T)
+    np.testing.assert_array_equal(m["norm"]["scale"], mtp[f"model.layers.{L}.shared_head.norm.weight"])
+    np.testing.assert_array_equal(m["block"]["moe"]["w_experts_down"][3],
+                                  mtp[f"model.layers.{L}.mlp.experts.3.down_proj.weight"].T)
+    np.testing.assert_array_equal(m["block"]["moe"]["expert_bias"],
+                                  mtp[f"model.layers.{L}.mlp.gate.e_score_correction_bias"])
+    job = make_job(corpus, model=f"hf:{tmp / 'whole'}", mtp_depth=1, mesh="data=1",
+                   zero_stage=3, devices=jax.devices()[:1])
+    with pytest.raises(ValueError, match="--mtp-depth 0"):
+        run.load_params(str(tmp / "whole"), job, loaders=[models.hf_loader])

@@ -221,7 +221,8 @@ def _expert_time(job: job_lib.Job, choice: Choice, cluster: Cluster, work: _Work
     payload = (e * choice.micro * job.run.data.seq_len / choice.context * cfg.n_experts_per_tok
                * cfg.d_model * c)
     one = links.collective_s("all-to-all", payload, e, choice.link(cluster, "expert"))
-    layers_here = cfg.n_layer / choice.pipe
+    # The mixture layers only (DeepSeek's first layers are dense), and each MTP module's.
+    layers_here = (cfg.moe_layers + cfg.mtp_depth) / choice.pipe
     return choice.microbatches * layers_here * (2 * work.passes + 2) * one
 
 
