@@ -377,3 +377,10 @@ def test_quantized_collectives_are_planned_at_zero_3_and_shrink_its_traffic():
     with pytest.raises(config_lib.ConfigError, match="--zero-quantized-grads with a pipeline"):
         choices.abstract_job(dataclasses.replace(quant, pipe=2, data=8, microbatches=2,
                                                  schedule="1f1b").flat(BASE), build, 16)
+
+
+def test_a_mixture_of_experts_plan_says_what_its_figures_do_not_stand_on():
+    from zero_jax.report import plan_table
+    assert plan_table.experts_caveat(models.config("llama-tiny", 256)) == ""
+    caveat = plan_table.experts_caveat(models.config("deepseek-v3", 256))
+    assert "worst case" in caveat and "do not book" in caveat

@@ -295,12 +295,15 @@ def report(args, problem: search.Problem, ranked: list, model_line: str, layouts
     wider = cpu_wider(args.precision)
     rows = [plan_table.row(e, problem.cluster, ranked.index(e) + 1, wider) for e in shown]
     device = problem.cluster.device
+    caveat = plan_table.experts_caveat(problem.build(1).config)
     if args.json:
         print(json.dumps({"model": model_line, "cluster": device.name,
                           "devices": problem.cluster.size, "layouts": layouts,
-                          "fitting": fitting, "top": rows}, indent=1))
+                          "fitting": fitting, "top": rows, "caveat": caveat}, indent=1))
     else:
         plan_table.print_table(rows, device, fitting, layouts)
+        if caveat:
+            print(caveat)
 
 
 def say_compiled(args, ranked: list[cost.Estimate], compiled: int) -> None:

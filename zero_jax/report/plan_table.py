@@ -78,3 +78,14 @@ def print_table(rows: list[dict], device, fitting: int, total: int) -> None:
         print(table_line(r))
     if rows:
         print(top_line(rows[0]))
+
+
+def experts_caveat(model_cfg) -> str:
+    """What a mixture of experts' figures do not yet stand on; "" for a dense model."""
+    if not getattr(model_cfg, "n_experts", 0):
+        return ""
+    return ("a mixture of experts: its all-to-alls are priced as zero_jax sends them, dropless "
+            "blocks sized for the worst case over the whole expert axis (not only the nodes a "
+            "token reaches under group-limited routing), its expert GEMMs as dense products of "
+            "the routed tokens, and no published run of a mixture has been checked against "
+            "these estimates (docs/experts.md): rank layouts with them, do not book on them")
