@@ -72,4 +72,3 @@ def advance(new_params: Any, old_params: Any, grads: Any, rate: float) -> Any:
         error = jnp.mean(load, axis=-1, keepdims=True) - load
         return (old + rate * jnp.sign(error)).astype(old.dtype)
     return jax.tree_util.tree_map_with_path(one, new_params, old_params, grads)
-
