@@ -1,6 +1,6 @@
 """Reference models for zero_jax, one folder per family: the GPT (models/gpt/)
 and the Llama family (models/llama/: Llama 2 and 3, Mistral, Qwen2, and the
-mixtures of experts Mixtral and Qwen3-MoE), over what both share
+mixtures of experts Mixtral, Qwen3-MoE, DeepSeek-V3 and Kimi-K2), over what both share
 (models/common/). Each names logical axes only. A model is chosen by preset
 name, or by "hf:DIR" for the shape in a Hugging Face directory's
 config.json; shape fields override it. A Hugging Face directory is read and

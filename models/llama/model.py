@@ -1,9 +1,12 @@
 """The decoder behind Llama 2 and 3, Mistral, Qwen2, and the mixtures of
-experts Mixtral and Qwen3-MoE, in Flax: RMSNorm, rotary embeddings (Hugging
-Face's half-rotation layout), SwiGLU MLP or a mixture of SwiGLU experts
-(models/llama/moe.py), grouped-query attention, an untied head (tied as an
-option), q/k/v biases for Qwen2, q/k norms for Qwen3, and no other biases;
-the blocks are one scanned, stacked layer.
+experts Mixtral, Qwen3-MoE, DeepSeek-V3 and Kimi-K2, in Flax: RMSNorm,
+rotary embeddings (Hugging Face's half-rotation layout), SwiGLU MLP or a
+mixture of SwiGLU experts (models/llama/moe.py), grouped-query attention or
+DeepSeek's latent attention (models/llama/mla.py), an untied head (tied as
+an option), q/k/v biases for Qwen2, q/k norms for Qwen3, and no other
+biases; the blocks are one scanned, stacked layer (a mixture's dense first
+layers a stack of their own), followed by DeepSeek-V3's multi-token
+prediction modules where the shape has them. The shape is config.py's.
 
 The model names logical axes only; `Hooks` (zero_jax.model.hooks) turn them into
 sharding constraints, exactly as for the GPT (models/gpt/model.py), so every ZeRO

@@ -3,6 +3,9 @@
 A router (a linear map, no bias) scores every expert for each token; each
 token goes to its top-k (token choice), weighted by the softmax of the
 scores, renormalised over the k where the model says so (Mixtral, Qwen3).
+DeepSeek-V3 scores by sigmoid instead, chooses with a per-expert bias
+(aux-loss-free balancing, zero_jax/model/balance.py) from the token's best
+groups of experts only, and scales the renormalised weights (`route`).
 Each expert is a SwiGLU MLP; the experts' matrices are stored stacked,
 `(experts, embed, mlp)`. Shared experts (DeepSeek, Qwen2-MoE: always on,
 Qwen2-MoE's scaled by a per-token sigmoid) are a dense SwiGLU beside them.
