@@ -39,6 +39,9 @@ V3_CONFIG = dict(vocab_size=129280, hidden_size=7168, intermediate_size=18432,
                  n_shared_experts=1, n_routed_experts=256, kv_lora_rank=512, q_lora_rank=1536,
                  qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128,
                  first_k_dense_replace=3, tie_word_embeddings=False)
+# Kimi-K2's (moonshotai/Kimi-K2-Base): the same architecture, the keys that differ.
+KIMI_CONFIG = {**V3_CONFIG, "vocab_size": 163840, "num_attention_heads": 64,
+               "n_routed_experts": 384, "first_k_dense_replace": 1}
 
 
 def checkpoint_tensors(c: dict, mtp: bool = False) -> dict[str, tuple[int, ...]]:
@@ -88,7 +91,7 @@ def test_deepseek_v3_preset_has_the_published_parameter_count():
     same, less the copies of the embedding and head that layer stores (the
     module shares the model's, as the paper has it): 11,610,068,224 of its
     own (DeepSeek's README: "11.5B unique parameters"). 37.6B active per
-    token without MTP (published: 37B). Kimi-K2's 1.026T."""
+    token without MTP (published: 37B). Kimi-K2's 1.026T from its config.json alike."""
     V, D = V3_CONFIG["vocab_size"], V3_CONFIG["hidden_size"]
     without = sum(int(np.prod(s)) for s in checkpoint_tensors(V3_CONFIG).values())
     with_mtp = sum(int(np.prod(s)) for s in checkpoint_tensors(V3_CONFIG, mtp=True).values())
@@ -97,8 +100,9 @@ def test_deepseek_v3_preset_has_the_published_parameter_count():
     assert v3.param_count == _built(v3) == with_mtp - 2 * V * D
     assert plain.param_count == _built(plain) == without
     assert v3.param_count - plain.param_count == 11_610_068_224
-    kimi = models.config("kimi-k2", 256)
-    assert kimi.param_count == _built(kimi) == 1_026_408_232_448
+    kimi, published = models.config("kimi-k2", 256), sum(
+        int(np.prod(s)) for s in checkpoint_tensors(KIMI_CONFIG).values())
+    assert kimi.param_count == _built(kimi) == published == 1_026_408_232_448
     assert 37.0e9 < plain.active_param_count < 38.0e9
 
 
