@@ -24,6 +24,12 @@ class ActivationParts(NamedTuple):
     rebuilt: float  # one layer rebuilt in the backward pass (0 when nothing is rebuilt)
     head: float  # the head's logits-sized buffers, during its own backward only
 
+    @property
+    def peak(self) -> float:
+        """At the peak of the backward pass: what is kept, and the larger of
+        one rebuilt layer and the head."""
+        return self.kept + max(self.rebuilt, self.head)
+
 
 def scanned(block: type[nn.Module], cfg: Any, hooks: Hooks, length: int | None = None,
             **attributes: Any) -> nn.Module:

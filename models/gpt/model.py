@@ -91,10 +91,9 @@ class GPTConfig:
         """Activation bytes one device holds at the peak of the backward pass,
         one microbatch (`activation_parts`): what the layers keep, and the
         larger of one rebuilt layer and the head."""
-        kept, rebuilt, head = self.activation_parts(rows, seq_len, dtype_bytes, remat, tensor,
-                                                    sequence_parallel, attention, context,
-                                                    context_attention)
-        return kept + max(rebuilt, head)
+        return self.activation_parts(rows, seq_len, dtype_bytes, remat, tensor,
+                                     sequence_parallel, attention, context,
+                                     context_attention).peak
 
     def activation_parts(self, rows: int, seq_len: int, dtype_bytes: int, remat: Remat,
                          tensor: int = 1, sequence_parallel: bool = False,

@@ -275,10 +275,9 @@ class LlamaConfig:
                          tensor: int = 1, sequence_parallel: bool = False,
                          attention: str = "xla", context: int = 1,
                          context_attention: str = "") -> float:
-        kept, rebuilt, head = self.activation_parts(rows, seq_len, dtype_bytes, remat, tensor,
-                                                    sequence_parallel, attention, context,
-                                                    context_attention)
-        return kept + max(rebuilt, head)
+        return self.activation_parts(rows, seq_len, dtype_bytes, remat, tensor,
+                                     sequence_parallel, attention, context,
+                                     context_attention).peak
 
     def activation_parts(self, rows: int, seq_len: int, dtype_bytes: int, remat: Remat,
                          tensor: int = 1, sequence_parallel: bool = False,

@@ -1,6 +1,7 @@
 """What the Hugging Face interop tests share: a directory imported onto a
-mesh, the logits of the imported weights, and a model exported through
-`scripts/export.py` from a checkpoint of them."""
+mesh, the logits of the imported weights, a model exported through
+`scripts/export.py` from a checkpoint of them, and its greedy text against
+ours."""
 
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import jax
 import numpy as np
 
 import models
+from tests import generate
 from tests.helpers import make_job
 from zero_jax import run
 from zero_jax.checkpoint import manager as manager_lib
@@ -40,3 +42,18 @@ def exported(job, params, out: Path) -> Path:
                        cwd=ROOT, capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
     return out / "hf"
+
+
+def assert_same_greedy_text(back, job, params, tokens, name: str, prompt: int = 8,
+                            new: int = 20) -> None:
+    """`generate`'s `new` greedy tokens from transformers' model `back` after
+    the first `prompt` tokens of each row equal zero_jax's greedy decode."""
+    import torch
+    start = torch.tensor(tokens[:, :prompt])
+    with torch.no_grad():
+        text = back.generate(start, max_new_tokens=new, do_sample=False,
+                             attention_mask=torch.ones_like(start), pad_token_id=0)
+    ours = generate.greedy(lambda p, t: job.model.logits(p, t, job.hooks), params,
+                           tokens[:, :prompt], new)
+    print(f"{name}: greedy tokens {ours[0].tolist()}")
+    np.testing.assert_array_equal(text[:, prompt:].numpy(), ours)

@@ -24,9 +24,9 @@ torch = pytest.importorskip("torch", reason="make test-interop installs torch")
 transformers = pytest.importorskip("transformers", reason="make test-interop installs transformers")
 
 import models  # noqa: E402
-from tests import generate  # noqa: E402
 from tests.helpers import compile_step, make_job  # noqa: E402
-from tests.interop.roundtrip import exported, imported, logits  # noqa: E402
+from tests.interop.roundtrip import (  # noqa: E402
+    assert_same_greedy_text, exported, imported, logits)
 from zero_jax import run  # noqa: E402
 from zero_jax.data import corpus as corpus_lib  # noqa: E402
 
@@ -77,13 +77,7 @@ def test_export_loads_in_transformers_and_generates_the_same_text(corpus, saved,
     with torch.no_grad():
         np.testing.assert_allclose(back(torch.tensor(TOKENS)).logits.numpy(), theirs,
                                    atol=1e-5, rtol=0)
-        prompt = torch.tensor(TOKENS[:, :8])
-        text = back.generate(prompt, max_new_tokens=20, do_sample=False,
-                             attention_mask=torch.ones_like(prompt), pad_token_id=0)
-    ours = generate.greedy(lambda p, t: job.model.logits(p, t, job.hooks), params,
-                           TOKENS[:, :8], 20)
-    print(f"deepseek_v3: greedy tokens {ours[0].tolist()}")
-    np.testing.assert_array_equal(text[:, 8:].numpy(), ours)
+    assert_same_greedy_text(back, job, params, TOKENS, "deepseek_v3")
 
 
 def test_fine_tuned_export_reloads_in_transformers(corpus, saved, tmp_path):

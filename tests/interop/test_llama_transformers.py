@@ -27,8 +27,8 @@ torch = pytest.importorskip("torch", reason="make test-interop installs torch")
 transformers = pytest.importorskip("transformers", reason="make test-interop installs transformers")
 
 from tests.helpers import host, initial_state, make_job  # noqa: E402
-from tests.interop.roundtrip import exported, imported, logits  # noqa: E402
-from tests import generate  # noqa: E402
+from tests.interop.roundtrip import (  # noqa: E402
+    assert_same_greedy_text, exported, imported, logits)
 from zero_jax.checkpoint import export  # noqa: E402
 SHAPE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
@@ -81,13 +81,7 @@ def test_export_loads_in_transformers_and_generates_the_same_text(corpus, saved,
                                      torch_dtype=torch.float32).eval()
     with torch.no_grad():
         np.testing.assert_array_equal(back(torch.tensor(TOKENS)).logits.numpy(), theirs)
-        prompt = torch.tensor(TOKENS[:, :8])
-        text = back.generate(prompt, max_new_tokens=20, do_sample=False,
-                             attention_mask=torch.ones_like(prompt), pad_token_id=0)
-    ours = generate.greedy(lambda p, t: job.model.apply(p, t, job.hooks), params,
-                           TOKENS[:, :8], 20)
-    print(f"{name}: greedy tokens {ours[0].tolist()}")
-    np.testing.assert_array_equal(text[:, 8:].numpy(), ours)
+    assert_same_greedy_text(back, job, params, TOKENS, name)
 
 
 @pytest.fixture(scope="module")

@@ -21,8 +21,8 @@ import pytest
 torch = pytest.importorskip("torch", reason="make test-interop installs torch")
 transformers = pytest.importorskip("transformers", reason="make test-interop installs transformers")
 
-from tests.interop.roundtrip import exported, imported, logits  # noqa: E402
-from tests import generate  # noqa: E402
+from tests.interop.roundtrip import (  # noqa: E402
+    assert_same_greedy_text, exported, imported, logits)
 SHAPE = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64, num_experts_per_tok=2,
              initializer_range=0.2)  # wide enough that greedy text and routing vary
@@ -72,10 +72,4 @@ def test_export_loads_in_transformers_and_generates_the_same_text(corpus, saved,
     with torch.no_grad():
         np.testing.assert_allclose(back(torch.tensor(TOKENS)).logits.numpy(), theirs,
                                    atol=1e-5, rtol=0)
-        prompt = torch.tensor(TOKENS[:, :8])
-        text = back.generate(prompt, max_new_tokens=20, do_sample=False,
-                             attention_mask=torch.ones_like(prompt), pad_token_id=0)
-    ours = generate.greedy(lambda p, t: job.model.logits(p, t, job.hooks), params,
-                           TOKENS[:, :8], 20)
-    print(f"{name}: greedy tokens {ours[0].tolist()}")
-    np.testing.assert_array_equal(text[:, 8:].numpy(), ours)
+    assert_same_greedy_text(back, job, params, TOKENS, name)

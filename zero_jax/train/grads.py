@@ -66,11 +66,11 @@ def lm_loss(model: ModelFns, hooks: Hooks, params: Any,
     among the metrics, ModelFns.router_penalty). Every metric is a sum over
     the batch's parts."""
     # Laid out over `context` where the sequence is split (context/order.py).
-    rows = context_order.shifted(batch, hooks.sequence_order(batch["tokens"].shape[1] - 1))
+    order = hooks.sequence_order(batch["tokens"].shape[1] - 1)
+    rows = context_order.shifted(batch, order)
     # With segment ids, each document in a row attends to itself only.
     segments = {"segments_BxT": rows["segments"]} if "segments" in rows else {}
     if model.mtp_depth:  # the tokens further ahead, shifted before the layout
-        order = hooks.sequence_order(batch["tokens"].shape[1] - 1)
         segments["mtp_rows"] = context_order.ahead(batch, model.mtp_depth, order)
     out = model.apply(params, rows["inputs"], hooks, **segments)
     if model.router_penalty is None:
