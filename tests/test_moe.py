@@ -22,6 +22,7 @@ from tests.helpers import assert_close, compile_step, host, initial_state, make_
 from zero_jax import config as config_lib
 from zero_jax.analysis import hlo, traffic
 from zero_jax.data import corpus as corpus_lib
+from zero_jax.model import grouped
 
 FULL = bool(os.environ.get("ZERO_JAX_FULL_GRID"))
 RTOL = 1e-5
@@ -127,7 +128,7 @@ def _reference_moe(x, logits, w_gate, w_up, w_down, k, normalise, capacity=None)
 
 @pytest.mark.parametrize("normalise", [True, False])
 def test_dispatch_matches_each_token_through_its_experts(normalise):
-    """Dropless (sorted copies, grouped matmuls) and capped dispatch on one
+    """Dropless (sorted copies, either grouped GEMM) and capped dispatch on one
     device against the per-token reference: with room for every copy, and
     with a capacity that drops some."""
     rng = np.random.default_rng(0)
@@ -137,8 +138,9 @@ def test_dispatch_matches_each_token_through_its_experts(normalise):
     w = [rng.normal(size=s).astype(np.float32) * 0.3 for s in ((E, D, F), (E, D, F), (E, F, D))]
     routing = moe.route(jnp.asarray(logits), k, normalise)
     expect = _reference_moe(x, logits, *w, k, normalise)
-    np.testing.assert_allclose(moe.dropless(x, routing, *w, E, None, 1), expect, rtol=1e-5,
-                               atol=1e-5)
+    for gemm in grouped.GEMMS:
+        np.testing.assert_allclose(moe.dropless(x, routing, *w, E, None, 1, moe.Kernels(gemm)),
+                                   expect, rtol=1e-5, atol=1e-5, err_msg=gemm)
     np.testing.assert_allclose(moe.capped(x, routing, *w, E, None, 1, float(E)), expect,
                                rtol=1e-5, atol=1e-5)
     factor = 0.5  # capacity 6 of 12 copies per expert on average: some dropped
@@ -202,7 +204,8 @@ def test_expert_parallel_step_exchanges_tokens_not_experts(corpus):
     """On expert=4,data=2 the step moves tokens to their experts with
     all-to-alls over `expert`: per layer, forward, the token copies there
     and back and their expert ids, backward, the copies' gradients there
-    and back; payload bytes (step) equal that count. The experts' weights
+    and back; payload bytes (step) equal that count (and a few bytes of
+    offsets). The experts' weights
     are never gathered over `expert`, only over `data` (ZeRO-1's update)."""
     job = _job(corpus, "expert=4,data=2", 1)
     mesh, cfg = job.state_plan.mesh, job.model.config

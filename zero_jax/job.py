@@ -21,11 +21,9 @@ from zero_jax import config as config_lib
 from zero_jax.precision import loss_scale, master, policies
 from zero_jax.train import grads, optim, state, step
 from zero_jax.train.options import StepOptions
-from zero_jax.model import remat
-from zero_jax.analysis import hlo
-from zero_jax.analysis import memory
+from zero_jax.model import exchange, grouped, remat
+from zero_jax.analysis import hlo, memory, traffic
 from zero_jax.sharding import quantized, rules
-from zero_jax.analysis import traffic
 from zero_jax.sharding import mesh as mesh_lib
 from zero_jax.pipeline import executor as pipeline_executor
 from zero_jax.pipeline import schedule as schedule_lib
@@ -234,6 +232,8 @@ def prepare_on(run: config_lib.RunConfig, build_model: Callable[[int], ModelFns]
                                    remat.parse_names(run.activations.save_names))
         attention = attention_implementation(run.model.attention, platform, policy.compute,
                                              run.data.segment_ids)
+        experts = dict(expert_gemm=grouped.resolve(run.model.expert_gemm),
+                       expert_exchange=exchange.resolve(run.model.expert_exchange, platform))
     except ValueError as e:
         raise config_lib.ConfigError(str(e)) from None
     lr = optim.schedule(run.optim, run.train.steps)
@@ -252,7 +252,7 @@ def prepare_on(run: config_lib.RunConfig, build_model: Callable[[int], ModelFns]
                   host_params=run.offload.params, attention=attention, scan_layers=run.model.scan_layers,
                   fp8=run.precision.fp8 if policy.fp8 else "", fp8_history=run.precision.fp8_history,
                   int8_gather_block=run.zero.block_size if run.zero.quantized_weights else 0,
-                  int8_reduce_block=run.zero.block_size if run.zero.quantized_grads else 0,
+                  int8_reduce_block=run.zero.block_size if run.zero.quantized_grads else 0, **experts,
                   context=context_split.of_run(run, getattr(model.config, "n_head", 0), shape.sizes, attention,
                                         pipelined=schedule is not None))
     return Job(run, model, state_plan, tx, lr, policy, hooks, loss_scale_config(run, policy),

@@ -11,8 +11,8 @@ Each expert is a SwiGLU MLP; the experts' matrices are stored stacked,
 Qwen2-MoE's scaled by a per-token sigmoid) are a dense SwiGLU beside them.
 
 Dropless (the default): a device's token copies are sorted by expert and
-multiplied with grouped matmuls (`jax.lax.ragged_dot`), so no token is
-dropped and no padding is computed. With a capacity factor c, expert e
+multiplied with grouped GEMMs (zero_jax/model/grouped.py: tiled, or
+`jax.lax.ragged_dot`), so no token is dropped and no padding is computed. With a capacity factor c, expert e
 takes at most C = ceil(c k N / E) of a device's N tokens' copies, first
 choices first and then by position (GShard, Switch, DeepSpeed-MoE); the
 copies past it are dropped (the token keeps its residual) and each expert
@@ -45,7 +45,9 @@ from jax.ad_checkpoint import checkpoint_name
 
 from models.common import layers
 from zero_jax.model import balance
+from zero_jax.model import exchange
 from zero_jax.model import fp8 as fp8_lib
+from zero_jax.model import grouped
 from zero_jax.model.hooks import Hooks
 
 
@@ -125,11 +127,19 @@ def _swiglu(x, w_gate, w_up, w_down, product, fp8: bool = False):
     return product(hidden, w_down)
 
 
-def _grouped(rows_AxD, counts_E, w_gate, w_up, w_down, fp8: bool = False):
-    """SwiGLU of rows sorted by expert, `counts_E` rows each: grouped matmuls.
-    Rows past the counts' sum come out zero."""
-    return _swiglu(rows_AxD, w_gate, w_up, w_down,
-                   lambda x, w: jax.lax.ragged_dot(x, w, counts_E), fp8)
+def _grouped(rows_AxD, counts_E, w_gate, w_up, w_down, kernels: "Kernels", fp8: bool = False):
+    """SwiGLU of rows sorted by expert, `counts_E` rows each: grouped GEMMs
+    (zero_jax/model/grouped.py). Rows past the counts' sum come out zero."""
+    product = grouped.product(kernels.gemm, counts_E, kernels.expected_rows)
+    return _swiglu(rows_AxD, w_gate, w_up, w_down, product, fp8)
+
+
+class Kernels(NamedTuple):
+    """How the dropless path multiplies and moves copies (resolved choices)."""
+
+    gemm: str = "tiled"  # grouped.GEMMS
+    exchange: str = "padded"  # exchange.EXCHANGES
+    expected_rows: int = 0  # rows a device's grouped GEMMs expect (sizes the tiles); 0: all
 
 
 def _count(ids, n: int) -> jax.Array:
@@ -147,32 +157,38 @@ def _exchange(x, axis: str | None):
 
 
 def dropless(x_NxD, routing: Routing, w_gate, w_up, w_down, n_experts: int,
-             axis: str | None, ep: int, fp8: bool = False):
+             axis: str | None, ep: int, kernels: Kernels = Kernels(), fp8: bool = False):
     """Every copy multiplied by its expert; (N, D), weighted and summed over k.
     The expert weights are this device's El = E / ep experts; `fp8`: the
-    grouped GEMMs in FP8."""
+    grouped GEMMs in FP8.
+
+    Over an expert axis, the copies (sorted by expert, so by device) go to
+    their experts' devices (exchange.py), arriving packed by source into a
+    buffer of ep A rows (the worst case) whose unfilled rows carry expert id
+    El: sorted last, not counted, multiplied by nothing."""
     N, D = x_NxD.shape
     k = routing.experts_Nxk.shape[1]
     A, El = N * k, n_experts // ep
+    kernels = kernels._replace(expected_rows=kernels.expected_rows or A)
     flat = routing.experts_Nxk.reshape(A)  # copy a is token a // k's choice a % k
     order = jnp.argsort(flat, stable=True)
     sorted_e = flat[order]
     rows = x_NxD[order // k]
     if ep == 1:
-        out = _grouped(rows, _count(sorted_e, El), w_gate, w_up, w_down, fp8)
+        out = _grouped(rows, _count(sorted_e, El), w_gate, w_up, w_down, kernels, fp8)
     else:
-        # Copies for device d sit at rows [0, sent_d) of block d, sorted by expert.
         dest = sorted_e // El
-        sent = _count(dest, ep)
-        pos = jnp.arange(A) - (jnp.cumsum(sent) - sent)[dest]
-        send = jnp.zeros((ep, A, D), x_NxD.dtype).at[dest, pos].set(rows)
-        local = jnp.full((ep, A), El, jnp.int32).at[dest, pos].set(sorted_e - dest * El)
-        got, got_e = _exchange(send, axis).reshape(ep * A, D), _exchange(local, axis).reshape(-1)
-        # Padding rows carry id El: sorted last, not counted, multiplied by nothing.
+        there, back = exchange.routes(_count(dest, ep), axis)
+
+        def send(x, buffer, r):
+            return checkpoint_name(exchange.send(x, buffer, r, axis, kernels.exchange),
+                                   "moe_exchange")
+
+        got = send(rows, jnp.zeros((ep * A, D), rows.dtype), there)
+        got_e = send(sorted_e - dest * El, jnp.full((ep * A,), El, jnp.int32), there)
         by_expert = jnp.argsort(got_e, stable=True)
-        done = _grouped(got[by_expert], _count(got_e, El), w_gate, w_up, w_down, fp8)
-        back = jnp.zeros_like(done).at[by_expert].set(done)
-        out = _exchange(back.reshape(ep, A, D), axis)[dest, pos]
+        done = _grouped(got[by_expert], _count(got_e, El), w_gate, w_up, w_down, kernels, fp8)
+        out = send(jnp.zeros_like(done).at[by_expert].set(done), jnp.zeros_like(rows), back)
     copies = jnp.zeros_like(out).at[order].set(out).reshape(N, k, D)
     return jnp.einsum("nkd,nk->nd", copies, routing.weights_Nxk.astype(copies.dtype))
 
@@ -208,6 +224,16 @@ def capped(x_NxD, routing: Routing, w_gate, w_up, w_down, n_experts: int,
     out = jnp.where(kept, back[sorted_e, jnp.minimum(pos, C - 1)], 0)
     weight = routing.weights_Nxk.T.reshape(N * k)[order]
     return jnp.zeros((N, D), out.dtype).at[token].add(out * weight[:, None].astype(out.dtype))
+
+
+def kernels(h: Hooks) -> Kernels:
+    """The dropless path's grouped GEMM and exchange as the hooks name them
+    (a job resolves them for its platform); `auto` left, for this backend."""
+    concrete = isinstance(h.mesh, jax.sharding.Mesh)  # a pipeline's stage sees an abstract one
+    platform = h.mesh.devices.flat[0].platform if concrete else jax.default_backend()
+    moves = h.expert_exchange
+    return Kernels(grouped.resolve(h.expert_gemm),
+                   exchange.resolve(moves, platform) if moves == "auto" else moves)
 
 
 class MoEMLP(nn.Module):
@@ -259,7 +285,8 @@ class MoEMLP(nn.Module):
                 out = capped(x, local, w_gate, w_up, w_down, E, axis, ep, c.capacity_factor,
                              fp8=bool(h.fp8))
             else:
-                out = dropless(x, local, w_gate, w_up, w_down, E, axis, ep, fp8=bool(h.fp8))
+                out = dropless(x, local, w_gate, w_up, w_down, E, axis, ep, kernels(h),
+                               fp8=bool(h.fp8))
             if tensor is not None:  # row-parallel down projection: partial sums
                 out = jax.lax.psum(out.astype(jnp.float32), tensor).astype(out.dtype)
             return out.reshape(b, t, D)

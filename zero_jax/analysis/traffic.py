@@ -120,10 +120,11 @@ def trip_count(while_line: str, bodies: dict[str, list[str]]) -> int | None:
 _BRANCHES = ("branch_computations", "true_computation", "false_computation")
 
 
-def multiplicities(text: str) -> tuple[dict[str, int], set[str], int]:
+def multiplicities(text: str, unknown_trips: int = 1) -> tuple[dict[str, int], set[str], int]:
     """How many times each computation runs per call of the entry; the
     computations reached through a conditional branch; and the number of
-    loops whose trip count was unknown (counted as one)."""
+    loops whose trip count was unknown (counted as `unknown_trips`: one
+    unless the caller knows how many times a data-dependent loop ran)."""
     bodies, entry = hlo.computations(text)
     times: dict[str, int] = collections.defaultdict(int)
     branched: set[str] = set()
@@ -139,7 +140,7 @@ def multiplicities(text: str) -> tuple[dict[str, int], set[str], int]:
                 trips = trip_count(line, bodies)
                 unknown += trips is None
                 body = re.search(r"body=%?([\w.\-]+)", line).group(1)
-                visit(body, n * (trips or 1), in_branch)
+                visit(body, n * (unknown_trips if trips is None else trips or 1), in_branch)
                 continue
             # `to_apply` names a reducer, except on a call (a shard_map body).
             keys = ("calls",) + _BRANCHES + (("to_apply",) if re.search(r"\scall\(", line) else ())

@@ -20,6 +20,8 @@ LayoutName = Literal["auto", "dp", "fsdp", "fsdp_tp", "fsdp_tp_sp"]  # sharding/
 GradReduce = Literal["auto", "step", "microbatch"]  # job.resolve_grad_reduce
 PipelineTables = Literal["rows", "whole"]  # pipeline/executor.py row_tables
 Attention = Literal["auto", "xla", "cudnn"]  # job.attention_implementation
+ExpertGemm = Literal["auto", "tiled", "ragged_dot"]  # zero_jax/model/grouped.py
+ExpertExchange = Literal["auto", "ragged", "padded"]  # zero_jax/model/exchange.py
 ContextAttention = Literal["auto", "all-gather", "ring", "ulysses"]  # zero_jax/context
 DtypeOverride = Literal["", "float32", "bfloat16", "float16"]  # "": the policy's
 WandbMode = Literal["online", "offline"]  # wandb.init(mode=...); offline: `wandb sync` uploads later
@@ -84,6 +86,8 @@ class ModelConfig:
     mtp_depth: int | None = None  # multi-token prediction modules, DeepSeek-V3's (0: none; unset: the preset's)
     mtp_loss_weight: float | None = None  # their mean loss's weight in the training loss (unset: the preset's)
     router_bias_update_rate: float | None = None  # mixture of experts with a selection bias (DeepSeek-V3): its step per step against the load error, aux-loss-free balancing; 0: fixed (unset: the preset's)
+    expert_gemm: ExpertGemm = "auto"  # mixture of experts, dropless: tiled (a loop over row tiles: the routed FLOPs on any backend) | ragged_dot (XLA's ragged-dot: a grouped GEMM where a kernel takes it, else dense); auto: tiled
+    expert_exchange: ExpertExchange = "auto"  # mixture of experts, dropless, over `expert`: ragged (ragged_all_to_all: the routed copies' bytes) | padded (all_to_all of worst-case blocks); auto: ragged where the backend compiles it (GPU, TPU)
     attention: Attention = "auto"  # xla | cudnn (jax.nn.dot_product_attention); auto: cudnn on GPU in 16 bits
     scan_layers: bool = True  # false: unroll the layer stack (longer compiles; the compiler then sees, and counts, every layer)
 

@@ -106,6 +106,9 @@ class Hooks:
     # "current" or "delayed" scaling; "": none do. Delayed: histories this long.
     fp8: str = ""
     fp8_history: int = 1024
+    # A mixture's dropless experts: grouped.GEMMS and exchange.EXCHANGES, or auto.
+    expert_gemm: str = "auto"
+    expert_exchange: str = "auto"
     # > 0: stored-sharded (ZeRO-3) parameters are gathered in int8 blocks of about
     # this many elements (ZeRO++'s qwZ, sharding/quantized.py)
     int8_gather_block: int = 0
