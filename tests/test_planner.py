@@ -15,7 +15,7 @@ import models
 from zero_jax import config as config_lib, job as job_lib
 from zero_jax.runtime import device_kinds
 from zero_jax.analysis import memory
-from zero_jax.planner import choices, cost
+from zero_jax.planner import choices, cost, links
 
 ROOT = Path(__file__).resolve().parent.parent
 A100 = choices.Cluster(device_kinds.load("a100-80gb"), 48, 8)
@@ -187,8 +187,9 @@ def test_a_mixture_of_experts_is_planned_over_expert_axes():
     divides the 8 experts and the data-parallel devices, with pipelines as
     without (their stages carry the router losses); an expert layout's
     job splits the experts over `expert`, its step charges the all-to-alls
-    (there and back per forward pass and backward, each device's block for
-    all of its copies times e, (e - 1) / e over the link), and its model
+    (there and back per forward pass and backward: ragged, a device's
+    copies, padded, e times them; the part bound off the node on the
+    inter-node link, the rest on the node's, the slower counting), and its model
     FLOPs count the 12.9B parameters a token computes with."""
     h100 = choices.Cluster(device_kinds.load("h100-80gb"), 8, 8)
     build = models.for_run(config_lib.ModelConfig(name="mixtral-8x7b"), 32000)[0]
@@ -202,11 +203,22 @@ def test_a_mixture_of_experts_is_planned_over_expert_axes():
     job = choices.abstract_job(choice.flat(base), build, 64)
     assert job.state_plan.mesh_shape.sizes["expert"] == 8
     est = cost.estimate(job, choice, h100)
-    payload = 8 * 4096 * 2 * cfg.d_model * 2  # e x (rows x k copies) x D, bf16
+    copies = 4096 * 2 * cfg.d_model * 2  # (rows x k copies) x D, bf16: ragged, as a GPU sends
     passes = 2  # the forward and full remat's rebuild
-    link = choice.link(h100, "expert")  # a latency per step and per collective, then the bytes
-    one = link.base + 7 * link.latency + payload * 7 / 8 / link.bandwidth
-    assert est.time.comm_s["expert"] == pytest.approx(32 * cfg.n_layer * (2 * passes + 2) * one)
+    dev, here = h100.device, 2  # tensor=4 leaves 2 of a node's 8 devices to each expert group
+    off = links.Link(dev.inter_node_bw, dev.inter_node_latency, dev.collective_latency)
+    on = links.Link(dev.intra_node_bw, dev.intra_node_latency, dev.collective_latency)
+
+    def one(payload):  # 6 of the 7 peers off the node, 1 on it: the slower part counts
+        return max(off.base + 7 * off.latency + payload * 6 / 7 * 7 / 8 / off.bandwidth,
+                   on.base + 7 * on.latency + payload * 1 / 7 * 7 / 8 / on.bandwidth)
+
+    assert est.time.comm_s["expert"] == pytest.approx(
+        32 * cfg.n_layer * (2 * passes + 2) * one(copies))
+    padded = choices.abstract_job({**choice.flat(base), "model.expert_exchange": "padded"},
+                                  build, 64)
+    assert cost.estimate(padded, choice, h100).time.comm_s["expert"] == pytest.approx(
+        32 * cfg.n_layer * (2 * passes + 2) * one(8 * copies))  # a block per peer for all
     assert est.time.model_flops == pytest.approx(
         cfg.flops_per_token(4096) * 16 * 32 * 4096)
     assert cfg.flops_per_token(4096) < 6 * 13e9 + 12 * 32 * 32 * 128 * 4096
@@ -382,5 +394,6 @@ def test_quantized_collectives_are_planned_at_zero_3_and_shrink_its_traffic():
 def test_a_mixture_of_experts_plan_says_what_its_figures_do_not_stand_on():
     from zero_jax.report import plan_table
     assert plan_table.experts_caveat(models.config("llama-tiny", 256)) == ""
-    caveat = plan_table.experts_caveat(models.config("deepseek-v3", 256))
+    caveat = plan_table.experts_caveat(models.config("deepseek-v3", 256), exchange="padded")
     assert "worst case" in caveat and "do not book" in caveat
+    assert "ragged all-to-alls" in plan_table.experts_caveat(models.config("deepseek-v3", 256))

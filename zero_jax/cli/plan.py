@@ -64,7 +64,7 @@ from zero_jax import config as config_lib, job as job_lib
 from zero_jax.config import flags
 from zero_jax.config.sections import ModelConfig
 from zero_jax.precision import policies
-from zero_jax.model import remat
+from zero_jax.model import exchange, grouped, remat
 from zero_jax.planner import configs, cost, search
 from zero_jax.planner.choices import Cluster, Space, choices, mesh_shapes
 from zero_jax.report import plan_table
@@ -295,7 +295,10 @@ def report(args, problem: search.Problem, ranked: list, model_line: str, layouts
     wider = cpu_wider(args.precision)
     rows = [plan_table.row(e, problem.cluster, ranked.index(e) + 1, wider) for e in shown]
     device = problem.cluster.device
-    caveat = plan_table.experts_caveat(problem.build(1).config)
+    caveat = plan_table.experts_caveat(
+        problem.build(1).config, ranked[0] if ranked else None, problem.cluster,
+        exchange.resolve(problem.base.get("model.expert_exchange", "auto"), "gpu"),
+        grouped.resolve(problem.base.get("model.expert_gemm", "auto")))
     if args.json:
         print(json.dumps({"model": model_line, "cluster": device.name,
                           "devices": problem.cluster.size, "layouts": layouts,

@@ -214,16 +214,46 @@ def _tensor_time(job: job_lib.Job, choice: Choice, cluster: Cluster, work: _Work
 def _expert_time(job: job_lib.Job, choice: Choice, cluster: Cluster, work: _Work) -> float:
     """Per mixture-of-experts layer and microbatch, two all-to-alls over
     `expert` per forward pass (the token copies to their experts and back)
-    and two in the backward. Dropless, each device sends every peer a block
-    sized for all of its k copies (models/llama/moe.py), e times the copies."""
+    and two in the backward (models/llama/moe.py, zero_jax/model/exchange.py).
+
+    A device sends its k copies per token: ragged (sized by the counts, the
+    exchange a GPU or TPU compiles) the routed copies, padded one block per
+    peer sized for all of them, e times that. Over an expert axis of e
+    devices on m nodes, evenly routed, 1 - 1/m of the copies leave the node
+    (over the inter-node link) while the rest move over the node's own;
+    each part is priced on its link and the slower one counts. Group-limited
+    routing bounds the nodes a token reaches (`expert_nodes`) but not the
+    copies zero_jax sends there: each copy travels on its own."""
     c, _ = dtype_bytes(job)
     e, cfg = choice.expert, job.model.config
-    payload = (e * choice.micro * job.run.data.seq_len / choice.context * cfg.n_experts_per_tok
-               * cfg.d_model * c)
-    one = links.collective_s("all-to-all", payload, e, choice.link(cluster, "expert"))
+    copies = (choice.micro * job.run.data.seq_len / choice.context * cfg.n_experts_per_tok
+              * cfg.d_model * c)
+    payload = copies if job.hooks.expert_exchange == "ragged" else e * copies
+    nodes = choice.mesh(cluster)["dcn"]["expert"] if e > 1 else 1
+    if nodes == 1:
+        one = links.collective_s("all-to-all", payload, e, choice.link(cluster, "expert"))
+    else:
+        dev, here = cluster.device, e // nodes
+        off = links.Link(dev.inter_node_bw, dev.inter_node_latency, dev.collective_latency)
+        on = links.Link(dev.intra_node_bw, dev.intra_node_latency, dev.collective_latency)
+        # The ring factor (e - 1) / e splits into (e - here) / e off the node, (here - 1) / e on it.
+        one = max(links.collective_s("all-to-all", payload * (e - here) / (e - 1), e, off),
+                  links.collective_s("all-to-all", payload * (here - 1) / (e - 1), e, on)
+                  if here > 1 else 0.0)
     # The mixture layers only (DeepSeek's first layers are dense), and each MTP module's.
     layers_here = (cfg.moe_layers + cfg.mtp_depth) / choice.pipe
     return choice.microbatches * layers_here * (2 * work.passes + 2) * one
+
+
+def expert_nodes(cfg, choice: Choice, cluster: Cluster) -> tuple[int, int]:
+    """The nodes the expert axis spans, and at most how many of them one
+    token's copies reach: topk_group where the routing groups are whole
+    nodes' experts (DeepSeek-V3's 8 groups on 8 nodes), else all of them."""
+    nodes = choice.mesh(cluster)["dcn"]["expert"] if choice.expert > 1 else 1
+    groups, limit = getattr(cfg, "n_group", 1), getattr(cfg, "topk_group", 1)
+    aligned = groups > 1 and (groups % nodes == 0 or nodes % groups == 0)
+    reach = limit * max(1, nodes // groups) if aligned else nodes
+    return nodes, min(reach, nodes, cfg.n_experts_per_tok)
 
 
 def _context_time(job: job_lib.Job, choice: Choice, cluster: Cluster, work: _Work) -> float:

@@ -3,7 +3,7 @@ table, with its legend (which figures are exact, which estimated)."""
 
 from __future__ import annotations
 
-from zero_jax.planner import cost
+from zero_jax.planner import cost, step_time
 from zero_jax.planner.choices import Cluster
 
 
@@ -80,12 +80,25 @@ def print_table(rows: list[dict], device, fitting: int, total: int) -> None:
         print(top_line(rows[0]))
 
 
-def experts_caveat(model_cfg) -> str:
-    """What a mixture of experts' figures do not yet stand on; "" for a dense model."""
+def experts_caveat(model_cfg, best: cost.Estimate | None = None, cluster: Cluster | None = None,
+                   exchange: str = "ragged", gemm: str = "tiled") -> str:
+    """How a mixture of experts is priced, for the best layout where given,
+    and what the figures do not yet stand on; "" for a dense model."""
     if not getattr(model_cfg, "n_experts", 0):
         return ""
-    return ("a mixture of experts: its all-to-alls are priced as zero_jax sends them, dropless "
-            "blocks sized for the worst case over the whole expert axis (not only the nodes a "
-            "token reaches under group-limited routing), its expert GEMMs as dense products of "
-            "the routed tokens, and no published run of a mixture has been checked against "
-            "these estimates (docs/experts.md): rank layouts with them, do not book on them")
+    moved = ("ragged all-to-alls of the routed copies (ragged_all_to_all, as a GPU runs it)"
+             if exchange == "ragged" else "padded all-to-alls, each peer's block sized for the "
+             "worst case (e times the routed copies)")
+    where = ""
+    if best is not None and cluster is not None and best.choice.expert > 1:
+        nodes, reach = step_time.expert_nodes(model_cfg, best.choice, cluster)
+        if nodes > 1:
+            where = (f" The best layout's expert axis spans {nodes} nodes; a token's "
+                     f"{model_cfg.n_experts_per_tok} copies reach at most {reach} of them "
+                     "(group-limited routing) but travel one by one: 1 - 1/nodes of them "
+                     "cross the inter-node link, where DeepSeek-V3's dispatch sends a token "
+                     "once per node it reaches, which zero_jax does not yet do.")
+    return (f"a mixture of experts: its experts priced as {moved} and {gemm} grouped GEMMs "
+            f"at the routed tokens' FLOPs and a dense GEMM's efficiency.{where} No published "
+            "run of a mixture has been checked against these estimates (docs/experts.md): "
+            "rank layouts with them, do not book on them")
