@@ -12,11 +12,11 @@ Qwen2-MoE's scaled by a per-token sigmoid) are a dense SwiGLU beside them.
 
 Dropless (the default): a device's token copies are sorted by expert and
 multiplied with grouped GEMMs (zero_jax/model/grouped.py: tiled, or
-`jax.lax.ragged_dot`), so no token is dropped and no padding is computed. With a capacity factor c, expert e
-takes at most C = ceil(c k N / E) of a device's N tokens' copies, first
-choices first and then by position (GShard, Switch, DeepSpeed-MoE); the
-copies past it are dropped (the token keeps its residual) and each expert
-multiplies a fixed (C, D) block.
+`jax.lax.ragged_dot`), so no token is dropped and no padding is computed.
+With a capacity factor c, expert e takes at most C = ceil(c k N / E) of a
+device's N tokens' copies, first choices first and then by position
+(GShard, Switch, DeepSpeed-MoE); the copies past it are dropped (the token
+keeps its residual) and each expert multiplies a fixed (C, D) block.
 
 Expert parallelism: the `experts` dimension is split over the mesh axis
 that the `experts` rule names (`expert`). The dispatch runs per device
