@@ -31,14 +31,18 @@
 #   fp8        gpt-small and gpt-xl in FP8 against bf16 (scripts/fp8_check.py):
 #              the compiled step's cuBLASLt FP8 GEMMs counted, and each one's
 #              tokens/s in one run
+#   experts    the dropless experts' grouped GEMMs, tiled against ragged_dot,
+#              at DeepSeek-V3's expert shape (scripts/grouped_gemm.py): each
+#              one's time and the FLOPs it runs over the routed ones
 #
 # Without a GPU the GPU parts run their CPU stand-ins (XLA's attention, the
-# gpu-1 selection's dry run, gpt-tiny, a tiny GPT in FP8), which check the
+# gpu-1 selection's dry run, gpt-tiny, a tiny GPT in FP8, a small grouped
+# GEMM), which check the
 # script itself.
 set -u
 OUT=${1:?usage: bash scripts/gpu_checks.sh OUT_DIR [PART ...]}
 shift
-PARTS=${*:-versions suite moves anatomy attention bench gemm fp8}
+PARTS=${*:-versions suite moves anatomy attention bench gemm fp8 experts}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
@@ -82,6 +86,7 @@ if [ "$GPU" = 1 ]; then
     BENCH=(--cases 'gpt-small/none,gpt-xl/none')
     GEMM=()
     FP8=()
+    EXPERTS=()
 else
     DEVICES=(--devices 1)
     ANATOMY=()
@@ -89,6 +94,7 @@ else
     BENCH=(--dry-run --cases 'dry-d64/none')
     GEMM=(--shapes 256x256x256,512x128x256 --dtypes float32 --repeats 3)
     FP8=(--dry-run --steps 2)
+    EXPERTS=(--rows 512 --groups 4 --d-model 64 --d-expert 32 --dtype float32 --repeats 3)
 fi
 run moves 90 $PY scripts/hlo_moves.py "${DEVICES[@]}" --mesh data=1 --zero-stage 0 --top 15
 run anatomy 120 $PY scripts/anatomy.py "${DEVICES[@]}" --mesh data=1 "${ANATOMY[@]}" --top 20
@@ -96,3 +102,4 @@ run attention 90 $PY scripts/check_attention.py "${ATTENTION[@]}"
 run bench 240 $PY scripts/bench.py --suite gpu-1 "${BENCH[@]}" --json-out "$OUT/bench.json"
 run gemm 180 $PY scripts/gemm_sweep.py "${GEMM[@]}" --toml "$OUT/gemm.toml"
 run fp8 240 $PY scripts/fp8_check.py "${FP8[@]}"
+run experts 120 $PY scripts/grouped_gemm.py "${EXPERTS[@]}"

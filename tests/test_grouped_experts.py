@@ -9,6 +9,11 @@ worst case) against the tiled path: equal outputs, and the FLOPs of every
 dot each compiled program runs against the routed copies' FLOPs.
 """
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,6 +25,8 @@ from tests.helpers import make_job
 from zero_jax.analysis.dot_flops import dot_flops
 from zero_jax.config.sections import ConfigError
 from zero_jax.model import exchange, grouped
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize("tile", [1, 4, 16])
@@ -117,3 +124,15 @@ def test_ragged_path_against_worst_case_blocks_on_the_same_routing():
 def test_ragged_exchange_is_refused_where_the_backend_lacks_it(corpus):
     with pytest.raises(ConfigError, match="--expert-exchange ragged on cpu"):
         make_job(corpus, model="deepseek-tiny", mesh="expert=4,data=2", expert_exchange="ragged")
+
+
+def test_the_grouped_gemm_check_runs_its_stand_in():
+    """scripts/grouped_gemm.py at the size gpu_checks.sh runs without a GPU:
+    both GEMMs agree, and the tiled one runs near the routed FLOPs."""
+    out = subprocess.run([sys.executable, "scripts/grouped_gemm.py", "--rows", "512", "--groups",
+                          "4", "--d-model", "64", "--d-expert", "32", "--dtype", "float32",
+                          "--repeats", "1"], capture_output=True, text=True, check=True,
+                         cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"}).stdout
+    rows = {line.split()[0]: line.split() for line in out.splitlines()}
+    assert float(rows["tiled"][3]) < 1.1 and float(rows["ragged_dot"][3]) == pytest.approx(4.0)
+    assert float(out.rsplit(" ", 1)[1]) < 1e-5
