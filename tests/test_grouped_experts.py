@@ -136,3 +136,19 @@ def test_the_grouped_gemm_check_runs_its_stand_in():
     rows = {line.split()[0]: line.split() for line in out.splitlines()}
     assert float(rows["tiled"][3]) < 1.1 and float(rows["ragged_dot"][3]) == pytest.approx(4.0)
     assert float(out.rsplit(" ", 1)[1]) < 1e-5
+
+
+def test_the_plan_counts_the_dispatch_buffers_sized_for_the_worst_case():
+    """Over expert=e a mixture layer holds buffers of e A copies (A = k s b
+    a device's own): none on one device, and under full remat one layer's
+    (4 e + 1) A h + 3 (e - 1) A f, rebuilt; without remat every layer's."""
+    from models.llama import config as llama_config
+    from zero_jax.model.remat import Remat
+    cfg = llama_config.config("deepseek-v3", 0)
+    assert cfg.dispatch_parts(1, 4096, 2, Remat("full"), 1) == (0.0, 0.0, 0.0)
+    A, h, f = 8 * 4096, 7168, 2048
+    full = cfg.dispatch_parts(1, 4096, 2, Remat("full"), 64)
+    assert full.kept == 0 and full.rebuilt == 2 * ((4 * 64 + 1) * A * h + 3 * 63 * A * f)
+    assert full.rebuilt > 30e9  # more than a third of an 80 GB device, for one layer
+    none = cfg.dispatch_parts(1, 4096, 2, Remat("none"), 64)
+    assert none.kept == (58 + 1) * full.rebuilt  # 58 mixture layers and the MTP module's

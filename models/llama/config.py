@@ -340,6 +340,29 @@ class LlamaConfig:
         head = 3 * s * b * self.padded_vocab / t * 4 / dtype_bytes + 2 * res
         return decoder.ActivationParts(kept * dtype_bytes, rebuilt * dtype_bytes, head * dtype_bytes)
 
+    def dispatch_parts(self, rows: int, seq_len: int, dtype_bytes: int, remat: Remat,
+                       expert: int, tensor: int = 1, context: int = 1) -> decoder.ActivationParts:
+        """What a mixture layer holds beyond `activation_parts` when its
+        experts split over `expert` > 1 devices (an estimate): dropless, a
+        device receives into buffers sized for the worst case, every peer's
+        A = k s b copies (models/llama/moe.py): the received copies, sorted,
+        multiplied and scattered back (4 e A h), the expert hidden widths
+        over e A rows instead of A (3 (e - 1) A f / t), and the copies
+        returned (A h). Kept through the backward pass under `none` (every
+        layer's), or the exchanged copies (e A h + A h and the ids) where the
+        policy keeps `moe_exchange`; else one layer's, rebuilt."""
+        zero = decoder.ActivationParts(0.0, 0.0, 0.0)
+        if not self.n_experts or expert <= 1:
+            return zero
+        e, A, h = expert, self.n_experts_per_tok * rows * seq_len / context, self.d_model
+        layer = (4 * e + 1) * A * h + 3 * (e - 1) * A * self.expert_mlp / tensor
+        exchanged = e * A * h + A * h + e * A * 4 / dtype_bytes
+        moe = self.moe_layers + self.mtp_depth
+        if remat.policy == "none":
+            return decoder.ActivationParts(moe * layer * dtype_bytes, 0.0, 0.0)
+        kept = moe * exchanged if "moe_exchange" in remat.names else 0.0
+        return decoder.ActivationParts(kept * dtype_bytes, layer * dtype_bytes, 0.0)
+
 
 def config(name: str, data_vocab: int, **overrides) -> LlamaConfig:
     """A preset's shape with any field overridden (zero/empty values are not

@@ -131,10 +131,16 @@ def _activations(job: job_lib.Job, choice: Choice):
     if choice.pipe > 1:
         cfg = dataclasses.replace(cfg, n_layer=job.state_plan.stages.slots)
     c, _ = dtype_bytes(job)
-    ctx = job.hooks.context
-    return cfg.activation_parts(choice.micro, job.run.data.seq_len, c, remat_lib.Remat(choice.remat),
-                                choice.tensor, job.sequence_parallel, job.hooks.attention,
-                                choice.context, ctx.strategy if ctx else "")
+    ctx, remat = job.hooks.context, remat_lib.Remat(choice.remat)
+    parts = cfg.activation_parts(choice.micro, job.run.data.seq_len, c, remat,
+                                 choice.tensor, job.sequence_parallel, job.hooks.attention,
+                                 choice.context, ctx.strategy if ctx else "")
+    if not hasattr(cfg, "dispatch_parts"):  # a family without experts
+        return parts
+    # A mixture's dispatch buffers over `expert`, sized for the worst case.
+    extra = cfg.dispatch_parts(choice.micro, job.run.data.seq_len, c, remat, choice.expert,
+                               choice.tensor, choice.context)
+    return parts._replace(kept=parts.kept + extra.kept, rebuilt=parts.rebuilt + extra.rebuilt)
 
 
 def _layers_here(job: job_lib.Job, choice: Choice) -> int:
