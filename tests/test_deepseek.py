@@ -7,8 +7,9 @@ balance the bias buys.
 
 CI runs expert=4,data=2, one pipeline (1F1B) and ring attention over
 `context` (the MTP module's shifted rows laid out across it);
-ZERO_JAX_FULL_GRID=1 adds ZeRO-3 with tensor parallelism and an
-interleaved pipeline at ZeRO-3.
+ZERO_JAX_FULL_GRID=1 adds ZeRO-3 with tensor parallelism, an
+interleaved pipeline at ZeRO-3, and the expert axis over two simulated
+nodes (the two-hop dispatch).
 """
 
 import os
@@ -31,7 +32,8 @@ FULL = bool(os.environ.get("ZERO_JAX_FULL_GRID"))
 # (mesh, ZeRO stage, pipeline schedule or context attention)
 LAYOUTS = [("expert=4,data=2", 1, ""), ("pipe=2,expert=2,data=2", 1, "1f1b"),
            ("context=2,data=4", 1, "ring"),
-           ("expert=2,fsdp=2,tensor=2", 3, ""), ("pipe=2,expert=2,data=2", 3, "interleaved")]
+           ("expert=2,fsdp=2,tensor=2", 3, ""), ("pipe=2,expert=2,data=2", 3, "interleaved"),
+           ("meshes/cpu-2x4-experts.toml", 1, "")]  # two hops over 2 simulated nodes
 CASES = LAYOUTS if FULL else LAYOUTS[:3]
 # DeepSeek-V3's config.json (deepseek-ai/DeepSeek-V3 on the Hugging Face Hub), as published.
 V3_CONFIG = dict(vocab_size=129280, hidden_size=7168, intermediate_size=18432,

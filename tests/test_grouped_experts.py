@@ -152,3 +152,49 @@ def test_the_plan_counts_the_dispatch_buffers_sized_for_the_worst_case():
     assert full.rebuilt > 30e9  # more than a third of an 80 GB device, for one layer
     none = cfg.dispatch_parts(1, 4096, 2, Remat("none"), 64)
     assert none.kept == (58 + 1) * full.rebuilt  # 58 mixture layers and the MTP module's
+
+
+@pytest.mark.parametrize("groups", [(1, 1), (4, 2)])
+def test_two_hops_over_nodes_compute_what_one_hop_does(groups):
+    """expert=4 as 2 nodes of 2 devices: each token sent once per node it
+    needs, fanned out inside the node, summed there on the way back; the
+    outputs and every gradient equal the one-hop dispatch's, with and
+    without group-limited routing (4 groups of 2 experts, the best 2)."""
+    ep, E, k, D, F, N = 4, 8, 3, 16, 8, 24
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.normal(size=(ep * N, D)), jnp.float32)
+    routing = moe.route(jnp.asarray(rng.normal(size=(ep * N, E)), jnp.float32), k, True,
+                        groups=groups)
+    w = [jnp.asarray(rng.normal(size=s) * 0.3, jnp.float32)
+         for s in ((E, D, F), (E, D, F), (E, F, D))]
+
+    def run(node):
+        def body(x, weights, experts, *w):
+            r = moe.Routing(weights, experts, None, None)
+            return moe.dropless(x, r, *w, E, "expert", ep, moe.Kernels("tiled", "padded",
+                                                                      node=node))
+
+        f = jax.shard_map(body, mesh=_mesh(ep), in_specs=(P("expert"),) * 6,
+                          out_specs=P("expert"))
+        loss = lambda x, weights, *w: jnp.sum(jnp.sin(f(x, weights, routing.experts_Nxk, *w)))
+        return f(x, routing.weights_Nxk, routing.experts_Nxk, *w), jax.grad(
+            loss, argnums=(0, 1, 2, 3, 4))(x, routing.weights_Nxk, *w)
+
+    (one, one_grads), (two, two_grads) = run(0), run(2)
+    np.testing.assert_allclose(two, one, rtol=1e-5, atol=1e-5)
+    for a, b in zip(two_grads, one_grads):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_an_expert_axis_over_nodes_dispatches_in_two_hops(corpus):
+    """meshes/cpu-2x4-experts.toml ([ici] expert=2, [dcn] expert=2): auto
+    takes two hops, 2 devices a node; direct takes one; two-hop on an axis
+    inside one node is refused before compiling, naming the sizes."""
+    def job(mesh, dispatch):
+        return make_job(corpus, model="deepseek-tiny", mesh=mesh, expert_dispatch=dispatch)
+
+    assert job(str(ROOT / "meshes/cpu-2x4-experts.toml"), "auto").hooks.expert_node == 2
+    assert job(str(ROOT / "meshes/cpu-2x4-experts.toml"), "direct").hooks.expert_node == 0
+    assert job("expert=4,data=2", "auto").hooks.expert_node == 0
+    with pytest.raises(ConfigError, match="two-hop: the expert axis \\(4 devices\\) is on one node"):
+        job("expert=4,data=2", "two-hop")

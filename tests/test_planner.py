@@ -187,9 +187,10 @@ def test_a_mixture_of_experts_is_planned_over_expert_axes():
     divides the 8 experts and the data-parallel devices, with pipelines as
     without (their stages carry the router losses); an expert layout's
     job splits the experts over `expert`, its step charges the all-to-alls
-    (there and back per forward pass and backward: ragged, a device's
-    copies, padded, e times them; the part bound off the node on the
-    inter-node link, the rest on the node's, the slower counting), and its model
+    (there and back per forward pass and backward: in two hops, a token to
+    each other node it needs, then its copies inside the node; direct,
+    ragged a device's copies, padded e times them, the part bound off the
+    node on the inter-node link, the rest on the node's), and its model
     FLOPs count the 12.9B parameters a token computes with."""
     h100 = choices.Cluster(device_kinds.load("h100-80gb"), 8, 8)
     build = models.for_run(config_lib.ModelConfig(name="mixtral-8x7b"), 32000)[0]
@@ -203,22 +204,27 @@ def test_a_mixture_of_experts_is_planned_over_expert_axes():
     job = choices.abstract_job(choice.flat(base), build, 64)
     assert job.state_plan.mesh_shape.sizes["expert"] == 8
     est = cost.estimate(job, choice, h100)
-    copies = 4096 * 2 * cfg.d_model * 2  # (rows x k copies) x D, bf16: ragged, as a GPU sends
+    copies = 4096 * 2 * cfg.d_model * 2  # (rows x k copies) x D, bf16
     passes = 2  # the forward and full remat's rebuild
-    dev, here = h100.device, 2  # tensor=4 leaves 2 of a node's 8 devices to each expert group
+    dev, here = h100.device, 2  # tensor=4 leaves 2 of a node's 8 devices to the expert axis
     off = links.Link(dev.inter_node_bw, dev.inter_node_latency, dev.collective_latency)
     on = links.Link(dev.intra_node_bw, dev.intra_node_latency, dev.collective_latency)
+    per_layer = 32 * cfg.n_layer * (2 * passes + 2)
 
-    def one(payload):  # 6 of the 7 peers off the node, 1 on it: the slower part counts
+    def direct(payload):  # 6 of the 7 peers off the node, 1 on it: the slower part counts
         return max(off.base + 7 * off.latency + payload * 6 / 7 * 7 / 8 / off.bandwidth,
                    on.base + 7 * on.latency + payload * 1 / 7 * 7 / 8 / on.bandwidth)
 
-    assert est.time.comm_s["expert"] == pytest.approx(
-        32 * cfg.n_layer * (2 * passes + 2) * one(copies))
-    padded = choices.abstract_job({**choice.flat(base), "model.expert_exchange": "padded"},
-                                  build, 64)
-    assert cost.estimate(padded, choice, h100).time.comm_s["expert"] == pytest.approx(
-        32 * cfg.n_layer * (2 * passes + 2) * one(8 * copies))  # a block per peer for all
+    # auto: two hops over the 4 nodes, a token to at most 2 others (k = 2), then its
+    # 2 copies inside the node (1 of 2 peers).
+    hop_one = off.base + 3 * off.latency + 4096 * 2 * cfg.d_model * 2 * 3 / 4 * 4 / 3 / off.bandwidth
+    hop_two = on.base + on.latency + copies / 2 / on.bandwidth
+    assert est.time.comm_s["expert"] == pytest.approx(per_layer * (hop_one + hop_two))
+    for moves, payload in (("ragged", copies), ("padded", 8 * copies)):  # a block per peer
+        job = choices.abstract_job({**choice.flat(base), "model.expert_dispatch": "direct",
+                                    "model.expert_exchange": moves}, build, 64)
+        assert cost.estimate(job, choice, h100).time.comm_s["expert"] == pytest.approx(
+            per_layer * direct(payload))
     assert est.time.model_flops == pytest.approx(
         cfg.flops_per_token(4096) * 16 * 32 * 4096)
     assert cfg.flops_per_token(4096) < 6 * 13e9 + 12 * 32 * 32 * 128 * 4096

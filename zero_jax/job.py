@@ -232,8 +232,8 @@ def prepare_on(run: config_lib.RunConfig, build_model: Callable[[int], ModelFns]
                                    remat.parse_names(run.activations.save_names))
         attention = attention_implementation(run.model.attention, platform, policy.compute,
                                              run.data.segment_ids)
-        experts = dict(expert_gemm=grouped.resolve(run.model.expert_gemm),
-                       expert_exchange=exchange.resolve(run.model.expert_exchange, platform))
+        experts = dict(expert_gemm=grouped.resolve(run.model.expert_gemm), **exchange.resolve_all(
+            run.model.expert_exchange, run.model.expert_dispatch, platform, *shape.split("expert")))
     except ValueError as e:
         raise config_lib.ConfigError(str(e)) from None
     lr = optim.schedule(run.optim, run.train.steps)

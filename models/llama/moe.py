@@ -44,6 +44,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from models.common import layers
+from models.llama import two_hop
 from zero_jax.model import balance
 from zero_jax.model import exchange
 from zero_jax.model import fp8 as fp8_lib
@@ -140,6 +141,7 @@ class Kernels(NamedTuple):
     gemm: str = "tiled"  # grouped.GEMMS
     exchange: str = "padded"  # exchange.EXCHANGES
     expected_rows: int = 0  # rows a device's grouped GEMMs expect (sizes the tiles); 0: all
+    node: int = 0  # devices of the expert axis per node where it spans nodes (two hops); 0: one hop
 
 
 def _count(ids, n: int) -> jax.Array:
@@ -176,6 +178,15 @@ def dropless(x_NxD, routing: Routing, w_gate, w_up, w_down, n_experts: int,
     rows = x_NxD[order // k]
     if ep == 1:
         out = _grouped(rows, _count(sorted_e, El), w_gate, w_up, w_down, kernels, fp8)
+    elif 0 < kernels.node < ep:  # the axis spans nodes: two hops (two_hop.py)
+        def experts(rows_RxD, local_R):
+            by_expert = jnp.argsort(local_R, stable=True)
+            done = _grouped(rows_RxD[by_expert], _count(local_R, El), w_gate, w_up, w_down,
+                            kernels, fp8)
+            return jnp.zeros_like(done).at[by_expert].set(done)
+
+        return two_hop.dispatch(x_NxD, routing.weights_Nxk, routing.experts_Nxk, experts,
+                                n_experts, axis, ep, kernels.node, kernels.exchange)
     else:
         dest = sorted_e // El
         there, back = exchange.routes(_count(dest, ep), axis)
@@ -233,7 +244,8 @@ def kernels(h: Hooks) -> Kernels:
     platform = h.mesh.devices.flat[0].platform if concrete else jax.default_backend()
     moves = h.expert_exchange
     return Kernels(grouped.resolve(h.expert_gemm),
-                   exchange.resolve(moves, platform) if moves == "auto" else moves)
+                   exchange.resolve(moves, platform) if moves == "auto" else moves,
+                   node=h.expert_node)
 
 
 class MoEMLP(nn.Module):

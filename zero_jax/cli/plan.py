@@ -298,7 +298,8 @@ def report(args, problem: search.Problem, ranked: list, model_line: str, layouts
     caveat = plan_table.experts_caveat(
         problem.build(1).config, ranked[0] if ranked else None, problem.cluster,
         exchange.resolve(problem.base.get("model.expert_exchange", "auto"), "gpu"),
-        grouped.resolve(problem.base.get("model.expert_gemm", "auto")))
+        grouped.resolve(problem.base.get("model.expert_gemm", "auto")),
+        problem.base.get("model.expert_dispatch", "auto"))
     if args.json:
         print(json.dumps({"model": model_line, "cluster": device.name,
                           "devices": problem.cluster.size, "layouts": layouts,

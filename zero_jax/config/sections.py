@@ -22,6 +22,7 @@ PipelineTables = Literal["rows", "whole"]  # pipeline/executor.py row_tables
 Attention = Literal["auto", "xla", "cudnn"]  # job.attention_implementation
 ExpertGemm = Literal["auto", "tiled", "ragged_dot"]  # zero_jax/model/grouped.py
 ExpertExchange = Literal["auto", "ragged", "padded"]  # zero_jax/model/exchange.py
+ExpertDispatch = Literal["auto", "direct", "two-hop"]  # exchange.node_size
 ContextAttention = Literal["auto", "all-gather", "ring", "ulysses"]  # zero_jax/context
 DtypeOverride = Literal["", "float32", "bfloat16", "float16"]  # "": the policy's
 WandbMode = Literal["online", "offline"]  # wandb.init(mode=...); offline: `wandb sync` uploads later
@@ -88,6 +89,7 @@ class ModelConfig:
     router_bias_update_rate: float | None = None  # mixture of experts with a selection bias (DeepSeek-V3): its step per step against the load error, aux-loss-free balancing; 0: fixed (unset: the preset's)
     expert_gemm: ExpertGemm = "auto"  # mixture of experts, dropless: tiled (a loop over row tiles: the routed FLOPs on any backend) | ragged_dot (XLA's ragged-dot: a grouped GEMM where a kernel takes it, else dense); auto: tiled
     expert_exchange: ExpertExchange = "auto"  # mixture of experts, dropless, over `expert`: ragged (ragged_all_to_all: the routed copies' bytes) | padded (all_to_all of worst-case blocks); auto: ragged where the backend compiles it (GPU, TPU)
+    expert_dispatch: ExpertDispatch = "auto"  # mixture of experts, dropless, an expert axis across nodes: two-hop (a token once to each node it needs, then to its experts inside the node, DeepSeek-V3's) | direct (each copy to its expert's device); auto: two-hop where the axis has several devices on each of several nodes
     attention: Attention = "auto"  # xla | cudnn (jax.nn.dot_product_attention); auto: cudnn on GPU in 16 bits
     scan_layers: bool = True  # false: unroll the layer stack (longer compiles; the compiler then sees, and counts, every layer)
 

@@ -17,7 +17,10 @@ Two transports (`EXCHANGES`), one set of offsets (`Routes`):
   case (all of a device's rows), then the same packing on arrival: P times
   the routed bytes on the wire when the experts are balanced. Any backend.
 
-`resolve` picks the ragged transport where the backend compiles it.
+`resolve` picks the ragged transport where the backend compiles it;
+`node_size` whether an expert axis that spans nodes dispatches in two hops
+(models/llama/two_hop.py: a token once to each node it needs, then to the
+experts inside it).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 EXCHANGES = ("ragged", "padded")
+DISPATCHES = ("direct", "two-hop")
 NATIVE = ("gpu", "tpu")  # platforms whose XLA has ragged-all-to-all (for plans made elsewhere)
 
 
@@ -117,3 +121,28 @@ def resolve(choice: str, platform: str) -> str:
         raise ValueError(f"--expert-exchange ragged on {platform}: its XLA has no "
                          "ragged-all-to-all; use padded (or auto)")
     return choice
+
+
+def node_size(dispatch: str, per_node: int, nodes: int) -> int:
+    """Devices of the expert axis per node for a two-hop dispatch, 0 for one
+    hop, from the axis's [ici] (`per_node`) and [dcn] (`nodes`) sizes.
+    `auto`: two hops where the axis spans nodes, several devices in each."""
+    if dispatch == "auto":
+        return per_node if nodes > 1 and per_node > 1 else 0
+    if dispatch == "direct":
+        return 0
+    if dispatch != "two-hop":
+        raise ValueError(f"--expert-dispatch {dispatch}: expected auto or one of "
+                         f"{', '.join(DISPATCHES)}")
+    if nodes == 1:
+        raise ValueError(f"--expert-dispatch two-hop: the expert axis ({per_node} devices) is on "
+                         "one node; give the mesh an [dcn] expert size above 1, or use direct "
+                         "(or auto)")
+    return per_node
+
+
+def resolve_all(exchange: str, dispatch: str, platform: str, per_node: int,
+                nodes: int) -> dict[str, object]:
+    """The Hooks fields of the experts' exchange: transport and node size."""
+    return {"expert_exchange": resolve(exchange, platform),
+            "expert_node": node_size(dispatch, per_node, nodes)}

@@ -109,6 +109,7 @@ class Hooks:
     # A mixture's dropless experts: grouped.GEMMS and exchange.EXCHANGES, or auto.
     expert_gemm: str = "auto"
     expert_exchange: str = "auto"
+    expert_node: int = 0  # devices of the expert axis per node, two hops (exchange.node_size); 0: one
     # > 0: stored-sharded (ZeRO-3) parameters are gathered in int8 blocks of about
     # this many elements (ZeRO++'s qwZ, sharding/quantized.py)
     int8_gather_block: int = 0

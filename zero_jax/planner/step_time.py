@@ -39,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 
 from zero_jax import job as job_lib
+from zero_jax.model import exchange
 from zero_jax.analysis import memory
 from zero_jax.pipeline import schedule as schedule_lib
 from zero_jax.planner import kernels, links
@@ -212,34 +213,46 @@ def _tensor_time(job: job_lib.Job, choice: Choice, cluster: Cluster, work: _Work
 
 
 def _expert_time(job: job_lib.Job, choice: Choice, cluster: Cluster, work: _Work) -> float:
-    """Per mixture-of-experts layer and microbatch, two all-to-alls over
-    `expert` per forward pass (the token copies to their experts and back)
-    and two in the backward (models/llama/moe.py, zero_jax/model/exchange.py).
+    """Per mixture-of-experts layer and microbatch, the exchanges over
+    `expert` there and back, per forward pass and in the backward
+    (models/llama/moe.py, two_hop.py, zero_jax/model/exchange.py).
 
-    A device sends its k copies per token: ragged (sized by the counts, the
-    exchange a GPU or TPU compiles) the routed copies, padded one block per
-    peer sized for all of them, e times that. Over an expert axis of e
-    devices on m nodes, evenly routed, 1 - 1/m of the copies leave the node
-    (over the inter-node link) while the rest move over the node's own;
-    each part is priced on its link and the slower one counts. Group-limited
-    routing bounds the nodes a token reaches (`expert_nodes`) but not the
-    copies zero_jax sends there: each copy travels on its own."""
+    Direct, a device sends its k copies per token: ragged (sized by the
+    counts, the exchange a GPU or TPU compiles) the routed copies, padded
+    one block per peer sized for all of them, e times that. Over an expert
+    axis of e devices on m nodes, evenly routed, 1 - 1/m of the copies leave
+    the node (over the inter-node link) and the rest move over the node's
+    own; each part is priced on its link and the slower one counts.
+
+    In two hops (an axis across nodes, `--expert-dispatch`), a token crosses
+    the inter-node link once per other node it needs, at most
+    min(reach, m - 1) where `expert_nodes` bounds the nodes it reaches,
+    then all k copies fan out inside the node: the two hops one after the
+    other, each on its own link."""
     c, _ = dtype_bytes(job)
     e, cfg = choice.expert, job.model.config
-    copies = (choice.micro * job.run.data.seq_len / choice.context * cfg.n_experts_per_tok
-              * cfg.d_model * c)
-    payload = copies if job.hooks.expert_exchange == "ragged" else e * copies
-    nodes = choice.mesh(cluster)["dcn"]["expert"] if e > 1 else 1
-    if nodes == 1:
-        one = links.collective_s("all-to-all", payload, e, choice.link(cluster, "expert"))
+    tokens = choice.micro * job.run.data.seq_len / choice.context
+    copies = tokens * cfg.n_experts_per_tok * cfg.d_model * c
+    layout = choice.mesh(cluster)
+    here, nodes = (layout["ici"]["expert"], layout["dcn"]["expert"]) if e > 1 else (1, 1)
+    dev = cluster.device
+    off = links.Link(dev.inter_node_bw, dev.inter_node_latency, dev.collective_latency)
+    on = links.Link(dev.intra_node_bw, dev.intra_node_latency, dev.collective_latency)
+    if nodes > 1 and exchange.node_size(job.run.model.expert_dispatch, here, nodes):
+        reach = min(expert_nodes(cfg, choice, cluster)[1], nodes - 1)
+        # Each device sends to the same slot on the other nodes: m - 1 of m peers.
+        rows = tokens * reach * cfg.d_model * c * nodes / (nodes - 1)
+        one = (links.collective_s("all-to-all", rows, nodes, off)
+               + links.collective_s("all-to-all", copies, here, on))
     else:
-        dev, here = cluster.device, e // nodes
-        off = links.Link(dev.inter_node_bw, dev.inter_node_latency, dev.collective_latency)
-        on = links.Link(dev.intra_node_bw, dev.intra_node_latency, dev.collective_latency)
-        # The ring factor (e - 1) / e splits into (e - here) / e off the node, (here - 1) / e on it.
-        one = max(links.collective_s("all-to-all", payload * (e - here) / (e - 1), e, off),
-                  links.collective_s("all-to-all", payload * (here - 1) / (e - 1), e, on)
-                  if here > 1 else 0.0)
+        payload = copies if job.hooks.expert_exchange == "ragged" else e * copies
+        if nodes == 1:
+            one = links.collective_s("all-to-all", payload, e, choice.link(cluster, "expert"))
+        else:
+            # The ring factor (e - 1) / e splits into (e - here) / e off the node, (here - 1) / e on it.
+            one = max(links.collective_s("all-to-all", payload * (e - here) / (e - 1), e, off),
+                      links.collective_s("all-to-all", payload * (here - 1) / (e - 1), e, on)
+                      if here > 1 else 0.0)
     # The mixture layers only (DeepSeek's first layers are dense), and each MTP module's.
     layers_here = (cfg.moe_layers + cfg.mtp_depth) / choice.pipe
     return choice.microbatches * layers_here * (2 * work.passes + 2) * one

@@ -3,6 +3,7 @@ table, with its legend (which figures are exact, which estimated)."""
 
 from __future__ import annotations
 
+from zero_jax.model import exchange as exchange_lib
 from zero_jax.planner import cost, step_time
 from zero_jax.planner.choices import Cluster
 
@@ -81,7 +82,7 @@ def print_table(rows: list[dict], device, fitting: int, total: int) -> None:
 
 
 def experts_caveat(model_cfg, best: cost.Estimate | None = None, cluster: Cluster | None = None,
-                   exchange: str = "ragged", gemm: str = "tiled") -> str:
+                   exchange: str = "ragged", gemm: str = "tiled", dispatch: str = "auto") -> str:
     """How a mixture of experts is priced, for the best layout where given,
     and what the figures do not yet stand on; "" for a dense model."""
     if not getattr(model_cfg, "n_experts", 0):
@@ -91,14 +92,20 @@ def experts_caveat(model_cfg, best: cost.Estimate | None = None, cluster: Cluste
              "worst case (e times the routed copies)")
     where = ""
     if best is not None and cluster is not None and best.choice.expert > 1:
-        nodes, reach = step_time.expert_nodes(model_cfg, best.choice, cluster)
-        if nodes > 1:
+        layout = best.choice.mesh(cluster)
+        here, nodes = layout["ici"]["expert"], layout["dcn"]["expert"]
+        reach = step_time.expert_nodes(model_cfg, best.choice, cluster)[1]
+        if nodes > 1 and exchange_lib.node_size(dispatch, here, nodes):
+            where = (f" The best layout's expert axis spans {nodes} nodes; a token reaches at "
+                     f"most {reach} of them (group-limited routing) and crosses the inter-node "
+                     "link once for each but its own, then its copies fan out inside the node (two hops).")
+        elif nodes > 1:
             where = (f" The best layout's expert axis spans {nodes} nodes; a token's "
                      f"{model_cfg.n_experts_per_tok} copies reach at most {reach} of them "
-                     "(group-limited routing) but travel one by one: 1 - 1/nodes of them "
-                     "cross the inter-node link, where DeepSeek-V3's dispatch sends a token "
-                     "once per node it reaches, which zero_jax does not yet do.")
+                     "(group-limited routing) and travel one by one (--expert-dispatch "
+                     "direct): 1 - 1/nodes of them cross the inter-node link.")
     return (f"a mixture of experts: its experts priced as {moved} and {gemm} grouped GEMMs "
-            f"at the routed tokens' FLOPs and a dense GEMM's efficiency.{where} No published "
-            "run of a mixture has been checked against these estimates (docs/experts.md): "
-            "rank layouts with them, do not book on them")
+            f"at the routed tokens' FLOPs and a dense GEMM's efficiency, the dispatch's "
+            f"buffers sized for the worst case.{where} No published run of a mixture has been "
+            "checked against these estimates (docs/experts.md): rank layouts with them, do "
+            "not book on them")

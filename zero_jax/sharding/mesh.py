@@ -134,6 +134,11 @@ class MeshShape:
     def sizes(self) -> dict[str, int]:
         return {a: i * d for a, i, d in zip(AXES, self.ici, self.dcn)}
 
+    def split(self, axis: str) -> tuple[int, int]:
+        """`axis`'s size inside a host or slice, and across them."""
+        i = AXES.index(axis)
+        return self.ici[i], self.dcn[i]
+
     @property
     def num_devices(self) -> int:
         return math.prod(self.sizes.values())
