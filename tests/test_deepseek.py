@@ -253,3 +253,19 @@ def test_bad_deepseek_shapes_are_refused_before_compiling(corpus):
         models.config("deepseek-tiny", 256, n_group=3)
     with pytest.raises(ValueError, match="topk_group=1 of n_group=4"):
         models.config("deepseek-tiny", 256, topk_group=1, n_experts_per_tok=4)
+
+
+def test_routing_shape_flags_override_the_preset(corpus):
+    """--n-group, --topk-group, --routed-scaling-factor and
+    --first-k-dense-replace reach the model's config; on a GPT they are
+    refused, named, before compiling."""
+    cfg = make_job(corpus, model="deepseek-tiny", mesh="data=8", n_group=2, topk_group=1,
+                   routed_scaling_factor=1.5, first_k_dense_replace=0).model.config
+    assert (cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor,
+            cfg.first_k_dense_replace) == (2, 1, 1.5, 0)
+    assert cfg.moe_layers == cfg.n_layer
+    with pytest.raises((ConfigError, ValueError), match="n_group: Llama-family fields"):
+        make_job(corpus, model="gpt-tiny", mesh="data=8", n_group=2)
+    from models.common import decoder
+    from zero_jax.config.sections import ModelConfig
+    assert decoder.ZERO_IS_SET == set(ModelConfig.ZERO_IS_SET)  # the two lists agree

@@ -93,7 +93,8 @@ def fns(module: type[nn.Module], block: type[nn.Module], cfg: Any,
 # Fields whose zero is a choice (no router loss; dropless; a fixed bias; no
 # multi-token prediction), not "the preset's".
 ZERO_IS_SET = frozenset({"router_aux_loss_coef", "router_z_loss_coef", "capacity_factor",
-                         "router_bias_update_rate", "mtp_depth", "mtp_loss_weight"})
+                         "router_bias_update_rate", "mtp_depth", "mtp_loss_weight",
+                         "first_k_dense_replace"})
 
 
 def given(overrides: dict) -> dict:

@@ -86,6 +86,10 @@ class ModelConfig:
     capacity_factor: float | None = None  # mixture of experts: > 0 caps each expert's tokens (drops); 0: dropless (unset: the preset's)
     mtp_depth: int | None = None  # multi-token prediction modules, DeepSeek-V3's (0: none; unset: the preset's)
     mtp_loss_weight: float | None = None  # their mean loss's weight in the training loss (unset: the preset's)
+    n_group: int = 0  # mixture of experts, group-limited routing (DeepSeek-V3): the experts in this many groups (0: the preset's)
+    topk_group: int = 0  # group-limited routing: a token's experts from its best this many groups (0: the preset's)
+    routed_scaling_factor: float = 0.0  # the routed experts' weights scaled by this, DeepSeek-V3's (0: the preset's)
+    first_k_dense_replace: int | None = None  # mixture of experts: the first this many layers dense, DeepSeek-V3's (unset: the preset's)
     router_bias_update_rate: float | None = None  # mixture of experts with a selection bias (DeepSeek-V3): its step per step against the load error, aux-loss-free balancing; 0: fixed (unset: the preset's)
     expert_gemm: ExpertGemm = "auto"  # mixture of experts, dropless: tiled (a loop over row tiles: the routed FLOPs on any backend) | ragged_dot (XLA's ragged-dot: a grouped GEMM where a kernel takes it, else dense); auto: tiled
     expert_exchange: ExpertExchange = "auto"  # mixture of experts, dropless, over `expert`: ragged (ragged_all_to_all: the routed copies' bytes) | padded (all_to_all of worst-case blocks); auto: ragged where the backend compiles it (GPU, TPU)
@@ -98,11 +102,13 @@ class ModelConfig:
                     "n_experts",
                     "n_experts_per_tok", "d_expert", "n_shared_experts", "router_aux_loss_coef",
                     "router_z_loss_coef", "capacity_factor", "router_bias_update_rate",
-                    "mtp_depth", "mtp_loss_weight")
+                    "mtp_depth", "mtp_loss_weight", "n_group", "topk_group",
+                    "routed_scaling_factor", "first_k_dense_replace")
     # Fields whose zero is a choice (no router loss, dropless, a fixed bias, no MTP),
     # not "the preset's".
     ZERO_IS_SET = ("router_aux_loss_coef", "router_z_loss_coef", "capacity_factor",
-                   "router_bias_update_rate", "mtp_depth", "mtp_loss_weight")
+                   "router_bias_update_rate", "mtp_depth", "mtp_loss_weight",
+                   "first_k_dense_replace")
 
     def shape(self) -> dict[str, Any]:
         """The shape fields given (non-zero, or set), to override the preset's."""
