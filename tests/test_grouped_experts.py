@@ -198,3 +198,16 @@ def test_an_expert_axis_over_nodes_dispatches_in_two_hops(corpus):
     assert job("expert=4,data=2", "auto").hooks.expert_node == 0
     with pytest.raises(ConfigError, match="two-hop: the expert axis \\(4 devices\\) is on one node"):
         job("expert=4,data=2", "two-hop")
+
+
+def test_the_memory_report_counts_the_dispatch_buffers_too(corpus):
+    """A run's analytic activation figure (the memory report's) adds the
+    dispatch's worst-case buffers over `expert`, as the planner does."""
+    job = make_job(corpus, model="deepseek-tiny", mesh="expert=4,data=2")
+    cfg, t = job.model.config, job.run.train
+    rows = t.batch_size // t.microbatches // 8
+    args = (rows, job.run.data.seq_len, 4, job.hooks.remat)
+    parts, extra = cfg.activation_parts(*args), cfg.dispatch_parts(*args, 4)
+    assert extra.kept + extra.rebuilt > 0
+    assert job.activation_estimate() == pytest.approx(
+        parts._replace(kept=parts.kept + extra.kept, rebuilt=parts.rebuilt + extra.rebuilt).peak)

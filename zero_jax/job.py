@@ -148,9 +148,9 @@ class Job:
         ctx = self.hooks.context
         return self.model.activation_bytes(rows, self.run.data.seq_len,
                                            jnp.dtype(self.policy.compute).itemsize,
-                                           self.hooks.remat, sizes["tensor"],
-                                           self.sequence_parallel, self.hooks.attention,
-                                           ctx.size if ctx else 1, ctx.strategy if ctx else "")
+                                           self.hooks.remat, sizes["tensor"], self.sequence_parallel,
+                                           self.hooks.attention, ctx.size if ctx else 1,
+                                           ctx.strategy if ctx else "", expert=sizes["expert"])
 
     def compile_with_text(self):
         """The compiled train step and its HLO after SPMD partitioning (what

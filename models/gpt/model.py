@@ -87,10 +87,11 @@ class GPTConfig:
     def activation_bytes(self, rows: int, seq_len: int, dtype_bytes: int, remat: Remat,
                          tensor: int = 1, sequence_parallel: bool = False,
                          attention: str = "xla", context: int = 1,
-                         context_attention: str = "") -> float:
+                         context_attention: str = "", expert: int = 1) -> float:
         """Activation bytes one device holds at the peak of the backward pass,
         one microbatch (`activation_parts`): what the layers keep, and the
-        larger of one rebuilt layer and the head."""
+        larger of one rebuilt layer and the head. (`expert`: a GPT has no
+        experts to split.)"""
         return self.activation_parts(rows, seq_len, dtype_bytes, remat, tensor,
                                      sequence_parallel, attention, context,
                                      context_attention).peak

@@ -274,10 +274,14 @@ class LlamaConfig:
     def activation_bytes(self, rows: int, seq_len: int, dtype_bytes: int, remat: Remat,
                          tensor: int = 1, sequence_parallel: bool = False,
                          attention: str = "xla", context: int = 1,
-                         context_attention: str = "") -> float:
-        return self.activation_parts(rows, seq_len, dtype_bytes, remat, tensor,
-                                     sequence_parallel, attention, context,
-                                     context_attention).peak
+                         context_attention: str = "", expert: int = 1) -> float:
+        """At the backward pass's peak (`ActivationParts.peak`), with a
+        mixture's dispatch buffers over `expert` devices (`dispatch_parts`)."""
+        parts = self.activation_parts(rows, seq_len, dtype_bytes, remat, tensor,
+                                      sequence_parallel, attention, context, context_attention)
+        extra = self.dispatch_parts(rows, seq_len, dtype_bytes, remat, expert, tensor, context)
+        return parts._replace(kept=parts.kept + extra.kept,
+                              rebuilt=parts.rebuilt + extra.rebuilt).peak
 
     def activation_parts(self, rows: int, seq_len: int, dtype_bytes: int, remat: Remat,
                          tensor: int = 1, sequence_parallel: bool = False,
