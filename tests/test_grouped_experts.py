@@ -211,3 +211,28 @@ def test_the_memory_report_counts_the_dispatch_buffers_too(corpus):
     assert extra.kept + extra.rebuilt > 0
     assert job.activation_estimate() == pytest.approx(
         parts._replace(kept=parts.kept + extra.kept, rebuilt=parts.rebuilt + extra.rebuilt).peak)
+
+
+def test_tiled_traces_inside_shard_map_over_two_axes():
+    """Counts that vary over two manual axes (data and expert, as a step's
+    dispatch sees them): the tiles and both loops trace and differentiate,
+    the weights' gradient summed over both, equal to ragged_dot's."""
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "expert"))
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.normal(size=(4 * 12, 6)), jnp.float32)
+    ids = jnp.asarray(rng.integers(0, 3, size=(4 * 12,)), jnp.int32)
+    w = jnp.asarray(rng.normal(size=(3, 6, 5)), jnp.float32)
+
+    def loss(gemm):
+        def body(x, ids, w):
+            order = jnp.argsort(ids, stable=True)
+            counts = jnp.zeros((3,), jnp.int32).at[ids].add(1)
+            product = grouped.product(gemm, counts, x.shape[0])
+            return jnp.sum(jnp.sin(product(x[order], w)))[None]
+        f = jax.shard_map(body, mesh=mesh, in_specs=(P(("data", "expert")),) * 2 + (P(),),
+                          out_specs=P(("data", "expert")))
+        return lambda x, w: jnp.sum(f(x, ids, w))
+
+    for got, want in zip(jax.grad(loss("tiled"), (0, 1))(x, w),
+                         jax.grad(loss("ragged_dot"), (0, 1))(x, w)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

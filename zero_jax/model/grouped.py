@@ -61,7 +61,10 @@ def plan(counts_G: jax.Array, tile: int, rows: int) -> Tiles:
     per = (counts + tile - 1) // tile
     ends = jnp.cumsum(per)
     t = jnp.arange(-(-rows // tile) + G, dtype=jnp.int32)
-    group = jnp.minimum(jnp.searchsorted(ends, t, side="right"), G - 1).astype(jnp.int32)
+    # Tile t's group: how many groups end at or before it. (Not jnp.searchsorted,
+    # which jax 0.11.2 fails to trace inside a step's dispatch: an assertion on
+    # the manual axes its operands vary over.)
+    group = jnp.minimum(jnp.sum(ends[None, :] <= t[:, None], axis=1), G - 1).astype(jnp.int32)
     within = t - (ends - per)[group]
     start = (jnp.cumsum(counts) - counts)[group] + within * tile
     return Tiles(group, start, jnp.clip(counts[group] - within * tile, 0, tile), ends[-1])
