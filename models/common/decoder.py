@@ -30,6 +30,10 @@ class ActivationParts(NamedTuple):
         one rebuilt layer and the head."""
         return self.kept + max(self.rebuilt, self.head)
 
+    def plus(self, more: "ActivationParts") -> "ActivationParts":
+        """These parts with `more` kept and rebuilt beside them (the head's is these')."""
+        return self._replace(kept=self.kept + more.kept, rebuilt=self.rebuilt + more.rebuilt)
+
 
 def scanned(block: type[nn.Module], cfg: Any, hooks: Hooks, length: int | None = None,
             **attributes: Any) -> nn.Module:

@@ -280,8 +280,7 @@ class LlamaConfig:
         parts = self.activation_parts(rows, seq_len, dtype_bytes, remat, tensor,
                                       sequence_parallel, attention, context, context_attention)
         extra = self.dispatch_parts(rows, seq_len, dtype_bytes, remat, expert, tensor, context)
-        return parts._replace(kept=parts.kept + extra.kept,
-                              rebuilt=parts.rebuilt + extra.rebuilt).peak
+        return parts.plus(extra).peak
 
     def activation_parts(self, rows: int, seq_len: int, dtype_bytes: int, remat: Remat,
                          tensor: int = 1, sequence_parallel: bool = False,

@@ -128,10 +128,12 @@ def _swiglu(x, w_gate, w_up, w_down, product, fp8: bool = False):
     return product(hidden, w_down)
 
 
-def _grouped(rows_AxD, counts_E, w_gate, w_up, w_down, kernels: "Kernels", fp8: bool = False):
+def _grouped(rows_AxD, counts_E, w_gate, w_up, w_down, kernels: "Kernels", expected_rows: int,
+             fp8: bool = False):
     """SwiGLU of rows sorted by expert, `counts_E` rows each: grouped GEMMs
-    (zero_jax/model/grouped.py). Rows past the counts' sum come out zero."""
-    product = grouped.product(kernels.gemm, counts_E, kernels.expected_rows)
+    (zero_jax/model/grouped.py, tiles sized for `expected_rows`). Rows past
+    the counts' sum come out zero."""
+    product = grouped.product(kernels.gemm, counts_E, expected_rows)
     return _swiglu(rows_AxD, w_gate, w_up, w_down, product, fp8)
 
 
@@ -140,22 +142,15 @@ class Kernels(NamedTuple):
 
     gemm: str = "tiled"  # grouped.GEMMS
     exchange: str = "padded"  # exchange.EXCHANGES
-    expected_rows: int = 0  # rows a device's grouped GEMMs expect (sizes the tiles); 0: all
     node: int = 0  # devices of the expert axis per node where it spans nodes (two hops); 0: one hop
-
-
-def _count(ids, n: int) -> jax.Array:
-    """How many of `ids` equal each of 0..n-1 (ids >= n are not counted)."""
-    return jnp.zeros((n,), jnp.int32).at[ids].add(1, mode="drop")
 
 
 def _exchange(x, axis: str | None):
     """Block s of a (ep, ...) array to device s of `axis`; the result's block
-    s came from device s. Named (`moe_exchange`): a policy that keeps named
-    activations keeps it, so the backward pass does not exchange again."""
+    s came from device s. Named like every exchange (exchange.NAME)."""
     if axis is None:
         return x
-    return checkpoint_name(jax.lax.all_to_all(x, axis, 0, 0), "moe_exchange")
+    return checkpoint_name(jax.lax.all_to_all(x, axis, 0, 0), exchange.NAME)
 
 
 def dropless(x_NxD, routing: Routing, w_gate, w_up, w_down, n_experts: int,
@@ -167,39 +162,37 @@ def dropless(x_NxD, routing: Routing, w_gate, w_up, w_down, n_experts: int,
     Over an expert axis, the copies (sorted by expert, so by device) go to
     their experts' devices (exchange.py), arriving packed by source into a
     buffer of ep A rows (the worst case) whose unfilled rows carry expert id
-    El: sorted last, not counted, multiplied by nothing."""
+    El: sorted last, not counted, multiplied by nothing. Where the axis
+    spans nodes (`kernels.node`), in two hops (two_hop.py)."""
     N, D = x_NxD.shape
     k = routing.experts_Nxk.shape[1]
     A, El = N * k, n_experts // ep
-    kernels = kernels._replace(expected_rows=kernels.expected_rows or A)
+
+    def local(rows_RxD, ids_R):
+        """This device's experts on rows in any order, expert id El: none."""
+        by_expert = jnp.argsort(ids_R, stable=True)
+        done = _grouped(rows_RxD[by_expert], exchange.count(ids_R, El), w_gate, w_up, w_down,
+                        kernels, A, fp8)
+        return jnp.zeros_like(done).at[by_expert].set(done)
+
+    if 0 < kernels.node < ep:
+        return two_hop.dispatch(x_NxD, routing.weights_Nxk, routing.experts_Nxk, local,
+                                n_experts, axis, ep, kernels.node, kernels.exchange)
     flat = routing.experts_Nxk.reshape(A)  # copy a is token a // k's choice a % k
     order = jnp.argsort(flat, stable=True)
     sorted_e = flat[order]
     rows = x_NxD[order // k]
     if ep == 1:
-        out = _grouped(rows, _count(sorted_e, El), w_gate, w_up, w_down, kernels, fp8)
-    elif 0 < kernels.node < ep:  # the axis spans nodes: two hops (two_hop.py)
-        def experts(rows_RxD, local_R):
-            by_expert = jnp.argsort(local_R, stable=True)
-            done = _grouped(rows_RxD[by_expert], _count(local_R, El), w_gate, w_up, w_down,
-                            kernels, fp8)
-            return jnp.zeros_like(done).at[by_expert].set(done)
-
-        return two_hop.dispatch(x_NxD, routing.weights_Nxk, routing.experts_Nxk, experts,
-                                n_experts, axis, ep, kernels.node, kernels.exchange)
+        out = _grouped(rows, exchange.count(sorted_e, El), w_gate, w_up, w_down, kernels, A, fp8)
     else:
         dest = sorted_e // El
-        there, back = exchange.routes(_count(dest, ep), axis)
-
-        def send(x, buffer, r):
-            return checkpoint_name(exchange.send(x, buffer, r, axis, kernels.exchange),
-                                   "moe_exchange")
-
-        got = send(rows, jnp.zeros((ep * A, D), rows.dtype), there)
-        got_e = send(sorted_e - dest * El, jnp.full((ep * A,), El, jnp.int32), there)
-        by_expert = jnp.argsort(got_e, stable=True)
-        done = _grouped(got[by_expert], _count(got_e, El), w_gate, w_up, w_down, kernels, fp8)
-        out = send(jnp.zeros_like(done).at[by_expert].set(done), jnp.zeros_like(rows), back)
+        there, back = exchange.routes(exchange.count(dest, ep), axis)
+        got = exchange.send(rows, jnp.zeros((ep * A, D), rows.dtype), there, axis,
+                            kernels.exchange)
+        got_e = exchange.send(sorted_e - dest * El, jnp.full((ep * A,), El, jnp.int32), there,
+                              axis, kernels.exchange)
+        out = exchange.send(local(got, got_e), jnp.zeros_like(rows), back, axis,
+                            kernels.exchange)
     copies = jnp.zeros_like(out).at[order].set(out).reshape(N, k, D)
     return jnp.einsum("nkd,nk->nd", copies, routing.weights_Nxk.astype(copies.dtype))
 
@@ -221,7 +214,7 @@ def capped(x_NxD, routing: Routing, w_gate, w_up, w_down, n_experts: int,
     flat = routing.experts_Nxk.T.reshape(N * k)
     order = jnp.argsort(flat, stable=True)
     sorted_e = flat[order]
-    count = _count(sorted_e, E)
+    count = exchange.count(sorted_e, E)
     pos = jnp.arange(N * k) - (jnp.cumsum(count) - count)[sorted_e]
     token = order % N
     slots = jnp.zeros((E, C, D), x_NxD.dtype).at[sorted_e, pos].set(x_NxD[token], mode="drop")
@@ -310,7 +303,7 @@ class MoEMLP(nn.Module):
             w_gate, w_up, w_down)
         out = h.act(out, tokens)
         if bias is not None:  # the loads, reported as the bias's gradient
-            out = balance.reported(out, bias, _count(routing.experts_Nxk.reshape(-1), E)
+            out = balance.reported(out, bias, exchange.count(routing.experts_Nxk.reshape(-1), E)
                                    .astype(jnp.float32))
         if c.n_shared_experts:
             out = out + self.shared(y_BxTxD, param, residual)

@@ -21,17 +21,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 
 from zero_jax.model import exchange
-
-
-def _count(ids, n: int) -> jax.Array:
-    return jnp.zeros((n,), jnp.int32).at[ids].add(1, mode="drop")
-
-
-def _send(x, buffer, r, axis: str, transport: str):
-    return checkpoint_name(exchange.send(x, buffer, r, axis, transport), "moe_exchange")
 
 
 def dispatch(x_NxD, weights_Nxk, experts_Nxk, experts_fn, n_experts: int, axis: str,
@@ -59,25 +50,25 @@ def dispatch(x_NxD, weights_Nxk, experts_Nxk, experts_fn, n_experts: int, axis: 
     sent = jnp.where(jnp.arange(ep) % p == me % p, per_node[jnp.arange(ep) // p], 0)
     there, back = exchange.routes(sent, axis)
     R1 = m * N  # from each node's device of this slot, each token at most once
-    got = _send(rows, jnp.zeros((R1, D), rows.dtype), there, axis, transport)
-    got_ids = _send(ids, jnp.full((R1, k), -1, jnp.int32), there, axis, transport)
-    got_w = _send(weights, jnp.zeros((R1, k), weights.dtype), there, axis, transport)
+    got = exchange.send(rows, jnp.zeros((R1, D), rows.dtype), there, axis, transport)
+    got_ids = exchange.send(ids, jnp.full((R1, k), -1, jnp.int32), there, axis, transport)
+    got_w = exchange.send(weights, jnp.zeros((R1, k), weights.dtype), there, axis, transport)
     # Hop two: inside the node, a copy to each expert's device.
     flat = got_ids.reshape(R1 * k)
     key = jnp.where(flat >= 0, flat, n_experts)  # nothing to send: sorted last
     order = jnp.argsort(key, stable=True)
     sorted_e = key[order]
     dest = sorted_e // El  # ep for nothing: not counted
-    out2, back2 = exchange.routes(_count(dest, ep), axis)
+    out2, back2 = exchange.routes(exchange.count(dest, ep), axis)
     R2 = ep * N * k  # the worst case: every copy of the node's tokens here
-    got2 = _send(got[order // k], jnp.zeros((R2, D), got.dtype), out2, axis, transport)
+    got2 = exchange.send(got[order // k], jnp.zeros((R2, D), got.dtype), out2, axis, transport)
     local = jnp.where(sorted_e < n_experts, sorted_e - dest * El, El)
-    got2_e = _send(local, jnp.full((R2,), El, jnp.int32), out2, axis, transport)
+    got2_e = exchange.send(local, jnp.full((R2,), El, jnp.int32), out2, axis, transport)
     done = experts_fn(got2, got2_e)
-    copies = _send(done, jnp.zeros((R1 * k, D), done.dtype), back2, axis, transport)
+    copies = exchange.send(done, jnp.zeros((R1 * k, D), done.dtype), back2, axis, transport)
     copies = jnp.zeros_like(copies).at[order].set(copies).reshape(R1, k, D)
     # Each node's copies of a token summed at the first hop's receiver, one row back.
     partial = jnp.einsum("rkd,rk->rd", copies, got_w.astype(copies.dtype))
-    returned = _send(partial, jnp.zeros_like(rows), back, axis, transport)
+    returned = exchange.send(partial, jnp.zeros_like(rows), back, axis, transport)
     return jnp.zeros((N, D), returned.dtype).at[token].add(
         jnp.where(valid[:, None], returned, 0))

@@ -31,9 +31,13 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 EXCHANGES = ("ragged", "padded")
 DISPATCHES = ("direct", "two-hop")
+# The name every exchange's result carries: a remat policy that keeps named
+# activations keeps it, so the backward pass does not exchange again.
+NAME = "moe_exchange"
 NATIVE = ("gpu", "tpu")  # platforms whose XLA has ragged-all-to-all (for plans made elsewhere)
 
 
@@ -44,6 +48,11 @@ class Routes(NamedTuple):
     send_sizes: jax.Array  # (P,): how many go to p
     output_offsets: jax.Array  # (P,): where they land in p's buffer
     recv_sizes: jax.Array  # (P,): how many arrive here from p
+
+
+def count(ids, n: int) -> jax.Array:
+    """How many of `ids` equal each of 0..n-1 (ids >= n are not counted)."""
+    return jnp.zeros((n,), jnp.int32).at[ids].add(1, mode="drop")
 
 
 def _before(x, axis: int) -> jax.Array:
@@ -63,12 +72,14 @@ def routes(sent_P: jax.Array, axis: str) -> tuple[Routes, Routes]:
 
 
 def send(rows, buffer, r: Routes, axis: str, transport: str) -> jax.Array:
-    """`rows` (grouped by peer as `r` says) into each peer's `buffer`."""
+    """`rows` (grouped by peer as `r` says) into each peer's `buffer`, named NAME."""
     if transport == "ragged":
-        return jax.lax.ragged_all_to_all(rows, buffer, *r, axis_name=axis)
-    if transport == "padded":
-        return _padded(rows, buffer, r, axis)
-    raise ValueError(f"expert exchange {transport!r}: expected one of {', '.join(EXCHANGES)}")
+        got = jax.lax.ragged_all_to_all(rows, buffer, *r, axis_name=axis)
+    elif transport == "padded":
+        got = _padded(rows, buffer, r, axis)
+    else:
+        raise ValueError(f"expert exchange {transport!r}: expected one of {', '.join(EXCHANGES)}")
+    return checkpoint_name(got, NAME)
 
 
 def _padded(rows, buffer, r: Routes, axis: str) -> jax.Array:

@@ -12,11 +12,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 from jax.sharding import AbstractMesh, AxisType
 
 from zero_jax import config as config_lib, job as job_lib
+from zero_jax.model import exchange
 from zero_jax.pipeline import schedule as schedule_lib
 from zero_jax.planner import links
 from zero_jax.runtime.device_kinds import Device
@@ -264,3 +265,27 @@ def pipeline_schedule(choice: Choice) -> schedule_lib.Schedule:
 @functools.lru_cache(maxsize=256)
 def _built(name: str, p: int, m: int, v: int) -> schedule_lib.Schedule:
     return schedule_lib.build(name, p, m, v)
+
+
+class ExpertSpan(NamedTuple):
+    """How a layout's expert axis sits on the cluster's nodes."""
+
+    per_node: int  # its devices on each node
+    nodes: int  # the nodes it spans
+    reach: int  # at most how many of them one token's copies reach
+    two_hops: bool  # whether the dispatch crosses nodes in two hops (exchange.node_size)
+
+
+def expert_span(cfg, dispatch: str, choice: Choice, cluster: Cluster) -> ExpertSpan:
+    """The expert axis on the nodes under `--expert-dispatch dispatch`; a
+    token reaches topk_group nodes' worth where the routing groups are
+    whole nodes' experts (DeepSeek-V3's 8 groups on 8 nodes), else up to
+    all of them, and never more than its k copies."""
+    layout = choice.mesh(cluster)
+    here, nodes = (layout["ici"]["expert"], layout["dcn"]["expert"]) if choice.expert > 1 \
+        else (1, 1)
+    groups, limit = getattr(cfg, "n_group", 1), getattr(cfg, "topk_group", 1)
+    aligned = groups > 1 and (groups % nodes == 0 or nodes % groups == 0)
+    reach = limit * max(1, nodes // groups) if aligned else nodes
+    return ExpertSpan(here, nodes, min(reach, nodes, cfg.n_experts_per_tok),
+                      nodes > 1 and bool(exchange.node_size(dispatch, here, nodes)))

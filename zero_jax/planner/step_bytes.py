@@ -140,7 +140,7 @@ def _activations(job: job_lib.Job, choice: Choice):
     # A mixture's dispatch buffers over `expert`, sized for the worst case.
     extra = cfg.dispatch_parts(choice.micro, job.run.data.seq_len, c, remat, choice.expert,
                                choice.tensor, choice.context)
-    return parts._replace(kept=parts.kept + extra.kept, rebuilt=parts.rebuilt + extra.rebuilt)
+    return parts.plus(extra)
 
 
 def _layers_here(job: job_lib.Job, choice: Choice) -> int:

@@ -39,10 +39,9 @@ from __future__ import annotations
 import dataclasses
 
 from zero_jax import job as job_lib
-from zero_jax.model import exchange
 from zero_jax.analysis import memory
 from zero_jax.pipeline import schedule as schedule_lib
-from zero_jax.planner import kernels, links
+from zero_jax.planner import choices, kernels, links
 from zero_jax.planner.choices import Choice, Cluster, pipeline_schedule
 from zero_jax.planner.step_bytes import (compute_grad_bytes, dtype_bytes, reduces_each_microbatch,
                                          tables_in_blocks, update_elements)
@@ -224,24 +223,22 @@ def _expert_time(job: job_lib.Job, choice: Choice, cluster: Cluster, work: _Work
     the node (over the inter-node link) and the rest move over the node's
     own; each part is priced on its link and the slower one counts.
 
-    In two hops (an axis across nodes, `--expert-dispatch`), a token crosses
-    the inter-node link once per other node it needs, at most
-    min(reach, m - 1) where `expert_nodes` bounds the nodes it reaches,
-    then all k copies fan out inside the node: the two hops one after the
-    other, each on its own link."""
+    In two hops (`choices.ExpertSpan.two_hops`), a token crosses the inter-node
+    link once per other node it needs, at most min(reach, m - 1), then all
+    k copies fan out inside the node: the two hops one after the other,
+    each on its own link."""
     c, _ = dtype_bytes(job)
     e, cfg = choice.expert, job.model.config
     tokens = choice.micro * job.run.data.seq_len / choice.context
     copies = tokens * cfg.n_experts_per_tok * cfg.d_model * c
-    layout = choice.mesh(cluster)
-    here, nodes = (layout["ici"]["expert"], layout["dcn"]["expert"]) if e > 1 else (1, 1)
+    span = choices.expert_span(cfg, job.run.model.expert_dispatch, choice, cluster)
+    here, nodes = span.per_node, span.nodes
     dev = cluster.device
     off = links.Link(dev.inter_node_bw, dev.inter_node_latency, dev.collective_latency)
     on = links.Link(dev.intra_node_bw, dev.intra_node_latency, dev.collective_latency)
-    if nodes > 1 and exchange.node_size(job.run.model.expert_dispatch, here, nodes):
-        reach = min(expert_nodes(cfg, choice, cluster)[1], nodes - 1)
+    if span.two_hops:
         # Each device sends to the same slot on the other nodes: m - 1 of m peers.
-        rows = tokens * reach * cfg.d_model * c * nodes / (nodes - 1)
+        rows = tokens * min(span.reach, nodes - 1) * cfg.d_model * c * nodes / (nodes - 1)
         one = (links.collective_s("all-to-all", rows, nodes, off)
                + links.collective_s("all-to-all", copies, here, on))
     else:
@@ -249,24 +246,14 @@ def _expert_time(job: job_lib.Job, choice: Choice, cluster: Cluster, work: _Work
         if nodes == 1:
             one = links.collective_s("all-to-all", payload, e, choice.link(cluster, "expert"))
         else:
-            # The ring factor (e - 1) / e splits into (e - here) / e off the node, (here - 1) / e on it.
+            # The ring factor (e - 1) / e splits into (e - here) / e off the node,
+            # (here - 1) / e on it.
             one = max(links.collective_s("all-to-all", payload * (e - here) / (e - 1), e, off),
                       links.collective_s("all-to-all", payload * (here - 1) / (e - 1), e, on)
                       if here > 1 else 0.0)
     # The mixture layers only (DeepSeek's first layers are dense), and each MTP module's.
     layers_here = (cfg.moe_layers + cfg.mtp_depth) / choice.pipe
     return choice.microbatches * layers_here * (2 * work.passes + 2) * one
-
-
-def expert_nodes(cfg, choice: Choice, cluster: Cluster) -> tuple[int, int]:
-    """The nodes the expert axis spans, and at most how many of them one
-    token's copies reach: topk_group where the routing groups are whole
-    nodes' experts (DeepSeek-V3's 8 groups on 8 nodes), else all of them."""
-    nodes = choice.mesh(cluster)["dcn"]["expert"] if choice.expert > 1 else 1
-    groups, limit = getattr(cfg, "n_group", 1), getattr(cfg, "topk_group", 1)
-    aligned = groups > 1 and (groups % nodes == 0 or nodes % groups == 0)
-    reach = limit * max(1, nodes // groups) if aligned else nodes
-    return nodes, min(reach, nodes, cfg.n_experts_per_tok)
 
 
 def _context_time(job: job_lib.Job, choice: Choice, cluster: Cluster, work: _Work) -> float:

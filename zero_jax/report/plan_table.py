@@ -3,8 +3,7 @@ table, with its legend (which figures are exact, which estimated)."""
 
 from __future__ import annotations
 
-from zero_jax.model import exchange as exchange_lib
-from zero_jax.planner import cost, step_time
+from zero_jax.planner import choices, cost
 from zero_jax.planner.choices import Cluster
 
 
@@ -91,19 +90,16 @@ def experts_caveat(model_cfg, best: cost.Estimate | None = None, cluster: Cluste
              if exchange == "ragged" else "padded all-to-alls, each peer's block sized for the "
              "worst case (e times the routed copies)")
     where = ""
-    if best is not None and cluster is not None and best.choice.expert > 1:
-        layout = best.choice.mesh(cluster)
-        here, nodes = layout["ici"]["expert"], layout["dcn"]["expert"]
-        reach = step_time.expert_nodes(model_cfg, best.choice, cluster)[1]
-        if nodes > 1 and exchange_lib.node_size(dispatch, here, nodes):
-            where = (f" The best layout's expert axis spans {nodes} nodes; a token reaches at "
-                     f"most {reach} of them (group-limited routing) and crosses the inter-node "
-                     "link once for each but its own, then its copies fan out inside the node (two hops).")
-        elif nodes > 1:
-            where = (f" The best layout's expert axis spans {nodes} nodes; a token's "
-                     f"{model_cfg.n_experts_per_tok} copies reach at most {reach} of them "
-                     "(group-limited routing) and travel one by one (--expert-dispatch "
-                     "direct): 1 - 1/nodes of them cross the inter-node link.")
+    if best is not None and cluster is not None:
+        span = choices.expert_span(model_cfg, dispatch, best.choice, cluster)
+        head = (f" The best layout's expert axis spans {span.nodes} nodes; a token reaches at "
+                f"most {span.reach} of them (group-limited routing)")
+        if span.two_hops:
+            where = (f"{head} and crosses the inter-node link once for each but its own, then "
+                     "its copies fan out inside the node (two hops).")
+        elif span.nodes > 1:
+            where = (f"{head}, its {model_cfg.n_experts_per_tok} copies travelling one by one "
+                     "(--expert-dispatch direct): 1 - 1/nodes of them cross the inter-node link.")
     return (f"a mixture of experts: its experts priced as {moved} and {gemm} grouped GEMMs "
             f"at the routed tokens' FLOPs and a dense GEMM's efficiency, the dispatch's "
             f"buffers sized for the worst case.{where} No published run of a mixture has been "
