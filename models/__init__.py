@@ -147,6 +147,18 @@ def config_from(recorded: dict):
     return gpt.model.GPTConfig(**fields)
 
 
+def hf_export_config(recorded: dict, with_mtp: bool = False):
+    """The model shape a Hugging Face export of a checkpoint writes (its
+    meta "model" entry): the multi-token prediction modules only where
+    asked (`with_mtp`), as transformers neither reads nor writes them."""
+    cfg = config_from(recorded)
+    depth = getattr(cfg, "mtp_depth", 0)
+    if with_mtp and not depth:
+        raise ValueError("--with-mtp: the checkpoint's model has no multi-token prediction "
+                         "module (mtp_depth 0) to write; leave the flag out")
+    return cfg if with_mtp or not depth else dataclasses.replace(cfg, mtp_depth=0)
+
+
 def weight_dirs(name: str, init_from: str) -> list[str]:
     """Directories a run's model comes from (hf:DIR, --init-from DIR), whose
     tokenizer.json the data must have been prepared with."""

@@ -52,17 +52,23 @@ def mkdir(*names: str):
     return setup
 
 
-def checkpoint_steps(*steps: int, meta: bool = True):
+def checkpoint_steps(*steps: int, meta: bool = True, model: dict | None = None):
     """A checkpoint directory whose steps are committed (no arrays: every
-    case here fails before reading one)."""
+    case here fails before reading one), recording `model` (default: a
+    name only)."""
     def setup(d: Path) -> None:
         for step in steps:
             (d / "ckpt" / str(step) / "meta").mkdir(parents=True)
             (d / "ckpt" / str(step) / "commit_success.txt").write_text("ok")
             if meta:
                 (d / "ckpt" / str(step) / "meta" / "metadata").write_text(json.dumps(
-                    {"manifest": {"params": {}}, "model": {"name": "gpt-tiny"}}))
+                    {"manifest": {"params": {}}, "model": model or {"name": "gpt-tiny"}}))
     return setup
+
+
+# gpt-tiny's shape as a checkpoint records it (zero_jax/run.py checkpoint_meta)
+GPT_TINY = {"name": "gpt-tiny", "vocab_size": 256, "n_layer": 2, "n_head": 2, "d_model": 64,
+            "d_mlp": 256, "max_seq_len": 64}
 
 
 def text_input(d: Path) -> None:
@@ -221,6 +227,10 @@ CASES = [
      "--max-shard-size 0"),
     ("export-nothing-to-write", "export", checkpoint_steps(4), ["--checkpoint-dir", "{d}/ckpt"],
      "--out"),
+    ("export-with-mtp-without-hf-dir", "export", checkpoint_steps(4),
+     ["--checkpoint-dir", "{d}/ckpt", "--out", "{d}/m.safetensors", "--with-mtp"], "--hf-dir"),
+    ("export-with-mtp-without-mtp", "export", checkpoint_steps(4, model=GPT_TINY),
+     ["--checkpoint-dir", "{d}/ckpt", "--hf-dir", "{d}/hf", "--with-mtp"], "mtp_depth 0"),
     ("export-unknown-dtype", "export", checkpoint_steps(4),
      ["--checkpoint-dir", "{d}/ckpt", "--out", "{d}/m.safetensors", "--dtype", "int8"],
      "argument --dtype: invalid choice: 'int8'"),

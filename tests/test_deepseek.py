@@ -269,3 +269,65 @@ def test_routing_shape_flags_override_the_preset(corpus):
     from models.common import decoder
     from zero_jax.config.sections import ModelConfig
     assert decoder.ZERO_IS_SET == set(ModelConfig.ZERO_IS_SET)  # the two lists agree
+
+
+def test_export_leaves_the_mtp_module_out_unless_asked(corpus, tmp_path, capsys):
+    """`zero-jax export --hf-dir` leaves the MTP module out (config.json's
+    num_nextn_predict_layers 0, and a line says so; read back with
+    --mtp-depth 1, refused naming --mtp-depth 0); with --with-mtp it is layer n_layer as DeepSeek's files
+    hold it, every tensor checkpoint_tensors lists for that layer, and the
+    import of that directory gives every parameter back bit for bit. A
+    family whose files have no such layer is refused."""
+    import json
+
+    from models.common import hf_files
+    from zero_jax import run
+    from zero_jax.checkpoint import manager as manager_lib
+    from zero_jax.cli import export as export_cli
+    job = make_job(corpus, model="deepseek-tiny", mesh="data=1", devices=jax.devices()[:1])
+    assert job.model.config.mtp_depth == 1
+    rng = np.random.default_rng(0)  # every tensor distinct, the norms and the bias too
+    state = job.state_from_params(jax.tree.map(
+        lambda x: rng.normal(size=x.shape).astype(x.dtype),
+        host(job.state_plan.saved_form(initial_state(job)).params)))
+    writer = manager_lib.Checkpointer(manager_lib.CheckpointConfig(dir=str(tmp_path / "ckpt")),
+                                      job.state_plan.names, writer=True)
+    writer.save(0, job.state_plan.saved_form(state), run.checkpoint_meta(job, 0))
+    writer.wait()
+    params = host(job.state_plan.saved_form(state).params)
+
+    def export(name, *flags):
+        assert export_cli.main(["--checkpoint-dir", str(tmp_path / "ckpt"), "--hf-dir",
+                                str(tmp_path / name), *flags]) == 0
+        return tmp_path / name, json.loads((tmp_path / name / "config.json").read_text())
+
+    def imported(directory):
+        again = make_job(corpus, model=f"hf:{directory}", mesh="data=1", mtp_depth=1,
+                         devices=jax.devices()[:1])
+        return host(run.load_params(str(directory), again, loaders=[models.hf_loader]))
+
+    L = job.model.config.n_layer
+    plain, config = export("plain")
+    assert config["num_nextn_predict_layers"] == 0
+    assert "1 multi-token prediction module(s) left out" in capsys.readouterr().out
+    assert not [n for n in hf_files.Tensors(plain).files if n.startswith(f"model.layers.{L}.")]
+    with pytest.raises(ValueError, match="--mtp-depth 0"):
+        imported(plain)
+    full, config = export("mtp", "--with-mtp")
+    assert config["num_nextn_predict_layers"] == 1
+    tensors = hf_files.Tensors(full)
+
+    def layer(i):
+        return {n[len(f"model.layers.{i}."):]: tensors.shape(n) for n in tensors.files
+                if n.startswith(f"model.layers.{i}.")}
+    D, V = config["hidden_size"], config["vocab_size"]
+    own = {"enorm.weight": (D,), "hnorm.weight": (D,), "eh_proj.weight": (D, 2 * D),
+           "shared_head.norm.weight": (D,), "embed_tokens.weight": (V, D),
+           "shared_head.head.weight": (V, D)}
+    assert layer(L) == {**layer(L - 1), **own}  # a mixture layer's tensors and its own
+    assert sum(int(np.prod(s)) for s in layer(L).values()) == sum(
+        int(np.prod(s)) for n, s in checkpoint_tensors(config, mtp=True).items()
+        if n.startswith("mtp."))
+    jax.tree.map(np.testing.assert_array_equal, imported(full), params)
+    with pytest.raises(ValueError, match="LlamaForCausalLM.*without --with-mtp"):
+        models.hf_config_json(models.config("llama-tiny", 256, mtp_depth=1))

@@ -82,6 +82,37 @@ def padded_rows(table: np.ndarray, rows: int) -> np.ndarray:
     return np.concatenate([table, np.zeros((rows - table.shape[0],) + table.shape[1:], table.dtype)])
 
 
+def expert_pieces(read: Read, paths: Iterable[str], names: Iterable[str], layer: int | None,
+                  prefix: str, shapes: Iterable[tuple[int, int]], n_experts: int
+                  ) -> Iterable[Piece]:
+    """Each expert's matrices as torch Linear weights (out, in), one by one:
+    `names` (with "{j}", under `prefix`) from one `layer` (None: unstacked)
+    of our stacked (E, in, out) parameters `paths`. Each parameter is read
+    once, at its first expert, and let go after its last."""
+    for path, name, shape in zip(paths, names, shapes):
+        one = _OneLayer(read, path, layer, n_experts)
+        for j in range(n_experts):
+            yield (f"{prefix}.{name.format(j=j)}", shape,
+                   lambda one=one, j=j: np.ascontiguousarray(one.expert(j).T))
+
+
+class _OneLayer:
+    """One layer of a stacked experts' parameter, read once for its first
+    expert and let go after its last (written in order)."""
+
+    def __init__(self, read: Read, path: str, layer: int | None, experts: int):
+        self.read, self.path, self.layer, self.last = read, path, layer, experts - 1
+        self.value = None
+
+    def expert(self, j: int) -> np.ndarray:
+        if self.value is None:
+            self.value = self.read(self.path, self.layer)
+        out = self.value[j]
+        if j == self.last:
+            self.value = None
+        return out
+
+
 def same(a, b) -> bool:
     """A config.json value and a model field agree (floats to 1e-9, lists as tuples)."""
     if isinstance(a, float) or isinstance(b, float):

@@ -19,10 +19,11 @@ experts one by one and the shared experts as one MLP.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 
+from models.common.hf_files import Piece, Read, expert_pieces
 from models.llama.config import LlamaConfig
 
 MODEL_TYPE = "deepseek_v3"
@@ -31,6 +32,9 @@ ARCHITECTURE = "DeepseekV3ForCausalLM"
 EXPERTS = ("mlp.gate.weight", ("mlp.experts.{j}.gate_proj.weight",
                                "mlp.experts.{j}.up_proj.weight",
                                "mlp.experts.{j}.down_proj.weight"))
+# An MTP module's own vectors beside its block: (ours under mtp_k, theirs in its layer).
+MTP_NORMS = (("enorm.scale", "enorm.weight"), ("hnorm.scale", "hnorm.weight"),
+             ("norm.scale", "shared_head.norm.weight"))
 
 
 def shape_from(hf: dict, where: str = "config.json") -> dict:
@@ -87,7 +91,8 @@ def _rope(hf: dict, where: str) -> dict:
 
 def config_json(cfg: LlamaConfig) -> dict:
     """config.json for `cfg` as DeepseekV3ForCausalLM, every key its class
-    reads stated (the MTP module is not exported: num_nextn_predict_layers 0)."""
+    reads stated; num_nextn_predict_layers counts the MTP modules written
+    (transformers ignores it; DeepSeek's and vLLM's loaders read them)."""
     out = {
         "architectures": [ARCHITECTURE], "model_type": MODEL_TYPE,
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
@@ -104,7 +109,8 @@ def config_json(cfg: LlamaConfig) -> dict:
         "rope_interleave": True, "max_position_embeddings": cfg.max_seq_len,
         "rms_norm_eps": cfg.rms_eps, "tie_word_embeddings": cfg.tie_embeddings,
         "hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0,
-        "num_nextn_predict_layers": 0, "scoring_func": "sigmoid", "topk_method": "noaux_tc",
+        "num_nextn_predict_layers": cfg.mtp_depth, "scoring_func": "sigmoid",
+        "topk_method": "noaux_tc",
     }
     rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     if cfg.rope_yarn:
@@ -221,8 +227,7 @@ def mtp_sources(cfg: LlamaConfig, get: Callable) -> dict[str, Callable]:
     out = {}
     for k in range(cfg.mtp_depth):
         at, ours = f"model.layers.{cfg.n_layer + k}", f"mtp_{k}"
-        for name, theirs in (("enorm.scale", "enorm.weight"), ("hnorm.scale", "hnorm.weight"),
-                             ("norm.scale", "shared_head.norm.weight")):
+        for name, theirs in MTP_NORMS:
             out[f"{ours}.{name}"] = read(f"{at}.{theirs}")
         eh = read(f"{at}.eh_proj.weight")
         out[f"{ours}.w_eh"] = lambda tensors, i, eh=eh: np.ascontiguousarray(eh(tensors, i).T)
@@ -236,3 +241,26 @@ def mtp_sources(cfg: LlamaConfig, get: Callable) -> dict[str, Callable]:
             out[f"{ours}.block.moe.{path}"] = (lambda tensors, i, experts=experts: np.stack(
                 [e(tensors, i).T for e in experts]))
     return out
+
+
+def mtp_pieces(cfg: LlamaConfig, read: Read) -> Iterator[Piece]:
+    """The MTP modules as DeepSeek's files hold them, `mtp_sources`'
+    mirror: module k as layer n_layer + k, with copies of the embedding and
+    the head (shared_head.head), which its loaders read from that layer."""
+    (_, _, layer_map), = stacks(dataclasses.replace(cfg, first_k_dense_replace=0))
+    V, D, F = cfg.vocab_size, cfg.d_model, cfg.expert_mlp
+    head = "wte" if cfg.tie_embeddings else "w_head"
+    for k in range(cfg.mtp_depth):
+        at, ours = f"model.layers.{cfg.n_layer + k}", f"mtp_{k}"
+        yield f"{at}.embed_tokens.weight", (V, D), lambda: read("wte", None)[:V]
+        for name, theirs in MTP_NORMS:
+            yield f"{at}.{theirs}", (D,), lambda path=f"{ours}.{name}": read(path, None)
+        yield (f"{at}.eh_proj.weight", (D, 2 * D),
+               lambda path=f"{ours}.w_eh": np.ascontiguousarray(read(path, None).T))
+        for path, (theirs, _, to_theirs, shape) in layer_map.items():
+            yield (f"{at}.{theirs}", shape, lambda path=f"{ours}.block.{path[len('blocks.'):]}",
+                   to_theirs=to_theirs: to_theirs(read(path, None)))
+        yield from expert_pieces(read, [f"{ours}.block.moe.w_experts_{m}" for m in
+                                        ("gate", "up", "down")], EXPERTS[1], None, at,
+                                 ((F, D), (F, D), (D, F)), cfg.n_experts)
+        yield f"{at}.shared_head.head.weight", (V, D), lambda: read(head, None)[:V]

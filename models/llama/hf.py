@@ -19,7 +19,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from models.common.hf_files import Get, Read, padded_rows
+from models.common.hf_files import Get, Read, expert_pieces, padded_rows
 from models.llama import deepseek_hf
 from models.llama.config import LlamaConfig
 
@@ -209,6 +209,9 @@ def exportable(cfg: LlamaConfig) -> None:
         raise ValueError(f"sliding_window = {cfg.sliding_window} cannot be exported: {arch} has "
                          "no sliding window (transformers ignores the key) and would attend to "
                          "every position; train without it, or as a Mistral")
+    if cfg.mtp_depth and cfg.family != deepseek_hf.MODEL_TYPE:
+        raise ValueError(f"mtp_depth = {cfg.mtp_depth} cannot be exported as {arch}, whose files "
+                         "hold no multi-token prediction layer; export without --with-mtp")
     biased = {"always": True, "flag": cfg.qkv_bias, "never": False}[QKV_BIAS[cfg.family]]
     if cfg.qkv_bias != biased:
         raise ValueError(f"qkv_bias = {cfg.qkv_bias} cannot be exported as {arch}, whose q/k/v "
@@ -366,35 +369,15 @@ def pieces(cfg: LlamaConfig, read: Read) -> Iterator[tuple[str, tuple[int, ...],
     for count, first, layer_map in _stacks(cfg):
         experts = cfg.n_experts and any(ours.startswith("blocks.") for ours in layer_map)
         for i in range(count):
-            hf_i = i + first
+            at = f"model.layers.{i + first}"
             for ours, (theirs, _, to_theirs, shape) in layer_map.items():
-                yield (f"model.layers.{hf_i}.{theirs}", shape,
+                yield (f"{at}.{theirs}", shape,
                        lambda ours=ours, i=i, to_theirs=to_theirs: to_theirs(read(ours, i)))
-            if not experts:
-                continue
-            for ours, theirs, shape in zip(STACKED, EXPERTS[cfg.family][1],
-                                           ((F, D), (F, D), (D, F))):
-                layer = _OneLayer(read, ours, i, cfg.n_experts)
-                for j in range(cfg.n_experts):
-                    yield (f"model.layers.{hf_i}.{theirs.format(j=j)}", shape,
-                           lambda layer=layer, j=j: np.ascontiguousarray(layer.expert(j).T))
+            if experts:
+                yield from expert_pieces(read, STACKED, EXPERTS[cfg.family][1], i, at,
+                                         ((F, D), (F, D), (D, F)), cfg.n_experts)
     yield "model.norm.weight", (D,), lambda: read("norm_f.scale", None)
     if not cfg.tie_embeddings:
         yield "lm_head.weight", (V, D), lambda: read("w_head", None)[:V]
-
-
-class _OneLayer:
-    """One layer of a stacked experts' parameter, read once for its first
-    expert and let go after its last (written in order)."""
-
-    def __init__(self, read: Read, path: str, layer: int, experts: int):
-        self.read, self.path, self.layer, self.last = read, path, layer, experts - 1
-        self.value = None
-
-    def expert(self, j: int) -> np.ndarray:
-        if self.value is None:
-            self.value = self.read(self.path, self.layer)
-        out = self.value[j]
-        if j == self.last:
-            self.value = None
-        return out
+    if cfg.mtp_depth:  # only where asked (models.hf_export_config); after the layers, in its files
+        yield from deepseek_hf.mtp_pieces(cfg, read)

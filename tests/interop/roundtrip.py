@@ -30,15 +30,16 @@ def logits(job, params, tokens):
     return np.asarray(jax.jit(lambda p, t: job.model.logits(p, t, job.hooks))(params, tokens))
 
 
-def exported(job, params, out: Path) -> Path:
-    """`params` checkpointed under `out` and exported with `--hf-dir`; the directory."""
+def exported(job, params, out: Path, *flags: str) -> Path:
+    """`params` checkpointed under `out` and exported with `--hf-dir` (and
+    `flags`); the directory."""
     state = job.state_from_params(params)
     writer = manager_lib.Checkpointer(manager_lib.CheckpointConfig(dir=str(out / "ckpt")),
                                    job.state_plan.names, writer=True)
     writer.save(0, job.state_plan.saved_form(state), run.checkpoint_meta(job, 0))
     writer.wait()
     p = subprocess.run([sys.executable, "scripts/export.py", "--checkpoint-dir",
-                        str(out / "ckpt"), "--hf-dir", str(out / "hf")],
+                        str(out / "ckpt"), "--hf-dir", str(out / "hf"), *flags],
                        cwd=ROOT, capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
     return out / "hf"

@@ -16,6 +16,8 @@ saved with `save_pretrained`:
 Run by `make test-interop`.
 """
 
+import json
+
 import jax
 import numpy as np
 import pytest
@@ -108,8 +110,11 @@ def test_fine_tuned_export_reloads_in_transformers(corpus, saved, tmp_path):
 def test_deepseek_files_mtp_layer_imports_into_the_mtp_module(corpus, saved, tmp_path):
     """DeepSeek's own files hold the MTP module as layer n_layer (a mixture
     layer with enorm, hnorm, eh_proj and shared_head.norm); transformers'
-    do not. Written as DeepSeek's are, each tensor lands in its place; a
-    directory without it is refused naming --mtp-depth 0."""
+    do not. Written as DeepSeek's are, each tensor lands in its place, and
+    `export --with-mtp` writes every one back bit for bit (with copies of
+    the embedding and head in that layer), which `from_pretrained` loads,
+    computing the model's logits; a directory without it is refused naming
+    --mtp-depth 0."""
     from safetensors.numpy import load_file, save_file
     _, _, tmp = saved
     files = load_file(str(tmp / "whole" / "model.safetensors"))
@@ -135,6 +140,19 @@ def test_deepseek_files_mtp_layer_imports_into_the_mtp_module(corpus, saved, tmp
                                   mtp[f"model.layers.{L}.mlp.experts.3.down_proj.weight"].T)
     np.testing.assert_array_equal(m["block"]["moe"]["expert_bias"],
                                   mtp[f"model.layers.{L}.mlp.gate.e_score_correction_bias"])
+    back = exported(job, params, tmp_path / "export", "--with-mtp")
+    written = load_file(str(back / "model.safetensors"))
+    copies = {f"model.layers.{L}.embed_tokens.weight": files["model.embed_tokens.weight"],
+              f"model.layers.{L}.shared_head.head.weight": files["lm_head.weight"]}
+    assert set(written) == {*files, *mtp, *copies}
+    for name, value in {**files, **mtp, **copies}.items():
+        np.testing.assert_array_equal(written[name], value, err_msg=name)
+    assert json.loads((back / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    model = transformers.DeepseekV3ForCausalLM.from_pretrained(
+        back, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        np.testing.assert_allclose(model(torch.tensor(TOKENS)).logits.numpy(), saved[1],
+                                   atol=1e-5, rtol=0)
     job = make_job(corpus, model=f"hf:{tmp / 'whole'}", mtp_depth=1, mesh="data=1",
                    zero_stage=3, devices=jax.devices()[:1])
     with pytest.raises(ValueError, match="--mtp-depth 0"):

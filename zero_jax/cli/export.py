@@ -24,6 +24,11 @@ ids are the model's own where the tokenizer is a model's (config.json and
 generation_config.json as that model's say them), else the data's end of
 document and the tokenizer's own tokens; one line says which and why.
 
+A DeepSeek-V3 model's multi-token prediction modules, which transformers
+has no place for, are left out unless `--with-mtp` is given: then module k
+is layer n_layer + k as in DeepSeek's files, counted by config.json's
+`num_nextn_predict_layers` (`--model hf:DIR --mtp-depth K` reads it back).
+
 `--dtype bfloat16|float16|float32` is the dtype written; by default, the
 one the model was trained to hold (`default_dtype`): a float32-trained model
 is never narrowed unless asked, and a narrowing is said in one line.
@@ -46,8 +51,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import shutil
 import sys
 from pathlib import Path
 
@@ -56,6 +59,7 @@ from models.common import hf_files
 from zero_jax.checkpoint import export
 from zero_jax.checkpoint import manager as manager_lib
 from zero_jax.checkpoint import tokenizer_files
+from zero_jax.cli import staged as staged_lib
 from zero_jax.runtime import procmem
 
 DTYPES = ("bfloat16", "float16", "float32")  # what --dtype writes (Hugging Face's torch_dtype)
@@ -79,6 +83,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=DTYPES,
                         help="dtype of the weights written; default: the one the model was "
                              "trained to hold (bfloat16 for a Hugging Face export of a bf16 run)")
+    parser.add_argument("--with-mtp", action="store_true",
+                        help="also write a DeepSeek-V3 model's multi-token prediction modules "
+                             "into --hf-dir, as DeepSeek's files hold them (layer n_layer + k; "
+                             "transformers ignores them, vLLM reads them); default: left out")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace an existing --out file or a non-empty --hf-dir (each "
                              "swapped in whole once the export is complete)")
@@ -154,88 +162,15 @@ def special_ids(cfg, tokenizer: tokenizer_files.Export | None) -> tuple[dict, di
     return ids, generation, f"token ids: {known} {where}: {why}"
 
 
-class Staged:
-    """Outputs written under temporary names beside their destinations (the
-    same file system, so that a rename moves them), then renamed into place
-    together; `writing` is the destination being written (for an error)."""
-
-    def __init__(self) -> None:
-        self.pairs: list[tuple[Path, Path]] = []  # (temporary, destination)
-        self.writing: Path | None = None
-        self.committed: list[Path] = []  # renamed into place before a failure
-
-    def file(self, destination: str) -> Path:
-        return self._add(_real(destination))
-
-    def directory(self, destination: str) -> Path:
-        final = _real(destination)
-        final.parent.mkdir(parents=True, exist_ok=True)
-        temporary = self._add(final)
-        temporary.mkdir()
-        return temporary
-
-    def _add(self, final: Path) -> Path:
-        temporary = final.with_name(f".{final.name}.partial-{os.getpid()}")
-        self.pairs.append((temporary, final))
-        self.writing = final
-        return temporary
-
-    def discard(self) -> None:
-        for temporary, _ in self.pairs:
-            if temporary.is_dir() and not temporary.is_symlink():
-                shutil.rmtree(temporary, ignore_errors=True)
-            else:
-                temporary.unlink(missing_ok=True)
-
-    def commit(self) -> list[str]:
-        """Each output renamed into place; notes of old directories left behind."""
-        notes = []
-        for temporary, final in self.pairs:
-            self.writing = final
-            if temporary.is_dir():
-                notes += _swap_in(temporary, final)
-            else:
-                os.replace(temporary, final)
-            self.committed.append(final)
-        return notes
-
-
-def _real(path: str) -> Path:
-    """The path a destination names, links followed: a link stays, and what
-    it points to is replaced."""
-    return Path(os.path.realpath(path))
-
-
-def _swap_in(temporary: Path, final: Path) -> list[str]:
-    """Directory `temporary` renamed to `final`: at once where `final` is
-    absent or empty, else by moving the old one aside first (put back if
-    the second rename fails) and removing it after."""
-    if not final.exists() or (final.is_dir() and not any(final.iterdir())):
-        os.replace(temporary, final)
-        return []
-    old = final.with_name(f".{final.name}.old-{os.getpid()}")
-    os.rename(final, old)
-    try:
-        os.rename(temporary, final)
-    except OSError:
-        os.rename(old, final)
-        raise
-    try:
-        shutil.rmtree(old)
-    except OSError as e:
-        return [f"note: the replaced {final} is left at {old} ({e.strerror}); remove it"]
-    return []
-
-
 def write(args: argparse.Namespace, reader: export.ParamReader, step: int,
           directory: Path, dtype: dict[str, str],
           tokenizer: tokenizer_files.Export | None = None,
-          staged: Staged | None = None) -> tuple[list[Path], list[str]]:
+          staged: staged_lib.Staged | None = None) -> tuple[list[Path], list[str]]:
     """Every file asked for, written in its dtype under temporary names, then
     renamed into place together; on a failure, the temporaries are removed
     and the destinations are as they were. Returns the weights' files and
     notes of anything left behind."""
-    staged = staged or Staged()
+    staged = staged or staged_lib.Staged()
     written = []
     try:
         if args.out:
@@ -245,7 +180,7 @@ def write(args: argparse.Namespace, reader: export.ParamReader, step: int,
             written.append(Path(args.out))
         if args.hf_dir:
             out = staged.directory(args.hf_dir)
-            cfg = models.config_from(reader.meta["model"])
+            cfg = models.hf_export_config(reader.meta["model"], args.with_mtp)
             written += [Path(args.hf_dir) / p.name
                         for p in models.save_hf(out, cfg, reader.read, int(args.max_shard_size),
                                                 dtype["hf"],
@@ -266,13 +201,13 @@ def write(args: argparse.Namespace, reader: export.ParamReader, step: int,
     return written, notes
 
 
-def failed(e: Exception, staged: Staged, kept: list[str]) -> int:
+def failed(e: Exception, staged: staged_lib.Staged, kept: list[str]) -> int:
     """A failed write as one line: exit 4 for a corrupt checkpoint, else 2;
     `kept`, the destinations that existed before, are said to be untouched."""
     corrupt = isinstance(e, manager_lib.CorruptCheckpoint)
     said = corrupt or isinstance(e, export.OutOfRange)  # their messages name the array
     what = e if said else f"writing {staged.writing or e.filename}: {e.strerror}"
-    kept = [p for p in kept if _real(p) not in staged.committed]
+    kept = [p for p in kept if staged_lib.real(p) not in staged.committed]
     left = f", {' and '.join(kept)} left as {'it was' if len(kept) == 1 else 'they were'}"
     done = (f"only {' and '.join(map(str, staged.committed))} written" if staged.committed
             else "nothing written")
@@ -285,12 +220,12 @@ def main(argv: list[str] | None = None) -> int:
     directory = Path(args.checkpoint_dir)
     try:
         check_outputs(args.out, args.hf_dir, args.max_shard_size, args.tokenizer,
-                      args.overwrite)
+                      args.overwrite, args.with_mtp)
         step = choose_step(directory, args.step)
         reader = export.ParamReader(directory / str(step))
         tokenizer = tokenizer_for(args, reader.meta)
         if args.hf_dir:  # a model its architecture cannot express is refused before any write
-            models.hf_config_json(models.config_from(reader.meta["model"]))
+            models.hf_config_json(models.hf_export_config(reader.meta["model"], args.with_mtp))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -300,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = output_dtypes(args, reader)
     kept = [p for p in (args.out, args.hf_dir) if p and Path(p).exists()]
     baseline = procmem.reset_peak()  # measure from here
-    staged = Staged()
+    staged = staged_lib.Staged()
     try:
         written, notes = write(args, reader, step, directory, dtype, tokenizer, staged)
     # OSError: no space, no permission; OutOfRange: a value float16 cannot hold
@@ -314,6 +249,10 @@ def main(argv: list[str] | None = None) -> int:
         print(special_ids(models.config_from(reader.meta["model"]), tokenizer)[2])
     for line in narrowings(reader.stored_dtypes(), dtype, asked=bool(args.dtype)):
         print(line)
+    depth = getattr(models.config_from(reader.meta["model"]), "mtp_depth", 0)
+    if args.hf_dir and depth and not args.with_mtp:
+        print(f"--hf-dir: the model's {depth} multi-token prediction module(s) left out, as "
+              "transformers has no place for them; --with-mtp writes them as DeepSeek's files do")
     if args.report_memory:
         print(json.dumps({"peak_added_bytes": procmem.resident("VmHWM") - baseline,
                           "largest_piece_bytes": reader.largest_piece_bytes(),
@@ -322,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def check_outputs(out: str | None, hf_dir: str | None, max_shard_size: float,
-                  tokenizer: str | None = None, overwrite: bool = False) -> None:
+                  tokenizer: str | None = None, overwrite: bool = False,
+                  with_mtp: bool = False) -> None:
     """What the export would write, checked before anything is read: nothing
     the user has is replaced unless `overwrite`."""
     if not (out or hf_dir):
@@ -331,6 +271,9 @@ def check_outputs(out: str | None, hf_dir: str | None, max_shard_size: float,
     if tokenizer and not hf_dir:
         raise ValueError(f"--tokenizer {tokenizer}: only a Hugging Face export carries a "
                          "tokenizer; add --hf-dir DIR")
+    if with_mtp and not hf_dir:
+        raise ValueError("--with-mtp: only a Hugging Face export leaves the multi-token "
+                         "prediction modules out (--out writes every parameter); add --hf-dir DIR")
     if out and not Path(out).parent.is_dir():
         raise ValueError(f"--out {out}: the directory {Path(out).parent} does not exist; "
                          "create it first")
@@ -338,7 +281,8 @@ def check_outputs(out: str | None, hf_dir: str | None, max_shard_size: float,
         raise ValueError(f"--out {out}: is a directory; give a file name (model.safetensors)")
     if hf_dir and Path(hf_dir).exists() and not Path(hf_dir).is_dir():
         raise ValueError(f"--hf-dir {hf_dir}: exists and is not a directory")
-    if out and hf_dir and (_real(hf_dir) == _real(out) or _real(hf_dir) in _real(out).parents):
+    real = staged_lib.real
+    if out and hf_dir and (real(hf_dir) == real(out) or real(hf_dir) in real(out).parents):
         raise ValueError(f"--out {out}: inside --hf-dir {hf_dir}, which the export writes "
                          "whole; give a file name outside it")
     if out and Path(out).exists() and not overwrite:
