@@ -19,11 +19,11 @@ import optax
 
 from zero_jax import config as config_lib
 from zero_jax.precision import loss_scale, master, policies
-from zero_jax.train import grads, optim, state, step
+from zero_jax.train import checks, grads, optim, state, step
 from zero_jax.train.options import StepOptions
 from zero_jax.model import exchange, grouped, remat
 from zero_jax.analysis import hlo, memory, traffic
-from zero_jax.sharding import quantized, rules
+from zero_jax.sharding import rules
 from zero_jax.sharding import mesh as mesh_lib
 from zero_jax.pipeline import executor as pipeline_executor
 from zero_jax.pipeline import schedule as schedule_lib
@@ -72,7 +72,8 @@ class Job:
     @property
     def reduce_once(self) -> bool:
         """Gradients reduced once per optimizer step (else once per microbatch)."""
-        return resolve_grad_reduce(self.run.parallel.grad_reduce, self.state_plan.zero_stage) == "step"
+        return checks.resolve_grad_reduce(self.run.parallel.grad_reduce,
+                                          self.state_plan.zero_stage) == "step"
 
     @property
     def step_options(self) -> StepOptions:
@@ -109,7 +110,7 @@ class Job:
 
     def compile_eval_step(self):
         fn = step.jit_eval_step(self.state_plan, self.model, self.hooks, self.step_options)
-        return fn.lower(self.state_plan.abstract.params, self.abstract_batch).compile()
+        return fn.lower(self.state_plan.model_abstract, self.abstract_batch).compile()
 
     @property
     def tables_in_rows(self) -> bool:
@@ -210,20 +211,23 @@ def prepare_on(run: config_lib.RunConfig, build_model: Callable[[int], ModelFns]
     config_lib.validate(run, {a: shape.sizes[a] for a in mesh_lib.DATA_AXES})
     sources.check_init_from(run.checkpoint.init_from)
     model = build_model(run.model.vocab_multiple)
-    if run.precision.policy == "fp8" and run.precision.fp8 == "delayed":  # with amax histories
+    adapters = checks.lora_of(run, model, shape.sizes["pipe"])
+    delayed = run.precision.policy == "fp8" and run.precision.fp8 == "delayed"
+    if delayed or adapters:  # amax histories, adapters: parameters the hooks ask for
         model = dataclasses.replace(model, init=functools.partial(model.init, hooks=Hooks(
-            fp8="delayed", fp8_history=run.precision.fp8_history)))
+            fp8="delayed" if delayed else "", fp8_history=run.precision.fp8_history,
+            lora=adapters)))
     if model.max_seq_len is not None and run.data.seq_len > model.max_seq_len:
         raise config_lib.ConfigError(
             f"--seq-len {run.data.seq_len} exceeds the model's {model.max_seq_len} positions "
             f"({run.model.name}); use --seq-len {model.max_seq_len} or less, or give a model "
             f"trained from scratch that many with --max-seq-len {run.data.seq_len}")
-    check_experts(model, shape.sizes, run.parallel.grad_reduce)
+    checks.check_experts(model, shape.sizes, run.parallel.grad_reduce)
     schedule, cut = pipeline_schedule(run, model, shape)
     chosen = rules.preset(run.parallel.layout, shape.sizes)
     axis_rules, notes = unsplit_where_indivisible(chosen.rules, model, shape.sizes)
     zero_stage = chosen.zero_stage if run.parallel.zero_stage is None else run.parallel.zero_stage
-    check_combination(run, zero_stage, shape, pipelined=schedule is not None)
+    checks.check_combination(run, zero_stage, shape, pipelined=schedule is not None)
     platform = "gpu" if isinstance(mesh, jax.sharding.AbstractMesh) else \
         mesh.devices.flat[0].platform
     try:
@@ -239,7 +243,8 @@ def prepare_on(run: config_lib.RunConfig, build_model: Callable[[int], ModelFns]
     lr = optim.schedule(run.optim, run.train.steps)
     tx = policies.with_state_dtype(optim.optimizer(run.optim, lr, model.decay_mask),
                                     policy.dtype("opt_state"))
-    if state.needs_master(zero_stage, policy.dtype("params"), policy.dtype("compute")):
+    if state.needs_master(zero_stage, policy.dtype("params"), policy.dtype("compute"),
+                          lora=adapters is not None):
         tx = master.wrap(tx)
     layout = rules.Preset(axis_rules, zero_stage)  # the preset, as resolved for this mesh
     # Offload moves states to host memory without changing how they are split.
@@ -247,12 +252,14 @@ def prepare_on(run: config_lib.RunConfig, build_model: Callable[[int], ModelFns]
         state.plan_state(model, tx, mesh, shape, layout, policy, run.parallel.min_shard_elements,
                          cut),
         host_opt=run.offload.optimizer, host_params=run.offload.params)
+    checks.adapters_found(run, adapters, state_plan.frozen_names is not None)
     stored = state_plan.placement if zero_lib.stage(zero_stage).params else None
     hooks = Hooks(mesh, axis_rules, policy.compute, policy.grads, remat_policy, stored,
                   host_params=run.offload.params, attention=attention, scan_layers=run.model.scan_layers,
                   fp8=run.precision.fp8 if policy.fp8 else "", fp8_history=run.precision.fp8_history,
                   int8_gather_block=run.zero.block_size if run.zero.quantized_weights else 0,
                   int8_reduce_block=run.zero.block_size if run.zero.quantized_grads else 0, **experts,
+                  lora=adapters,
                   context=context_split.of_run(run, getattr(model.config, "n_head", 0), shape.sizes, attention,
                                         pipelined=schedule is not None))
     return Job(run, model, state_plan, tx, lr, policy, hooks, loss_scale_config(run, policy),
@@ -267,63 +274,6 @@ def loss_scale_config(run: config_lib.RunConfig, policy: policies.Policy
         enabled=policy.needs_loss_scaling, initial_scale_power=p.initial_scale_power,
         window=p.loss_scale_window, hysteresis=p.hysteresis, min_scale=p.min_loss_scale,
         max_consecutive_skips=p.max_consecutive_skips)
-
-
-def check_combination(run: config_lib.RunConfig, zero_stage: int, shape: mesh_lib.MeshShape,
-                      pipelined: bool) -> None:
-    """Options that each work but not together with the stage or a pipeline."""
-    check_grad_reduce(run.parallel.grad_reduce, zero_stage)
-    pipe = shape.sizes["pipe"]
-    if run.offload.optimizer and not zero_lib.stage(zero_stage).opt_state:
-        raise config_lib.ConfigError(
-            f"[offload] optimizer = true with --zero-stage {zero_stage}: the optimizer state is "
-            "replicated at stage 0, so every device would keep a whole copy in host memory and "
-            "update it there; use --zero-stage 1 or more to offload each device's shard")
-    quantized.check(run.zero, zero_stage, pipelined, run.parallel.grad_reduce, shape.shard_axes)
-    if run.offload.params and not zero_lib.stage(zero_stage).params:
-        raise config_lib.ConfigError(
-            f"[offload] params = true with --zero-stage {zero_stage}: only ZeRO-3 gathers each "
-            "layer's parameters where they are used, so only there can they be fetched from host "
-            "memory layer by layer; use --zero-stage 3, or --offload-optimizer alone")
-    if run.data.segment_ids and pipelined:
-        raise config_lib.ConfigError(
-            f"--segment-ids with pipe={pipe}: document masking is not carried "
-            "through pipeline stages; use pipe=1, or train without --segment-ids")
-    if run.offload.params and pipelined:
-        raise config_lib.ConfigError(
-            f"[offload] params = true with pipe={pipe}: a pipeline stage holds only "
-            "its own layers, so parameter offload is not supported with pipelining; use pipe=1 "
-            "(fsdp over the same devices), or --offload-optimizer alone")
-    schedule = run.parallel.pipeline_schedule
-    if run.precision.policy == "fp8" and pipelined and schedule in schedule_lib.SPLIT_BACKWARD:
-        raise config_lib.ConfigError(
-            f"--precision fp8 with --pipeline-schedule {schedule}: a split backward computes "
-            "each weight's gradient apart from its product, where the FP8 product's rounded "
-            "operands are not kept; use --pipeline-schedule 1f1b or interleaved")
-
-
-def check_experts(model: ModelFns, sizes: dict[str, int], grad_reduce: str) -> None:
-    """An `expert` axis needs a mixture of experts whose experts it divides;
-    a mixture of experts reduces its gradients once per microbatch
-    (grads.unreduced_axes)."""
-    if model.experts and grad_reduce == "step":
-        raise config_lib.ConfigError(
-            "--grad-reduce step with a mixture of experts: its dispatch runs per device over "
-            "every axis that splits the batch, which per-device partial sums would split; use "
-            "--grad-reduce microbatch (or auto)")
-    ep = sizes.get("expert", 1)
-    if ep == 1:
-        return
-    if not model.experts:
-        raise config_lib.ConfigError(
-            f"mesh axis expert={ep} on a dense model: it splits a mixture of experts' experts, "
-            "and this model has none; put those devices on data or fsdp, or choose a mixture "
-            "of experts (moe-tiny, mixtral-8x7b, qwen3-30b-a3b)")
-    if model.experts % ep:
-        raise config_lib.ConfigError(
-            f"the model's {model.experts} experts do not split over expert={ep}; choose an "
-            f"expert axis that divides {model.experts} (the rest of the devices on data or "
-            "fsdp)")
 
 
 def unsplit_where_indivisible(axis_rules: rules.AxisRules, model: ModelFns,
@@ -360,25 +310,6 @@ def attention_implementation(choice: str, platform: str, compute_dtype: str,
         raise config_lib.ConfigError(f"--attention cudnn on {platform}: cuDNN runs on NVIDIA "
                                      "GPUs only; use --attention xla (or auto)")
     return choice
-
-
-def resolve_grad_reduce(choice: str, zero_stage: int) -> str:
-    """When accumulated gradients are reduced: "step" (once per optimizer step,
-    from per-device partial sums) or "microbatch" (each microbatch's, into the
-    gradient layout). "auto": once per step, except at ZeRO-3, where reducing
-    each microbatch is what keeps the accumulator at 1/N of the gradients."""
-    if choice == "auto":
-        return "microbatch" if zero_lib.stage(zero_stage).params else "step"
-    return choice
-
-
-def check_grad_reduce(choice: str, zero_stage: int) -> None:
-    if choice == "microbatch" and not zero_lib.stage(zero_stage).grads:
-        raise config_lib.ConfigError(
-            f"--grad-reduce microbatch with --zero-stage {zero_stage}: gradients are replicated "
-            "at stages 0 and 1, so the accumulator is full-size either way and reducing every "
-            "microbatch only multiplies the traffic; use --grad-reduce step (or auto), or "
-            "--zero-stage 2 or 3 to keep the accumulator sharded")
 
 
 def pipeline_schedule(run: config_lib.RunConfig, model: ModelFns, shape: mesh_lib.MeshShape

@@ -206,7 +206,7 @@ def train(state: TrainState, train_step: Callable, batch_at: Callable[[int], jax
             _drain(log, pending)
             pending = (step, metrics)
             if eval_fn is not None and _evaluates(step + 1, steps, eval_every):
-                log.finish(step, metrics, state.params)  # the state this step produced
+                log.finish(step, metrics, state.model_params)  # the state this step produced
                 pending = None
             if after_step is not None:
                 # A checkpoint save is bounded by its own timeouts: unwatched, and

@@ -16,7 +16,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from zero_jax.model import fp8
+from zero_jax.model import fp8, lora
 
 # Attention implementations: "xla", the computation written out below, which
 # materialises the T x T scores; "cudnn", jax.nn.dot_product_attention's fused
@@ -32,14 +32,16 @@ def param(module: nn.Module, name: str, shape, names, init):
 def projection(module: nn.Module, hooks, eq: str, x, name: str, shape, names, init):
     """einsum(eq, x, w) for a block's projection, w the parameter `name`: in
     FP8 where the precision policy says so, with its amax history beside
-    it under delayed scaling (zero_jax.model.fp8)."""
+    it under delayed scaling (zero_jax.model.fp8); with a low-rank adapter's
+    term where the hooks' LoRA targets it (zero_jax.model.lora)."""
     history = None
     if hooks.fp8 == "delayed":
         history = module.param(fp8.history_name(name),
                                nn.with_logical_partitioning(nn.initializers.zeros, (None, None)),
                                (fp8.ROWS, hooks.fp8_history), jnp.float32)
-    return hooks.dense(eq, x, param(module, name, shape, names, init), names, fp8=True,
-                       history=history)
+    y = hooks.dense(eq, x, param(module, name, shape, names, init), names, fp8=True,
+                    history=history)
+    return lora.adapted(module, hooks, eq, x, name, shape, names, y)
 
 
 def attention(q_BxTxHxQ, k_BxSxKxQ, v_BxSxKxQ, implementation: str = "xla", window: int = 0,

@@ -114,10 +114,17 @@ def theory(state_plan: StatePlan) -> dict[str, float]:
         return ((psi - psi_e) / divisor(state_plan, sharded, False)
                 + psi_e / divisor(state_plan, sharded, True))
     return {
-        "params": per["params"] * share(stage.params),
+        "params": per["params"] * share(stage.params) + _frozen_bytes(state_plan) / divisor(
+            state_plan, stage.params, False),
         "grads": per["grads"] * share(stage.grads),
         "opt_state": per["opt_state"] * share(stage.opt_state) + scalars,
     }
+
+
+def _frozen_bytes(state_plan: StatePlan) -> int:
+    """LoRA's frozen base, whole: stored as parameters are, with no
+    gradient and no optimizer state (0 without LoRA)."""
+    return sum(_nbytes(x) for x in jax.tree.leaves(state_plan.abstract.frozen))
 
 
 def formula(state_plan: StatePlan) -> str:
@@ -139,15 +146,21 @@ def formula(state_plan: StatePlan) -> str:
     if ep > 1 and (psi_e := expert_count(state_plan)):
         experts = (f"; the experts' {psi_e / stored_count(state_plan):.1%} of the parameters: "
                    f"/ expert {ep} where unsharded, / {_divisors(state_plan)[1]} where sharded")
+    frozen = ""
+    if base := _frozen_bytes(state_plan):  # per trainable parameter above; the base apart
+        frozen = (f"; with LoRA's frozen base, {base:,} bytes"
+                  + (f" / {n}" if stage.params and n > 1 else "") + (f" / tensor {t}" if t > 1 else ""))
     return (" + ".join(terms) + f" = {total:.4g} bytes per parameter"
-            + (f", / tensor {t} = {total / t:.4g}" if t > 1 else "") + experts)
+            + (f", / tensor {t} = {total / t:.4g}" if t > 1 else "") + experts + frozen)
 
 
 def sharded(state_plan: StatePlan) -> dict[str, int]:
     """Bytes per device of each state as its shardings store it."""
     a, s = state_plan.abstract, state_plan.specs
+    frozen = 0 if a.frozen is None else bytes_per_device(a.frozen, state_plan.frozen_specs,
+                                                          state_plan.mesh)
     return {
-        "params": bytes_per_device(a.params, s.params, state_plan.mesh),
+        "params": bytes_per_device(a.params, s.params, state_plan.mesh) + frozen,
         "grads": bytes_per_device(state_plan.abstract_grads, s.grads, state_plan.mesh),
         "opt_state": bytes_per_device(a.opt_state, s.opt_state, state_plan.mesh),
     }
@@ -161,8 +174,10 @@ def by_memory_kind(state_plan: StatePlan) -> dict[str, dict[str, int]]:
     total = sharded(state_plan)
     kinds = state_plan.shardings
     out = {kind: {k: 0 for k in total} for kind in ("device", "host")}
-    for name, tree in (("params", kinds.params), ("opt_state", kinds.opt_state)):
-        abstract = getattr(state_plan.abstract, name)
+    a = state_plan.abstract
+    for name, abstract, tree in (("params", a.params, kinds.params),
+                                 ("params", a.frozen, kinds.frozen),  # LoRA's base, if any
+                                 ("opt_state", a.opt_state, kinds.opt_state)):
         for leaf, s in zip(jax.tree.leaves(abstract), jax.tree.leaves(
                 tree, is_leaf=lambda x: isinstance(x, NamedSharding))):
             where = "host" if s.memory_kind == offload_lib.HOST else "device"

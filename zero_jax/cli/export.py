@@ -223,6 +223,9 @@ def main(argv: list[str] | None = None) -> int:
                       args.overwrite, args.with_mtp)
         step = choose_step(directory, args.step)
         reader = export.ParamReader(directory / str(step))
+        if rank := reader.meta.get("run", {}).get("lora", {}).get("rank"):
+            raise ValueError(f"{directory / str(step)} holds LoRA adapters only (--lora-rank "
+                             f"{rank}), not a model; exporting them is not supported yet")
         tokenizer = tokenizer_for(args, reader.meta)
         if args.hf_dir:  # a model its architecture cannot express is refused before any write
             models.hf_config_json(models.hf_export_config(reader.meta["model"], args.with_mtp))

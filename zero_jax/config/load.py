@@ -41,7 +41,8 @@ _FLAG_NAMES = {("model", "name"): "model", ("optim", "name"): "optimizer",
                ("offload", "params"): "offload_params",
                ("zero", "quantized_weights"): "zero_quantized_weights",
                ("zero", "quantized_grads"): "zero_quantized_grads",
-               ("zero", "block_size"): "zero_block_size"}
+               ("zero", "block_size"): "zero_block_size", ("lora", "rank"): "lora_rank",
+               ("lora", "alpha"): "lora_alpha", ("lora", "targets"): "lora_targets"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +90,7 @@ RANGES: dict[tuple[str, str], Range] = {
     ("optim", "b2"): _unit(), ("optim", "eps"): Range(0, math.inf, open_low=True),
     ("optim", "momentum"): _unit(), ("optim", "clip_norm"): Range(0, math.inf),
     ("checkpoint", "every"): _ANY, ("checkpoint", "keep_last"): _COUNT,
+    ("lora", "rank"): _ANY, ("lora", "alpha"): _POSITIVE,
     ("checkpoint", "keep_every"): _ANY,
     # A timeout of 0 would fail every wait at once; NaN would never fire.
     ("distributed", "heartbeat_timeout_s"): _COUNT, ("distributed", "barrier_timeout_s"): _COUNT,

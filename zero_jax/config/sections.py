@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 # Choices of this file's own fields (the others' are their modules').
 LayoutName = Literal["auto", "dp", "fsdp", "fsdp_tp", "fsdp_tp_sp"]  # sharding/rules.py PRESETS
-GradReduce = Literal["auto", "step", "microbatch"]  # job.resolve_grad_reduce
+GradReduce = Literal["auto", "step", "microbatch"]  # train/checks.py resolve_grad_reduce
 PipelineTables = Literal["rows", "whole"]  # pipeline/executor.py row_tables
 Attention = Literal["auto", "xla", "cudnn"]  # job.attention_implementation
 ExpertGemm = Literal["auto", "tiled", "ragged_dot"]  # zero_jax/model/grouped.py
@@ -196,6 +196,13 @@ class OffloadConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    rank: int = 0  # low-rank adapters of this rank on a frozen base (0: train every parameter)
+    alpha: float = 16.0  # the adapters' term is scaled by alpha / rank
+    targets: str = "q,v"  # the block projections adapted: any of q,k,v,o,gate,up,down
+
+
+@dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
     dir: str = ""  # directory of the run's checkpoints ("": none)
     every: int = 0  # save every N steps (0: only at the end and on preemption)
@@ -250,6 +257,7 @@ class RunConfig:
     data: DataConfig = DataConfig()
     train: TrainConfig = TrainConfig()
     offload: OffloadConfig = OffloadConfig()
+    lora: LoraConfig = LoraConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     distributed: DistributedConfig = DistributedConfig()
 
@@ -261,5 +269,6 @@ class RunConfig:
 SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "zero": ZeroConfig,
             "precision": PrecisionConfig,
             "activations": ActivationConfig, "optim": OptimConfig, "data": DataConfig,
-            "train": TrainConfig, "offload": OffloadConfig, "checkpoint": CheckpointConfig,
+            "train": TrainConfig, "offload": OffloadConfig, "lora": LoraConfig,
+            "checkpoint": CheckpointConfig,
             "distributed": DistributedConfig}

@@ -42,6 +42,7 @@ from zero_jax.model import fp8_dense, param_use
 from zero_jax.context import attention as context_attention
 from zero_jax.context import order as context_order
 from zero_jax.context.order import Context
+from zero_jax.model.lora import Lora
 from zero_jax.model.param_use import ManualRows, Tapped, Use, block_rows, inside_only, psum, put
 from zero_jax.model.remat import DOT, WEIGHT, Remat
 from zero_jax.sharding.rules import AxisRules
@@ -116,6 +117,7 @@ class Hooks:
     # > 0: weight gradients reduced on the spot (ZeRO-3) go through int8 blocks
     # of about this many elements (ZeRO++'s qgZ, sharding/quantized.py)
     int8_reduce_block: int = 0
+    lora: Lora | None = None  # the projections that carry low-rank adapters (None: none)
 
     def per_shard(self, axes: Sequence[str]) -> "Hooks":
         """These hooks for one shard of the batch over the data-parallel mesh
@@ -194,7 +196,7 @@ class Hooks:
         policy says so; the embedding, head and router never ask. Under
         delayed scaling `history` is its amax history (`fp8_history`)."""
         fp8 = fp8 and bool(self.fp8)
-        if fp8 and isinstance(w, (Gathered, Tapped)):  # job.check_combination refuses both
+        if fp8 and isinstance(w, (Gathered, Tapped)):  # train/checks.py refuses both
             raise ValueError("an FP8 product on a table or under a split backward")
         if fp8:
             if self.fp8 == "current":

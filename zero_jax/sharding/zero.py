@@ -185,6 +185,15 @@ def state_specs(abstract_params: Any, compute_specs: Any, names: Any, abstract_o
         replicated=tuple(replicated))
 
 
+def stored_specs(abstract_params: Any, compute_specs: Any, names: Any, zero: ZeroStage,
+                 placement: Placement) -> Any:
+    """Storage specs of parameters that have no gradient and no optimizer
+    state (LoRA's frozen base): split as `state_specs` stores parameters,
+    over the ZeRO axes at stage 3, whole in their compute layout below it."""
+    return state_specs(abstract_params, compute_specs, names, optax.EmptyState(),
+                       optax.identity(), zero, placement).params
+
+
 def _opt_state_specs(tx: optax.GradientTransformation, abstract_opt_state: Any,
                      abstract_params: Any, full: Any, stored: Any, zero: ZeroStage,
                      placement: Placement) -> Any:

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
+from zero_jax.model import lora
 from zero_jax.precision import master as master_lib
 from zero_jax.pipeline import executor as executor_lib
 from zero_jax.pipeline.records import StagePlan
@@ -242,7 +243,8 @@ def _constrainer(state_plan: StatePlan, specs: Any, dtype) -> Callable[[Any], An
 
 def make_loss_and_grads(state_plan: StatePlan, model: ModelFns, hooks: Hooks,
                         options: StepOptions) -> Callable:
-    """`(params, batch, scale) -> (metrics, grads)` for a layout: pipelined
+    """`(params, batch, scale, frozen) -> (metrics, grads)` for a layout
+    (`frozen`: LoRA's base, None without): pipelined
     over `pipe` through `options.schedule` if there is one, else
     accumulated over `options.microbatches`, reduced once per step
     (`options.reduce_once`) or once per microbatch. Gradients come out in
@@ -250,20 +252,27 @@ def make_loss_and_grads(state_plan: StatePlan, model: ModelFns, hooks: Hooks,
     takes, or gives."""
     constrain_grads = _constrainer(state_plan, state_plan.specs.grads, hooks.grad_dtype)
     microbatches = options.microbatches
-    if options.schedule is not None:
-        fn = pipelined(state_plan, model, hooks, options, constrain_grads)
-    elif axes := unreduced_axes(state_plan, microbatches, options.reduce_once,
-                                runs_per_device(model, hooks)):
-        fn = partial_sums(state_plan, model, hooks, microbatches, axes, constrain_grads)
-    else:
+
+    def strategy(model):
+        if options.schedule is not None:
+            return pipelined(state_plan, model, hooks, options, constrain_grads)
+        if axes := unreduced_axes(state_plan, microbatches, options.reduce_once,
+                                  runs_per_device(model, hooks)):
+            return partial_sums(state_plan, model, hooks, microbatches, axes, constrain_grads)
         micro = NamedSharding(state_plan.mesh, PartitionSpec(None, *state_plan.batch_sharding.spec))
-        fn = accumulated(functools.partial(lm_loss, model, hooks), microbatches, constrain_grads,
-                         lambda x: jax.lax.with_sharding_constraint(x, micro))
+        return accumulated(functools.partial(lm_loss, model, hooks), microbatches,
+                           constrain_grads, lambda x: jax.lax.with_sharding_constraint(x, micro))
     # A working copy narrower than the master weights is differentiated as
     # its exact float32 widening, so that gradients come out in float32 (and
     # are then cast to the gradient dtype), as they do from float32 parameters.
     widen = (master_lib.cast_to(jax.tree.map(lambda m: m.dtype, state_plan.master_params))
              if state_plan.master else lambda params: params)
-    return lambda params, batch, scale: fn(widen(params), weighted(batch), scale)
+
+    def loss_and_grads(params, batch, scale, frozen=None):
+        # Under LoRA the base is closed over, not differentiated: no gradient
+        # of it is computed or reduced.
+        fn = strategy(model if frozen is None else lora.bound(model, frozen))
+        return fn(widen(params), weighted(batch), scale)
+    return loss_and_grads
 
 

@@ -19,6 +19,7 @@ import optax
 from flax.core import meta
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from zero_jax.model import lora
 from zero_jax.precision import loss_scale as loss_scale_lib
 from zero_jax.precision import master as master_lib
 from zero_jax.sharding import offload as offload_lib
@@ -36,16 +37,25 @@ class TrainState(NamedTuple):
     params: Any  # parameter tree: the master weights, or the working copy (master.py)
     opt_state: Any  # optax state (master.MasterState around it with a working copy)
     loss_scale: Any  # loss_scale.LossScale: scale and skip counters (replicated scalars)
+    # Under LoRA, the frozen base (every parameter but the adapters, which
+    # are `params`), in the compute dtype; never updated. None: no LoRA.
+    frozen: Any = None
+
+    @property
+    def model_params(self) -> Any:
+        """The parameters the model runs with: `params`, with the frozen base."""
+        return self.params if self.frozen is None else lora.merge(self.params, self.frozen)
 
 
 def saved_form(state: TrainState) -> TrainState:
     """The state as checkpoints hold it, the same under every layout: the
     master weights as `params` and the optimizer's own state, with no
-    working copy (it is cast from the master weights again on restore)."""
+    working copy (it is cast from the master weights again on restore),
+    and no frozen base (it is read from where it came from)."""
     if isinstance(state.opt_state, master_lib.MasterState):
         return TrainState(state.step, state.opt_state.master, state.opt_state.inner,
                           state.loss_scale)
-    return state
+    return state._replace(frozen=None)
 
 
 def logical_names(boxed_params: Any) -> Any:
@@ -77,6 +87,9 @@ class StatePlan:
     stacked: Any = None  # (params, opt_state) trees of bools: the leaf is a layer stack
     host_opt: bool = False  # the optimizer state (and masters) live in host memory (offload.py)
     host_params: bool = False  # the stored parameters (ZeRO-3 shards) live in host memory
+    # Under LoRA (the frozen base in abstract.frozen): its logical names and storage specs
+    frozen_names: Any = None
+    frozen_specs: Any = None
 
     @property
     def master_params(self) -> Any:
@@ -95,7 +108,8 @@ class StatePlan:
     @property
     def state_specs(self) -> TrainState:
         scalars = jax.tree.map(lambda _: PartitionSpec(), self.abstract.loss_scale)
-        return TrainState(PartitionSpec(), self.specs.params, self.specs.opt_state, scalars)
+        return TrainState(PartitionSpec(), self.specs.params, self.specs.opt_state, scalars,
+                          self.frozen_specs)
 
     def named(self, specs: Any) -> Any:
         return map_specs(lambda s: NamedSharding(self.mesh, s), specs)
@@ -109,8 +123,18 @@ class StatePlan:
         if self.host_opt:
             out = out._replace(opt_state=offload_lib.on_host(out.opt_state))
         if self.host_params:
-            out = out._replace(params=offload_lib.on_host(out.params))
+            out = out._replace(params=offload_lib.on_host(out.params),
+                               frozen=offload_lib.on_host(out.frozen))
         return out
+
+    @property
+    def model_shardings(self) -> Any:
+        """Where the parameters the model runs with are (TrainState.model_params)."""
+        return self.shardings.model_params
+
+    @property
+    def model_abstract(self) -> Any:
+        return self.abstract.model_params
 
     @property
     def targets(self) -> TrainState:
@@ -136,7 +160,7 @@ class StatePlan:
             return jax.tree.map(lambda _: False, tree)
         return TrainState(False, params if params is not None else no(self.abstract.params),
                           opt if opt is not None else no(self.abstract.opt_state),
-                          no(self.abstract.loss_scale))
+                          no(self.abstract.loss_scale), no(self.abstract.frozen))
 
     def saved_form(self, state: TrainState, abstract: bool = False) -> TrainState:
         """`saved_form(state)` with layer stacks in layer order, unpadded
@@ -157,8 +181,12 @@ class StatePlan:
         cast = master_lib.cast_to(self.working_dtypes)(master)
         return jax.lax.with_sharding_constraint(cast, self.named(self.master_specs))
 
-    def from_saved(self, saved: TrainState) -> TrainState:
-        """A train state in this layout from its saved form (`saved_form`)."""
+    def from_saved(self, saved: TrainState, frozen: Any = None) -> TrainState:
+        """A train state in this layout from its saved form (`saved_form`)
+        and, under LoRA, the frozen base placed in this layout."""
+        return self._from_saved(saved)._replace(frozen=frozen)
+
+    def _from_saved(self, saved: TrainState) -> TrainState:
         if self.stages is not None and not self.stages.identity:
             def pad(x, stacked, spec):
                 if not stacked:
@@ -207,10 +235,13 @@ def init_params(model: ModelFns, key: jax.Array, param_dtype) -> Any:
     return policies.cast_tree(nn.unbox(model.init(key)), param_dtype)
 
 
-def needs_master(zero_stage: int, param_dtype, compute_dtype) -> bool:
+def needs_master(zero_stage: int, param_dtype, compute_dtype, lora: bool = False) -> bool:
     """Whether a working copy is stored apart from the master weights: where
     parameters are replicated but the optimizer state is sharded (stages 1
-    and 2) and the model computes in a narrower dtype than it stores."""
+    and 2) and the model computes in a narrower dtype than it stores; never
+    for LoRA's adapters, too small for a copy to matter."""
+    if lora:
+        return False
     stage = zero_lib.stage(zero_stage)
     narrower = jnp.dtype(compute_dtype).itemsize < jnp.dtype(param_dtype).itemsize
     return stage.opt_state and not stage.params and narrower
@@ -235,6 +266,7 @@ def plan_state(model: ModelFns, tx: optax.GradientTransformation, mesh: Mesh,
     boxed = jax.eval_shape(lambda: model.init(jax.random.key(0)))  # traces the key too: no compile
     names = logical_names(boxed)
     params = jax.eval_shape(lambda: init_params(model, jax.random.key(0), param_dtype))
+    names, params, frozen_names, frozen = _frozen_base(names, params, compute_dtype)
     stacked_params = zero_lib.layer_stacks(names)
     compute_names = names
     if stages is not None:  # a stack the pipeline runs whole (dense layers before experts) is outer
@@ -242,7 +274,7 @@ def plan_state(model: ModelFns, tx: optax.GradientTransformation, mesh: Mesh,
         compute_names = jax.tree.map(  # ... and its layers are not split over `pipe`
             lambda n, st: n if st or not len(n) or n[0] != "layers" else PartitionSpec(None, *n[1:]),
             names, stacked_params, is_leaf=lambda x: isinstance(x, PartitionSpec))
-    master = needs_master(zero_stage, param_dtype, compute_dtype)
+    master = needs_master(zero_stage, param_dtype, compute_dtype, lora=frozen is not None)
     if master:  # traced in layer order, before any padding
         tokens = (1, min(8, model.max_seq_len or 8))
         dtypes = master_lib.use_dtypes(model.apply, params, names, jnp.dtype(compute_dtype).name,
@@ -260,21 +292,39 @@ def plan_state(model: ModelFns, tx: optax.GradientTransformation, mesh: Mesh,
     if master:
         params = jax.tree.map(lambda p, d: jax.ShapeDtypeStruct(p.shape, d), params, dtypes)
     scale = jax.eval_shape(lambda: loss_scale_lib.init(loss_scale_lib.LossScaleConfig()))
-    abstract = TrainState(jax.ShapeDtypeStruct((), jnp.int32), params, opt_state, scale)
+    abstract = TrainState(jax.ShapeDtypeStruct((), jnp.int32), params, opt_state, scale, frozen)
     sizes = mesh_shape.sizes
-    compute = jax.tree_util.tree_map_with_path(
-        lambda path, p, n: rules.spec(
-            n, p.shape, sizes,
-            what=f"parameter {path_name(path)}"),
-        params, compute_names)
+    compute = _compute_specs(rules, sizes, params, compute_names)
     placement = zero_lib.Placement.on(mesh_shape, min_shard_elements)
     over_pipe = zero_lib.PipeSplit(zero_lib.Placement(("pipe",), sizes["pipe"], min_shard_elements),
                                    dict(sizes), stacked_params) if stages is not None else None
     specs = zero_lib.state_specs(params, compute, names, opt_state, tx,
                                  zero_lib.stage(zero_stage), placement, over_pipe)
+    frozen_specs = None if frozen is None else zero_lib.stored_specs(
+        frozen, _compute_specs(rules, sizes, frozen, frozen_names), frozen_names,
+        zero_lib.stage(zero_stage), placement)
     return StatePlan(mesh, mesh_shape, rules, zero_stage, abstract, names, specs, placement,
                      jnp.dtype(policy.dtype("grads")), master, stages,
-                     (stacked_params, stacked_opt))
+                     (stacked_params, stacked_opt), frozen_names=frozen_names,
+                     frozen_specs=frozen_specs)
+
+
+def _frozen_base(names: Any, params: Any, compute_dtype) -> tuple[Any, Any, Any, Any]:
+    """(names, params, frozen names, frozen base): under LoRA the state's
+    parameters are the adapters, and the rest is the frozen base, stored in
+    the dtype it is used in (it is never updated); else the base is None."""
+    if not lora.has_adapters(names):
+        return names, params, None, None
+    (names, frozen_names), (params, frozen) = lora.split(names), lora.split(params)
+    frozen = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, compute_dtype), frozen)
+    return names, params, frozen_names, frozen
+
+
+def _compute_specs(rules: AxisRules, sizes: dict, params: Any, names: Any) -> Any:
+    """Each parameter's layout for use, by the rules (no ZeRO split)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, p, n: rules.spec(n, p.shape, sizes, what=f"parameter {path_name(path)}"),
+        params, names)
 
 
 def _pipeline_stack(model: ModelFns, stacked: Any) -> Any:
@@ -306,8 +356,13 @@ def state_from_params(state_plan: StatePlan, tx: optax.GradientTransformation, p
 
 
 def _fresh(state_plan: StatePlan, tx, params, scale_cfg) -> TrainState:
+    frozen = None
+    if state_plan.frozen_names is not None:  # the base, cast once to the dtype it is used in
+        params, frozen = lora.split(params)
+        frozen = jax.tree.map(lambda x, a: x.astype(a.dtype), frozen, state_plan.abstract.frozen)
     params = state_plan.pad_params(params)
     opt_state = tx.init(params)
     if state_plan.master:
         params = state_plan.to_working(params)
-    return TrainState(jnp.zeros((), jnp.int32), params, opt_state, loss_scale_lib.init(scale_cfg))
+    return TrainState(jnp.zeros((), jnp.int32), params, opt_state, loss_scale_lib.init(scale_cfg),
+                      frozen)

@@ -53,7 +53,8 @@ def train_step(state: TrainState, batch: Any, *, loss_and_grads: Callable,
     scale_cfg = options.loss_scale
     scale = state.loss_scale.scale
     batch = grads.weighted(batch)
-    measured, g = loss_and_grads(state.params, batch, scale if scale_cfg.enabled else None)
+    measured, g = loss_and_grads(state.params, batch, scale if scale_cfg.enabled else None,
+                                 state.frozen)
     if scale_cfg.enabled:  # amax histories' and biases' reports are not gradients
         g = jax.tree_util.tree_map_with_path(
             lambda path, x: x if fp8.is_history(path) or balance.is_bias(path)
@@ -91,7 +92,7 @@ def train_step(state: TrainState, batch: Any, *, loss_and_grads: Callable,
         "skipped": ~finite,
         "consecutive_skips": new_scale.consecutive,
     }
-    new_state = TrainState(state.step + 1, params, opt_state, new_scale)
+    new_state = TrainState(state.step + 1, params, opt_state, new_scale, state.frozen)
     return new_state, metrics
 
 
@@ -174,6 +175,6 @@ def jit_eval_step(state_plan: StatePlan, model: ModelFns, hooks: Hooks, options:
     """`eval_step` bound to a layout and its options, jitted with its shardings."""
     step = functools.partial(eval_step, state_plan=state_plan, model=model, hooks=hooks,
                              options=options)
-    return jax.jit(step, in_shardings=(state_plan.shardings.params, state_plan.batch_sharding),
+    return jax.jit(step, in_shardings=(state_plan.model_shardings, state_plan.batch_sharding),
                    out_shardings=NamedSharding(state_plan.mesh, PartitionSpec()),
                    compiler_options=compiler_options(state_plan, options.overlap))

@@ -1,0 +1,144 @@
+"""LoRA (zero_jax/model/lora.py): adapters on a frozen base, trained on a
+ZeRO-3 layout like on one device; the base has no gradient, no reduction
+and no optimizer state; the adapters' products equal the merged weight's;
+what cannot work yet is refused before compiling.
+
+CI runs fsdp=8 at ZeRO-3 and fsdp=4,tensor=2; ZERO_JAX_FULL_GRID=1 adds
+ZeRO-1 over data and parameter offload.
+"""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tests.helpers import compile_step, host, make_job
+from zero_jax.analysis import traffic
+from zero_jax.config.sections import ConfigError
+from zero_jax.data import corpus as corpus_lib
+from zero_jax.model import lora
+
+FULL = bool(os.environ.get("ZERO_JAX_FULL_GRID"))
+LAYOUTS = [("fsdp=8", 3, {}), ("fsdp=4,tensor=2", 3, {}), ("data=8", 1, {}),
+           ("fsdp=8", 3, {"offload_params": True})]
+CASES = LAYOUTS if FULL else LAYOUTS[:2]
+LORA = dict(model="llama-tiny", precision="fp32", lora_rank=8, lora_alpha=16.0,
+            lora_targets="q,v")
+
+
+def _train(corpus, mesh, stage, devices=None, **extra):
+    """Ten steps: the losses, the adapters and the frozen base after them,
+    and the base as initialised."""
+    job = make_job(corpus, mesh=mesh, zero_stage=stage, devices=devices, **{**LORA, **extra})
+    state = job.init_state()
+    base = host(state.frozen)
+    step_fn, t, losses = compile_step(job), job.run.train, []
+    for i in range(t.steps):
+        batch = corpus_lib.global_batch(corpus, "train", job.run.data.seq_len, t.batch_size,
+                                        t.seed, step=i, sharding=job.state_plan.batch_sharding)
+        state, metrics = step_fn(state, batch)
+        losses.append(float(metrics["loss"]))
+    return np.array(losses), host(state.params), host(state.frozen), base
+
+
+@pytest.fixture(scope="module")
+def reference(corpus):
+    return _train(corpus, "fsdp=1", 3, devices=jax.devices()[:1])
+
+
+@pytest.mark.parametrize("mesh,stage,extra", CASES)
+def test_lora_trains_like_one_device(corpus, reference, mesh, stage, extra):
+    """Rank-8 adapters on q and v: ten steps' losses and adapters as on one
+    device to 1e-5, the base bitwise as initialised, and initialised as
+    the model without adapters is (the adapters start at B = 0: the
+    adapted model is the base)."""
+    losses, adapters, frozen, base = _train(corpus, mesh, stage, **extra)
+    ref_losses, ref_adapters, ref_frozen, _ = reference
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5),
+                 adapters, ref_adapters)
+    jax.tree.map(np.testing.assert_array_equal, frozen, base)
+    jax.tree.map(np.testing.assert_array_equal, frozen, ref_frozen)
+    assert ref_losses[-1] < ref_losses[0]  # the adapters learn
+    plain = make_job(corpus, model="llama-tiny", precision="fp32", mesh="fsdp=1", zero_stage=3,
+                     devices=jax.devices()[:1])
+    jax.tree.map(np.testing.assert_array_equal, base, host(plain.init_state().params))
+    assert {k: sorted(v) for k, v in adapters["blocks"].items()} == {
+        "w_q_lora": ["a", "b"], "w_v_lora": ["a", "b"]}
+
+
+def test_the_base_has_no_gradient_reduction_and_no_optimizer_state(corpus):
+    """The compiled ZeRO-3 step on fsdp=8 reduces the adapters' gradients
+    and nothing of the base's: its all-reduce payload is the adapters'
+    float32 gradients plus the loss, where a full fine-tune's is every
+    parameter's; the optimizer state holds the adapters' moments only."""
+    def reduced(**extra):
+        job = make_job(corpus, model="llama-tiny", precision="fp32", mesh="fsdp=8",
+                       zero_stage=3, **extra)
+        by_op = traffic.traffic(job.lower_train_step().compile().as_text(),
+                                job.state_plan.mesh).by_op
+        reductions = sum(v for k, v in by_op.items() if k.startswith(("all-reduce",
+                                                                       "reduce-scatter")))
+        elements = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(job.state_plan.abstract.params))
+        return job, reductions, elements
+    full, full_bytes, full_elements = reduced()
+    job, lora_bytes, adapters = reduced(**{k: v for k, v in LORA.items() if k.startswith("lora")})
+    print(f"all-reduce bytes per step: full fine-tune {full_bytes:,} ({full_elements:,} "
+          f"parameters), LoRA {lora_bytes:,} ({adapters:,} adapter parameters)")
+    assert 4 * adapters <= lora_bytes <= 4 * adapters + 64  # the loss's scalar besides
+    assert 4 * full_elements <= full_bytes
+    base = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(job.state_plan.abstract.frozen))
+    assert base == full_elements  # every parameter of the full fine-tune is frozen here
+    moments = [x.shape for x in jax.tree.leaves(job.state_plan.abstract.opt_state) if x.ndim]
+    assert sorted(moments) == sorted(2 * [x.shape for x in jax.tree.leaves(
+        job.state_plan.abstract.params)])
+    assert not job.state_plan.master
+
+
+@pytest.mark.parametrize("eq,shape,names,x_shape", [
+    ("btd,dhq->bthq", (16, 4, 8), ("embed", "heads", "kv"), (2, 5, 16)),  # q: out over heads
+    ("bthq,hqd->btd", (4, 8, 16), ("heads", "kv", "embed"), (2, 5, 4, 8)),  # o: in over heads
+    ("btd,df->btf", (16, 24), ("embed", "mlp"), (2, 5, 16))])
+def test_the_two_products_equal_the_merged_weight(eq, shape, names, x_shape):
+    """x A then B equals x (A B): the adapter's term of every shape of
+    product the block has; A and B keep W's logical axes."""
+    (eq_a, shape_a, names_a), (eq_b, shape_b, names_b) = lora.factors(eq, shape, names, 3)
+    rng = np.random.default_rng(0)
+    x, a, b = (rng.normal(size=s) for s in (x_shape, shape_a, shape_b))
+    ins = len(shape_a) - 1  # A: W's input dimensions, then the rank
+    delta = np.tensordot(a, b, axes=([ins], [0]))  # W's input then output dimensions
+    ws = eq.split(",")[1].split("->")[0]
+    xs = eq.split(",")[0]
+    order = [c for c in ws if c in xs] + [c for c in ws if c not in xs]
+    delta = np.transpose(delta, [order.index(c) for c in ws])  # in W's own order
+    np.testing.assert_allclose(np.einsum(eq_b, np.einsum(eq_a, x, a), b),
+                               np.einsum(eq, x, delta), rtol=1e-10)
+    assert delta.shape == shape
+    assert set(names_a) | set(names_b) == set(names) | {None}
+
+
+@pytest.mark.parametrize("extra,says", [
+    (dict(lora_targets="q,x"), "--lora-targets 'q,x': x; choose from q,k,v,o,gate,up,down"),
+    (dict(model="gpt-tiny"), "gpt-tiny has none of these projections"),
+    (dict(mesh="pipe=2,data=4", zero_stage=1), "pipe=2"),
+    (dict(model="moe-tiny"), "a mixture of experts"),
+    (dict(resume=True, dir="{hf}"), "--init-from or --resume"),
+    (dict(init_from="{hf}"), "--init-from")])
+def test_what_lora_cannot_do_yet_is_refused_before_compiling(corpus, tmp_path, extra, says):
+    (tmp_path / "config.json").write_text("{}")  # a directory --init-from accepts
+    extra = {k: v.format(hf=tmp_path) if isinstance(v, str) else v for k, v in extra.items()}
+    with pytest.raises((ConfigError, ValueError), match=says.replace("(", r"\(")):
+        make_job(corpus, **{**LORA, "mesh": "fsdp=8", **extra})
+
+
+def test_adapters_split_from_and_merge_into_the_tree():
+    tree = {"blocks": {"w_q": 1, "w_q_lora": {"a": 2, "b": 3}, "norm": {"scale": 4}},
+            "wte": 5}
+    adapters, frozen = lora.split(tree)
+    assert adapters == {"blocks": {"w_q_lora": {"a": 2, "b": 3}}}
+    assert frozen == {"blocks": {"w_q": 1, "norm": {"scale": 4}}, "wte": 5}
+    assert lora.merge(adapters, frozen) == tree
+    assert lora.has_adapters(tree) and not lora.has_adapters(frozen)
+    assert jnp.asarray(lora.Lora(8, 16.0, ("q",)).scale) == 2.0
