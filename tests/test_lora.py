@@ -7,6 +7,7 @@ CI runs fsdp=8 at ZeRO-3 and fsdp=4,tensor=2; ZERO_JAX_FULL_GRID=1 adds
 ZeRO-1 over data and parameter offload.
 """
 
+import json
 import os
 
 import jax
@@ -14,18 +15,34 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import models
 from tests.helpers import compile_step, host, make_job
+from zero_jax import run
 from zero_jax.analysis import traffic
+from zero_jax.checkpoint import manager as manager_lib
+from zero_jax.checkpoint import weights
 from zero_jax.config.sections import ConfigError
 from zero_jax.data import corpus as corpus_lib
 from zero_jax.model import lora
 
 FULL = bool(os.environ.get("ZERO_JAX_FULL_GRID"))
+CORPUS = [corpus_lib.stdlib_corpus()]  # what _steps reads (the suite's corpus fixture's)
 LAYOUTS = [("fsdp=8", 3, {}), ("fsdp=4,tensor=2", 3, {}), ("data=8", 1, {}),
            ("fsdp=8", 3, {"offload_params": True})]
 CASES = LAYOUTS if FULL else LAYOUTS[:2]
 LORA = dict(model="llama-tiny", precision="fp32", lora_rank=8, lora_alpha=16.0,
             lora_targets="q,v")
+
+
+def _steps(job, state, first, last):
+    """Steps first..last - 1 from `state`: the state after them and their losses."""
+    step_fn, t, losses = compile_step(job), job.run.train, []
+    for i in range(first, last):
+        batch = corpus_lib.global_batch(CORPUS[0], "train", job.run.data.seq_len, t.batch_size,
+                                        t.seed, step=i, sharding=job.state_plan.batch_sharding)
+        state, metrics = step_fn(state, batch)
+        losses.append(float(metrics["loss"]))
+    return state, np.array(losses)
 
 
 def _train(corpus, mesh, stage, devices=None, **extra):
@@ -123,9 +140,7 @@ def test_the_two_products_equal_the_merged_weight(eq, shape, names, x_shape):
     (dict(lora_targets="q,x"), "--lora-targets 'q,x': x; choose from q,k,v,o,gate,up,down"),
     (dict(model="gpt-tiny"), "gpt-tiny has none of these projections"),
     (dict(mesh="pipe=2,data=4", zero_stage=1), "pipe=2"),
-    (dict(model="moe-tiny"), "a mixture of experts"),
-    (dict(resume=True, dir="{hf}"), "--init-from or --resume"),
-    (dict(init_from="{hf}"), "--init-from")])
+    (dict(model="moe-tiny"), "a mixture of experts")])
 def test_what_lora_cannot_do_yet_is_refused_before_compiling(corpus, tmp_path, extra, says):
     (tmp_path / "config.json").write_text("{}")  # a directory --init-from accepts
     extra = {k: v.format(hf=tmp_path) if isinstance(v, str) else v for k, v in extra.items()}
@@ -142,3 +157,72 @@ def test_adapters_split_from_and_merge_into_the_tree():
     assert lora.merge(adapters, frozen) == tree
     assert lora.has_adapters(tree) and not lora.has_adapters(frozen)
     assert jnp.asarray(lora.Lora(8, 16.0, ("q",)).scale) == 2.0
+
+
+def test_the_base_is_read_from_a_checkpoint_or_a_hugging_face_directory(corpus, tmp_path):
+    """--init-from a full run's checkpoint, or a Hugging Face directory:
+    the frozen base is its weights, cast to the compute dtype (bfloat16
+    here) in the base's layout; the adapters start fresh (B = 0)."""
+    full = make_job(corpus, model="llama-tiny", precision="fp32", mesh="fsdp=8", zero_stage=3)
+    rng = np.random.default_rng(0)  # weights no initialisation gives
+    params = jax.tree.map(lambda x: rng.normal(size=x.shape).astype(x.dtype),
+                          host(full.init_state().params))
+    state = full.state_from_params(params)
+    writer = manager_lib.Checkpointer(manager_lib.CheckpointConfig(dir=str(tmp_path / "ckpt")),
+                                      full.state_plan.names, writer=True)
+    writer.save(0, full.state_plan.saved_form(state), run.checkpoint_meta(full, 0))
+    writer.wait()
+
+    def read(path, layer):
+        x = params
+        for key in path.split("."):
+            x = x[key]
+        return np.asarray(x if layer is None else x[layer])
+    models.save_hf(tmp_path / "hf", full.model.config, read)
+    bf16 = jax.tree.map(lambda x: np.asarray(jnp.asarray(x, jnp.bfloat16)), params)
+    for source, model in ((tmp_path / "ckpt", "llama-tiny"), (tmp_path / "hf", f"hf:{tmp_path / 'hf'}")):
+        job = make_job(corpus, **{**LORA, "precision": "bf16", "model": model,
+                                  "init_from": str(source), "mesh": "fsdp=4,tensor=2"})
+        loaded, _ = run.initial_state(job, None, [models.hf_loader], print)
+        jax.tree.map(np.testing.assert_array_equal, host(loaded.frozen), bf16)
+        assert jax.tree.map(lambda x: x.sharding, loaded.frozen) == \
+            job.state_plan.shardings.frozen
+        assert not any(np.any(b["b"]) for b in host(loaded.params)["blocks"].values())
+
+
+def test_a_lora_checkpoint_resumes_onto_another_layout_and_only_onto_its_base(corpus, tmp_path):
+    """Adapters saved at step 3 of 6 on fsdp=8 (ZeRO-3), with the digest of
+    the base they were trained on in the meta, resume on fsdp=4,tensor=2:
+    the base is read again (the seed's initialisation here), checked, and
+    the last 3 losses are the straight run's to 1e-5. A run whose base has
+    other weights (another seed) is refused, naming the one saved."""
+    job = make_job(corpus, **{**LORA, "mesh": "fsdp=8", "zero_stage": 3, "dir": str(tmp_path)})
+    state, _ = run.initial_state(job, None, [], print)
+    state, _ = _steps(job, state, 0, 3)
+    writer = manager_lib.Checkpointer(job.run.checkpoint, job.state_plan.names, writer=True)
+    writer.save(3, job.state_plan.saved_form(state),
+                {**run.checkpoint_meta(job, 3), **weights.base_meta(job, state.frozen)})
+    writer.wait()
+    _, straight = _steps(job, state, 3, 6)
+
+    def resumed(**extra):
+        again = make_job(corpus, **{**LORA, "mesh": "fsdp=4,tensor=2", "zero_stage": 3,
+                                    "dir": str(tmp_path), "resume": True, **extra})
+        return again, run.initial_state(again, manager_lib.Checkpointer(again.run.checkpoint),
+                                        [], print)
+    again, (state, step) = resumed()
+    assert step == 3
+    _, losses = _steps(again, state, 3, 6)
+    np.testing.assert_allclose(losses, straight, rtol=1e-5, atol=1e-5)
+    with pytest.raises(weights.WrongBase, match="trained on the base from the initialisation "
+                       "of seed 0, this run's comes from the initialisation of seed 1; give "
+                       "--seed 0 and no --init-from"):
+        resumed(seed=1)
+    with pytest.raises(weights.WrongBase, match="seed 1"):  # what the CLI checks before compiling
+        weights.check_base_source(make_job(corpus, **{**LORA, "dir": str(tmp_path),
+                                                      "resume": True, "seed": 1}))
+    meta = json.loads((tmp_path / "3" / "meta" / "metadata").read_text())
+    meta["lora_base"]["digest"] = "0" * 64  # as if the base's files had changed since
+    (tmp_path / "3" / "meta" / "metadata").write_text(json.dumps(meta))
+    with pytest.raises(weights.WrongBase, match="whose weights have changed since"):
+        resumed()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -174,10 +174,18 @@ class Job:
                        else self.collectives(partitioned_text, compiled_step))
         return memory.report(self.state_plan, compiled_step, self.activation_estimate(), collectives)
 
-    def init_state(self) -> state.TrainState:
+    def init_state(self, base: Any = None) -> state.TrainState:
+        """A fresh state; under LoRA around `base`, weights `base_job` placed."""
         return state.init_state(self.state_plan, self.model, self.tx,
                                 jax.random.key(self.run.train.seed), self.scale_cfg,
-                                self.policy.dtype("params"))
+                                self.policy.dtype("params"), base)
+
+    def base_job(self) -> "Job":
+        """Under LoRA, this job with the frozen base as its parameters, in the
+        parameters' dtype: what a model's weights are loaded through (they
+        are cast to the base's own dtype after)."""
+        return dataclasses.replace(
+            self, state_plan=self.state_plan.base_plan(self.policy.dtype("params")))
 
     def state_from_params(self, params) -> state.TrainState:
         return state.state_from_params(self.state_plan, self.tx, params, self.scale_cfg)

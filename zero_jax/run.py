@@ -3,10 +3,10 @@ and how the run stops. `zero-jax train` (cli/train.py) is the command line over 
 
 The state comes from, in order: `--resume` (the newest complete checkpoint
 that verifies, falling back past corrupt ones), `--init-from` (parameters
-only, with a fresh optimizer), or a fresh initialisation. It is saved every
-`--checkpoint-every` steps, at the end, at `--stop-at`, and when the run is
-preempted (SIGTERM) or interrupted (Ctrl-C), after which the run exits cleanly
-(runtime/preempt.py).
+only, with a fresh optimizer; under LoRA, the frozen base's), or a fresh
+initialisation. It is saved every `--checkpoint-every` steps, at the end, at
+`--stop-at`, and when the run is preempted (SIGTERM) or interrupted
+(Ctrl-C), then exits cleanly (runtime/preempt.py).
 """
 
 from __future__ import annotations
@@ -18,33 +18,21 @@ from pathlib import Path
 from typing import Any, Callable
 
 import jax
-import numpy as np
 from tqdm import tqdm
 
 from zero_jax.checkpoint import manager as manager_lib
 from zero_jax.data import corpus as corpus_lib
 from zero_jax import loop
-from zero_jax.runtime import distributed, preempt
-from zero_jax.checkpoint import export
-from zero_jax.checkpoint import stream
+from zero_jax.runtime import distributed, preempt, trace, wandb_log
 from zero_jax.analysis import flops
-from zero_jax.checkpoint import integrity
-from zero_jax.runtime import trace
-from zero_jax.runtime import wandb_log
 from zero_jax.runtime.metrics import MetricsWriter, TensorBoardWriter, Writers
 from zero_jax.data import sampler
 from zero_jax.job import Job
+from zero_jax.checkpoint import weights
+from zero_jax.checkpoint.weights import InitFromError, ParamLoader, load_params, place  # noqa: F401 (callers' names)
 from zero_jax.train.state import TrainState
 from zero_jax.runtime.watchdog import StepWatchdog
 from zero_jax.sharding.specs import is_spec, named_leaves
-
-# (path, job) -> the parameters placed in the job's layout (None: not this format)
-ParamLoader = Callable[[str, Job], Any]
-
-
-class InitFromError(ValueError):
-    """--init-from names something that does not load into the model."""
-
 
 @dataclasses.dataclass(frozen=True)
 class CompiledSteps:
@@ -135,55 +123,19 @@ def start_line(job: Job) -> str:
     return f"start: --resume found no complete checkpoint in {directory}{empty}; {fresh}"
 
 
-def load_params(source: str, job: Job, loaders: list[ParamLoader] = ()) -> Any:
-    """Parameters from a checkpoint directory, a consolidated .safetensors file, or
-    a format one of `loaders` recognises (a loader returns the parameters
-    placed in the job's layout, or None), laid out for `job`."""
-    path = Path(source)
-    for loader in loaders:
-        tree = loader(source, job)
-        if tree is not None:
-            return tree
-    if path.suffix == ".safetensors":
-        return place(export.read_consolidated(path, job.state_plan.names), job)
-    checkpointer = manager_lib.Checkpointer(manager_lib.CheckpointConfig(dir=str(path)))
-    steps = checkpointer.complete_steps()
-    if not steps:
-        raise FileNotFoundError(f"--init-from {source}: no complete checkpoint, .safetensors "
-                                "file or known weights directory there")
-    params, _ = checkpointer.restore(steps[-1], job.state_plan.targets, params_only=True)
-    return params
-
-
-def place(tree: Any, job: Job, log: Callable[[str], None] = print) -> Any:
-    """Numpy parameters -> master weights in the job's layout, checked leaf by leaf."""
-    want, have = integrity.flatten(job.state_plan.master_params), integrity.flatten(tree)
-    problems = [f"{p}: in the model, not in the weights" for p in sorted(want.keys() - have.keys())]
-    problems += [f"{p}: in the weights, not in the model" for p in sorted(have.keys() - want.keys())]
-    problems += [f"{p}: shape {tuple(np.shape(have[p]))}, the model has {want[p].shape}"
-                 for p in sorted(want.keys() & have.keys()) if tuple(np.shape(have[p])) != want[p].shape]
-    if problems:
-        raise ValueError("the weights do not fit the model:\n  " + "\n  ".join(problems))
-    cast = sorted({f"{np.asarray(have[p]).dtype} -> {want[p].dtype}" for p in want
-                   if np.asarray(have[p]).dtype != want[p].dtype})
-    if cast:
-        log(f"imported weights converted to the model's dtypes: {', '.join(cast)}")
-    # Each leaf cast to its dtype as it is placed, so a bf16 file is never
-    # held whole in float32 on the host.
-    return jax.tree.map(lambda x, a, s: stream.put(np.asarray(x), a.dtype, s),
-                        tree, job.state_plan.master_params, job.state_plan.named(job.state_plan.master_specs))
-
-
 def initial_state(job: Job, checkpointer: manager_lib.Checkpointer | None,
                   loaders: list[ParamLoader], log: Callable[[str], None],
                   corpus: corpus_lib.TokenData | None = None) -> tuple[TrainState, int | None]:
     c = job.run.checkpoint
+    frozen = weights.base(job, loaders)  # under LoRA: checkpoints do not hold the base
     if c.resume:
         restored = checkpointer.restore_latest(job.state_plan.targets, log)
         if restored is not None:
             saved, meta = restored
-            state = job.state_plan.from_saved(saved)
-            step = int(distributed.local(state.step))
+            step = int(distributed.local(saved.step))
+            if frozen is not None:
+                weights.check_base(meta, frozen, job, checkpointer.directory / str(step))
+            state = job.state_plan.from_saved(saved, frozen)
             arrays = sum(len(leaves) for leaves in meta["manifest"].values())
             log(f"resumed from {checkpointer.directory / str(step)} (step {step}; {arrays} arrays "
                 "equal to the saved ones by checksum)")
@@ -194,6 +146,8 @@ def initial_state(job: Job, checkpointer: manager_lib.Checkpointer | None,
             return state, step
         if checkpointer.complete_steps():  # else start_line has said there were none
             log(f"--resume: no checkpoint in {checkpointer.directory} verified; starting at step 0")
+    if frozen is not None:  # fresh adapters on it
+        return job.init_state(base=frozen), None
     if c.init_from:
         try:
             params = load_params(c.init_from, job, loaders)
@@ -244,7 +198,7 @@ class StopAndSave:
     def __init__(self, job: Job, corpus: corpus_lib.TokenData,
                  checkpointer: manager_lib.Checkpointer | None, meta: dict[str, Any] | None = None):
         self.job, self.corpus, self.checkpointer = job, corpus, checkpointer
-        self.meta = meta or {}  # more for each checkpoint's meta (the W&B group)
+        self.meta = meta or {}  # more for each checkpoint's meta (the W&B group, LoRA's base)
         self.preemption = preempt.Preemption()
         self.stopped = ""  # "preempted", "interrupted", "stop_at", or "" while running
 
@@ -365,7 +319,10 @@ def _train(job: Job, corpus: corpus_lib.TokenData, steps: CompiledSteps,
     out = writers(job, resumed or 0, group, lead, reporting.plan)
     if checkpointer is not None:
         checkpointer.on_commit = out.committed  # the writers exist once the start step is known
-    after_step = StopAndSave(job, corpus, checkpointer, {"wandb": {"group": group}} if group else {})
+    meta = {"wandb": {"group": group}} if group else {}
+    if checkpointer is not None:  # under LoRA, the base the adapters are trained on
+        meta.update(weights.base_meta(job, state.frozen))
+    after_step = StopAndSave(job, corpus, checkpointer, meta)
     watchdog = StepWatchdog(d.watchdog_warn, d.watchdog_stop, d.watchdog_min_s,
                             who=f"process {jax.process_index()}: " if jax.process_count() > 1 else "")
     try:

@@ -35,6 +35,7 @@ from zero_jax.analysis import flops, hlo
 from zero_jax.analysis import memory
 from zero_jax.report import summary
 from zero_jax.checkpoint import manager as manager_lib
+from zero_jax.checkpoint import weights
 from zero_jax.data import corpus as corpus_lib
 from zero_jax.runtime import cpu, distributed, preempt
 from zero_jax.sharding.mesh import MeshError
@@ -77,6 +78,7 @@ def prepare(argv: list[str] | None):
     job = job_lib.prepare(cfg, build)
     # Bad data and weights of another shape stop here, before anything compiles.
     models.check_init_from(cfg.checkpoint.init_from, job)
+    weights.check_base_source(job)  # a LoRA resume onto another base
     corpus_lib.check(corpus, job.model.config.vocab_size, cfg.data.seq_len,
                    models.weight_dirs(cfg.model.name, cfg.checkpoint.init_from))
     # A model that cannot fit stops here, before a compile that could take

@@ -24,13 +24,11 @@ def lora_of(run: config_lib.RunConfig, model: ModelFns, pipe: int) -> lora.Lora 
         raise config_lib.ConfigError(str(e)) from None
     if adapters is None:
         return None
-    c, rank = run.checkpoint, f"--lora-rank {run.lora.rank}"
+    rank = f"--lora-rank {run.lora.rank}"
     why = (f"pipe={pipe} (adapters are not cut into stages yet)" if pipe > 1
            else "a mixture of experts (its selection biases would stay frozen)" if model.experts
            else "--precision fp8 (its amax histories would stay frozen)"
-           if run.precision.policy == "fp8" else "--init-from or --resume (the base's "
-           "weights are not read back yet: only a freshly initialised base is)"
-           if c.init_from or c.resume else "")
+           if run.precision.policy == "fp8" else "")
     if why:
         raise config_lib.ConfigError(f"{rank} with {why} is not supported; train every "
                                      "parameter (--lora-rank 0)")

@@ -215,6 +215,25 @@ class StatePlan:
         return jax.tree.map(lambda x, st: self.stages.unpad(x) if st else x, params,
                             self.stacked[0])
 
+    def base_plan(self, dtype) -> "StatePlan":
+        """Under LoRA, the frozen base as a plan of parameters alone, in
+        `dtype` and its storage layout: what loading a model's weights into
+        the base reads them as (`targets`, `master_params`)."""
+        base = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype), self.abstract.frozen)
+        no = jax.tree.map(lambda _: False, base)
+        return dataclasses.replace(
+            self, abstract=TrainState(self.abstract.step, base, (), self.abstract.loss_scale),
+            names=self.frozen_names, master=False, stacked=(no, ()), frozen_names=None,
+            frozen_specs=None, specs=dataclasses.replace(self.specs, params=self.frozen_specs,
+                                                         opt_state=()))
+
+    def cast_base(self, base: Any) -> Any:
+        """LoRA's base weights (read as `base_plan` lays them out) in the
+        base's own dtype and layout, cast on the devices."""
+        dtypes = jax.tree.map(lambda a: a.dtype, self.abstract.frozen)
+        return jax.jit(lambda b: jax.tree.map(lambda x, d: x.astype(d), b, dtypes),
+                       out_shardings=self.shardings.frozen)(base)
+
     @property
     def data_axes(self) -> tuple[str, ...]:
         """The data-parallel mesh axes the batch is split over (size-1 ones left out)."""
@@ -337,13 +356,19 @@ def _pipeline_stack(model: ModelFns, stacked: Any) -> Any:
 
 def init_state(state_plan: StatePlan, model: ModelFns, tx: optax.GradientTransformation,
                key: jax.Array, scale_cfg: loss_scale_lib.LossScaleConfig,
-               param_dtype=jnp.float32) -> TrainState:
-    """A fresh train state, each array created directly in its sharding."""
+               param_dtype=jnp.float32, base: Any = None) -> TrainState:
+    """A fresh train state, each array created directly in its sharding;
+    under LoRA, around `base` (the frozen base's weights, placed in its
+    layout: `StatePlan.base_plan`) where given, else an initialised one."""
 
     def init(key):
-        return _fresh(state_plan, tx, init_params(model, key, param_dtype), scale_cfg)
+        state = _fresh(state_plan, tx, init_params(model, key, param_dtype), scale_cfg)
+        return state if base is None else state._replace(frozen=None)  # XLA drops its init
 
-    return jax.jit(init, out_shardings=state_plan.shardings)(key)
+    if base is None:
+        return jax.jit(init, out_shardings=state_plan.shardings)(key)
+    state = jax.jit(init, out_shardings=state_plan.shardings._replace(frozen=None))(key)
+    return state._replace(frozen=state_plan.cast_base(base))
 
 
 def state_from_params(state_plan: StatePlan, tx: optax.GradientTransformation, params: Any,
