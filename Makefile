@@ -23,8 +23,9 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 IVENV  := .venv-interop
 OVENV  := .venv-oldest
-# transformers 5 with a torch release that has wheels for every Python 3.12+.
-INTEROP_PACKAGES := 'torch==2.13.0' 'transformers>=4.40'
+# transformers 5 with a torch release that has wheels for every Python 3.12+,
+# and peft, which loads the LoRA adapters zero_jax exports.
+INTEROP_PACKAGES := 'torch==2.13.0' 'transformers>=4.40' 'peft>=0.13'
 # The tests compile hundreds of small programs, one compile per core at a
 # time: one worker per core, each test file on one worker (its fixtures once).
 TEST_WORKERS ?= 2
@@ -66,7 +67,7 @@ $(STAMP): pyproject.toml constraints.txt $(VENV)/.interpreter
 	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[test]'
 	@touch $@
 
-$(IVENV)/.installed: pyproject.toml constraints.txt $(IVENV)/.interpreter
+$(IVENV)/.installed: pyproject.toml constraints.txt Makefile $(IVENV)/.interpreter
 	$(IVENV)/bin/python -m pip install --quiet --disable-pip-version-check -c constraints.txt \
 	  -e '.[test]' $(INTEROP_PACKAGES)
 	@touch $@

@@ -10,12 +10,16 @@ llama/hf.py) of the family its config.json names."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 from zero_jax.model.contract import ModelFns
 
 from models import gpt, llama
 from models.common import decoder, hf_files
+from zero_jax.checkpoint import export, weights
+from zero_jax.model import lora as lora_lib
+from zero_jax.sharding.specs import named_leaves
 
 GPT_FIELDS = ("n_layer", "n_head", "d_model", "d_mlp", "vocab_size", "max_seq_len")
 
@@ -254,3 +258,59 @@ def save_hf(out: Path, cfg, read: hf_files.Read, max_shard_bytes: int = hf_files
     written."""
     return hf_files.save(out, _hf_mapping(cfg).pieces(cfg, read),
                        lambda: hf_config_json(cfg, dtype, token_ids), max_shard_bytes, dtype)
+
+
+def save_peft(out: Path, meta: dict, arrays: dict, read: hf_files.Read,
+              dtype: str = "float32") -> list[Path]:
+    """A LoRA checkpoint's adapters (`arrays`: its manifest, path -> shape;
+    `read(path, layer)`) as peft's directory for the checkpoint's model
+    (`meta`), written in `dtype`. Returns the files written."""
+    cfg = config_from(meta["model"])
+    if not isinstance(cfg, llama.model.LlamaConfig) or cfg.mla or cfg.n_experts:
+        raise ValueError(f"--peft-dir: adapters of {meta['model']['name']} have no peft layout "
+                         "here; the Llama family's dense models' do")
+    shapes = {path: tuple(a["shape"]) for path, a in arrays.items()}
+    lora, base = meta["run"]["lora"], meta.get("lora_base", {})
+    weights = sorted({path.split(".")[-2].removesuffix("_lora") for path in shapes})
+    out.mkdir(parents=True, exist_ok=True)
+    export.write_safetensors(out / llama.peft.WEIGHTS, [
+        (name, shape, dtype, produce)
+        for name, shape, produce in llama.peft.pieces(cfg.n_layer, shapes, read)],
+        {"format": "pt"})
+    config = llama.peft.config_json(lora["rank"], lora["alpha"], weights,
+                                    base.get("init_from") or meta["model"]["name"])
+    (out / llama.peft.CONFIG).write_text(json.dumps(config, indent=1))
+    return [out / llama.peft.WEIGHTS, out / llama.peft.CONFIG]
+
+
+def peft_loader(source: str, job) -> dict | None:
+    """A peft adapter directory's LoRA adapters, placed in the job's layout
+    (its parameters, under LoRA the adapters), or None if `source` is not
+    one. Its adapter_config.json must give the job's rank, alpha and
+    targets: one line names what differs."""
+    path = Path(source)
+    if not (path / llama.peft.CONFIG).is_file():
+        return None
+    found, lora, cfg = json.loads((path / llama.peft.CONFIG).read_text()), job.run.lora, \
+        job.model.config
+    targets = sorted(llama.peft.MODULES[lora_lib.TARGETS[t]].split(".")[-1]
+                     for t in lora_lib.parse_targets(lora.targets))
+    want = {"r": lora.rank, "lora_alpha": lora.alpha, "target_modules": targets,
+            "use_rslora": False, "bias": "none", "fan_in_fan_out": False}
+    have = {**{k: found.get(k) for k in want},
+            "target_modules": sorted(found.get("target_modules") or [])}
+    differ = [f"{k} {have[k]} there, {want[k]} here" for k in want if have[k] != want[k]]
+    if differ:
+        raise ValueError(f"{path / llama.peft.CONFIG}: {'; '.join(differ)}: give the adapters' "
+                         "--lora-rank, --lora-alpha and --lora-targets")
+    shapes = {p: tuple(a.shape) for p, a in named_leaves(job.state_plan.master_params).items()}
+    tensors = export.SafetensorsFile(path / llama.peft.WEIGHTS)
+    flat = llama.peft.adapters(cfg.n_layer, shapes, tensors.get)
+    tree: dict = {}
+    for p, x in flat.items():  # dotted paths -> the nested parameter tree
+        *parents, leaf = p.split(".")
+        node = tree
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = x
+    return weights.place(tree, job)

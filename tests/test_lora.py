@@ -19,6 +19,7 @@ import models
 from tests.helpers import compile_step, host, make_job
 from zero_jax import run
 from zero_jax.analysis import traffic
+from zero_jax.checkpoint import export
 from zero_jax.checkpoint import manager as manager_lib
 from zero_jax.checkpoint import weights
 from zero_jax.config.sections import ConfigError
@@ -226,3 +227,37 @@ def test_a_lora_checkpoint_resumes_onto_another_layout_and_only_onto_its_base(co
     (tmp_path / "3" / "meta" / "metadata").write_text(json.dumps(meta))
     with pytest.raises(weights.WrongBase, match="whose weights have changed since"):
         resumed()
+
+
+def test_adapters_go_to_peft_and_come_back_bit_for_bit(corpus, tmp_path):
+    """A LoRA checkpoint exported with --peft-dir (adapter_config.json and
+    adapter_model.safetensors, peft's names and shapes) and read back with
+    --lora-init-from gives the same adapters, bit for bit, on another
+    layout; the same directory under another rank is refused, naming it."""
+    from zero_jax.cli import export as export_cli
+    job = make_job(corpus, **{**LORA, "lora_targets": "q,k,v,o,gate,up,down", "mesh": "fsdp=8"})
+    state, _ = _steps(job, job.init_state(), 0, 2)
+    writer = manager_lib.Checkpointer(manager_lib.CheckpointConfig(dir=str(tmp_path / "ckpt")),
+                                      job.state_plan.names, writer=True)
+    writer.save(2, job.state_plan.saved_form(state),
+                {**run.checkpoint_meta(job, 2), **weights.base_meta(job, state.frozen)})
+    writer.wait()
+    assert export_cli.main(["--checkpoint-dir", str(tmp_path / "ckpt"), "--peft-dir",
+                            str(tmp_path / "peft")]) == 0
+    config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["peft_type"]) == (8, 16.0, "LORA")
+    assert config["target_modules"] == sorted(["q_proj", "k_proj", "v_proj", "o_proj",
+                                               "gate_proj", "up_proj", "down_proj"])
+    names = export.SafetensorsFile(tmp_path / "peft" / "adapter_model.safetensors")
+    assert names.shape("base_model.model.model.layers.1.self_attn.o_proj.lora_A.weight") == \
+        (8, 256)  # (r, H Q)
+    assert names.shape("base_model.model.model.layers.1.mlp.down_proj.lora_B.weight") == (256, 8)
+
+    def imported(**extra):
+        again = make_job(corpus, **{**LORA, "lora_targets": "q,k,v,o,gate,up,down",
+                                    "mesh": "fsdp=4,tensor=2", "lora_init_from":
+                                    str(tmp_path / "peft"), **extra})
+        return run.initial_state(again, None, [models.peft_loader], print)[0]
+    jax.tree.map(np.testing.assert_array_equal, host(imported().params), host(state.params))
+    with pytest.raises(ValueError, match="r 8 there, 4 here"):
+        imported(lora_rank=4)

@@ -146,8 +146,11 @@ def initial_state(job: Job, checkpointer: manager_lib.Checkpointer | None,
             return state, step
         if checkpointer.complete_steps():  # else start_line has said there were none
             log(f"--resume: no checkpoint in {checkpointer.directory} verified; starting at step 0")
-    if frozen is not None:  # fresh adapters on it
-        return job.init_state(base=frozen), None
+    if frozen is not None:  # adapters on it: fresh, or --lora-init-from's
+        state = job.init_state(base=frozen)
+        if job.run.lora.init_from:
+            state = state._replace(params=weights.adapters(job, loaders))
+        return state, None
     if c.init_from:
         try:
             params = load_params(c.init_from, job, loaders)

@@ -45,8 +45,8 @@ def load_params(source: str, job: Any, loaders: list[ParamLoader] = ()) -> Any:
     checkpointer = manager_lib.Checkpointer(manager_lib.CheckpointConfig(dir=str(path)))
     steps = checkpointer.complete_steps()
     if not steps:
-        raise FileNotFoundError(f"--init-from {source}: no complete checkpoint, .safetensors "
-                                "file or known weights directory there")
+        raise FileNotFoundError("no complete checkpoint, .safetensors file or known weights "
+                                "directory there")
     params, _ = checkpointer.restore(steps[-1], job.state_plan.targets, params_only=True)
     return params
 
@@ -83,6 +83,17 @@ def base(job: Any, loaders: list[ParamLoader] = ()) -> Any:
     except (ValueError, FileNotFoundError) as e:
         raise InitFromError(f"--init-from {init_from}: {e}") from None
     return job.state_plan.cast_base(params)
+
+
+def adapters(job: Any, loaders: list[ParamLoader] = ()) -> Any:
+    """Under LoRA, `--lora-init-from`'s adapters in the job's layout: a
+    format a loader reads (a peft directory: models.peft_loader), or a LoRA
+    run's checkpoint."""
+    source = job.run.lora.init_from
+    try:
+        return load_params(source, job, loaders)
+    except (ValueError, FileNotFoundError) as e:
+        raise InitFromError(f"--lora-init-from {source}: {e}") from None
 
 
 def digest(frozen: Any) -> str:

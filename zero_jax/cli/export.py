@@ -3,6 +3,7 @@
     zero-jax export --checkpoint-dir ckpt --out model.safetensors
     zero-jax export --checkpoint-dir ckpt --hf-dir hf-export   # Hugging Face layout
     zero-jax export --checkpoint-dir ckpt --step 200 --out m.safetensors --report-memory
+    zero-jax export --checkpoint-dir lora-ckpt --peft-dir adapters/    # a LoRA run's
 
 Reads one array (one layer of a stacked array) at a time straight from the
 checkpoint's storage and writes it out before reading the next, so host
@@ -23,6 +24,9 @@ model reads UTF-8 bytes (checkpoint/tokenizer_files.py). The special tokens'
 ids are the model's own where the tokenizer is a model's (config.json and
 generation_config.json as that model's say them), else the data's end of
 document and the tokenizer's own tokens; one line says which and why.
+
+A LoRA run's checkpoint holds its adapters only: `--peft-dir DIR` writes
+them as peft does (adapter_config.json, adapter_model.safetensors).
 
 A DeepSeek-V3 model's multi-token prediction modules, which transformers
 has no place for, are left out unless `--with-mtp` is given: then module k
@@ -83,6 +87,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=DTYPES,
                         help="dtype of the weights written; default: the one the model was "
                              "trained to hold (bfloat16 for a Hugging Face export of a bf16 run)")
+    parser.add_argument("--peft-dir",
+                        help="directory for a LoRA checkpoint's adapters in peft's layout "
+                             "(adapter_config.json, adapter_model.safetensors)")
     parser.add_argument("--with-mtp", action="store_true",
                         help="also write a DeepSeek-V3 model's multi-token prediction modules "
                              "into --hf-dir, as DeepSeek's files hold them (layer n_layer + k; "
@@ -126,8 +133,9 @@ def narrowings(stored: set[str], dtypes: dict[str, str], asked: bool) -> list[st
 def output_dtypes(args: argparse.Namespace, reader: export.ParamReader) -> dict[str, str]:
     """What each output asked for is written in: --dtype, else its default."""
     stored, precision = reader.stored_dtypes(), reader.meta.get("precision")
-    return {what: args.dtype or default_dtype(stored, precision, what == "hf")
-            for what, given in (("out", args.out), ("hf", args.hf_dir)) if given}
+    out = {what: args.dtype or default_dtype(stored, precision, what == "hf")
+           for what, given in (("out", args.out), ("hf", args.hf_dir)) if given}
+    return {**out, **({"peft": args.dtype or "float32"} if args.peft_dir else {})}
 
 
 def tokenizer_for(args: argparse.Namespace, meta: dict) -> tokenizer_files.Export | None:
@@ -178,6 +186,10 @@ def write(args: argparse.Namespace, reader: export.ParamReader, step: int,
             export.write_safetensors(out, reader.consolidated(dtype["out"]),
                                      {"step": str(step), "source": str(directory)})
             written.append(Path(args.out))
+        if args.peft_dir:
+            written += [Path(args.peft_dir) / p.name for p in models.save_peft(
+                staged.directory(args.peft_dir), reader.meta, reader.arrays, reader.read,
+                dtype["peft"])]
         if args.hf_dir:
             out = staged.directory(args.hf_dir)
             cfg = models.hf_export_config(reader.meta["model"], args.with_mtp)
@@ -220,12 +232,10 @@ def main(argv: list[str] | None = None) -> int:
     directory = Path(args.checkpoint_dir)
     try:
         check_outputs(args.out, args.hf_dir, args.max_shard_size, args.tokenizer,
-                      args.overwrite, args.with_mtp)
+                      args.overwrite, args.with_mtp, args.peft_dir)
         step = choose_step(directory, args.step)
         reader = export.ParamReader(directory / str(step))
-        if rank := reader.meta.get("run", {}).get("lora", {}).get("rank"):
-            raise ValueError(f"{directory / str(step)} holds LoRA adapters only (--lora-rank "
-                             f"{rank}), not a model; exporting them is not supported yet")
+        lora_checkpoint(reader.meta, directory / str(step), args)
         tokenizer = tokenizer_for(args, reader.meta)
         if args.hf_dir:  # a model its architecture cannot express is refused before any write
             models.hf_config_json(models.hf_export_config(reader.meta["model"], args.with_mtp))
@@ -236,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}; nothing written", file=sys.stderr)
         return 4
     dtype = output_dtypes(args, reader)
-    kept = [p for p in (args.out, args.hf_dir) if p and Path(p).exists()]
+    kept = [p for p in (args.out, args.hf_dir, args.peft_dir) if p and Path(p).exists()]
     baseline = procmem.reset_peak()  # measure from here
     staged = staged_lib.Staged()
     try:
@@ -263,14 +273,28 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def lora_checkpoint(meta: dict, where: Path, args: argparse.Namespace) -> None:
+    """A LoRA checkpoint holds adapters only: they go to --peft-dir, and
+    --peft-dir takes nothing else."""
+    rank = meta.get("run", {}).get("lora", {}).get("rank")
+    if rank and (args.out or args.hf_dir):
+        raise ValueError(f"{where} holds LoRA adapters only (--lora-rank {rank}), not a "
+                         "model: export them with --peft-dir DIR (merging them into the base "
+                         "is not supported yet)")
+    if args.peft_dir and not rank:
+        raise ValueError(f"--peft-dir {args.peft_dir}: {where} is not a LoRA run's checkpoint "
+                         "(no adapters); use --out or --hf-dir")
+
+
 def check_outputs(out: str | None, hf_dir: str | None, max_shard_size: float,
                   tokenizer: str | None = None, overwrite: bool = False,
-                  with_mtp: bool = False) -> None:
+                  with_mtp: bool = False, peft_dir: str | None = None) -> None:
     """What the export would write, checked before anything is read: nothing
     the user has is replaced unless `overwrite`."""
-    if not (out or hf_dir):
-        raise ValueError("nothing to write: give --out FILE (one .safetensors file) and/or "
-                         "--hf-dir DIR (the Hugging Face layout)")
+    if not (out or hf_dir or peft_dir):
+        raise ValueError("nothing to write: give --out FILE (one .safetensors file), "
+                         "--hf-dir DIR (the Hugging Face layout) or --peft-dir DIR (a LoRA "
+                         "run's adapters)")
     if tokenizer and not hf_dir:
         raise ValueError(f"--tokenizer {tokenizer}: only a Hugging Face export carries a "
                          "tokenizer; add --hf-dir DIR")
@@ -282,8 +306,6 @@ def check_outputs(out: str | None, hf_dir: str | None, max_shard_size: float,
                          "create it first")
     if out and Path(out).is_dir():
         raise ValueError(f"--out {out}: is a directory; give a file name (model.safetensors)")
-    if hf_dir and Path(hf_dir).exists() and not Path(hf_dir).is_dir():
-        raise ValueError(f"--hf-dir {hf_dir}: exists and is not a directory")
     real = staged_lib.real
     if out and hf_dir and (real(hf_dir) == real(out) or real(hf_dir) in real(out).parents):
         raise ValueError(f"--out {out}: inside --hf-dir {hf_dir}, which the export writes "
@@ -291,18 +313,28 @@ def check_outputs(out: str | None, hf_dir: str | None, max_shard_size: float,
     if out and Path(out).exists() and not overwrite:
         raise ValueError(f"--out {out}: already exists; give --overwrite to replace it, or "
                          "another file name")
-    try:
-        held = sorted(p.name for p in Path(hf_dir).iterdir()) if hf_dir and Path(hf_dir).is_dir() \
-            else []
-    except OSError as e:
-        raise ValueError(f"--hf-dir {hf_dir}: cannot be read ({e.strerror})") from None
-    if held and not overwrite:
-        listed = ", ".join(held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
-        raise ValueError(f"--hf-dir {hf_dir}: already holds {listed}; give --overwrite to "
-                         "replace the directory, or export into another")
+    for flag, directory in (("--hf-dir", hf_dir), ("--peft-dir", peft_dir)):
+        _check_directory(flag, directory, overwrite)
     if hf_dir and not (max_shard_size >= 1 and math.isfinite(max_shard_size)):
         raise ValueError(f"--max-shard-size {max_shard_size:g}: must be a number of bytes >= 1 "
                          f"(default {hf_files.MAX_SHARD_BYTES:g}, as save_pretrained)")
+
+
+def _check_directory(flag: str, directory: str | None, overwrite: bool) -> None:
+    """A directory output: a directory, and empty unless `overwrite`."""
+    if not directory:
+        return
+    if Path(directory).exists() and not Path(directory).is_dir():
+        raise ValueError(f"{flag} {directory}: exists and is not a directory")
+    try:
+        held = sorted(p.name for p in Path(directory).iterdir()) if Path(directory).is_dir() \
+            else []
+    except OSError as e:
+        raise ValueError(f"{flag} {directory}: cannot be read ({e.strerror})") from None
+    if held and not overwrite:
+        listed = ", ".join(held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
+        raise ValueError(f"{flag} {directory}: already holds {listed}; give --overwrite to "
+                         "replace the directory, or export into another")
 
 
 def choose_step(directory: Path, step: int | None) -> int:

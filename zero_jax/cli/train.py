@@ -188,7 +188,7 @@ def _main(argv: list[str] | None) -> int:
         return preempt.EXIT_INTERRUPTED
     try:
         outcome = run.train(job, corpus, run.CompiledSteps(train_step, eval_step),
-                            loaders=[models.hf_loader],
+                            loaders=[models.hf_loader, models.peft_loader],
                             reporting=run.Reporting(progress=not args.no_progress,
                                                     throughput=throughput, plan=plan))
     except tuple(RUN_ERRORS) as e:

@@ -42,7 +42,8 @@ _FLAG_NAMES = {("model", "name"): "model", ("optim", "name"): "optimizer",
                ("zero", "quantized_weights"): "zero_quantized_weights",
                ("zero", "quantized_grads"): "zero_quantized_grads",
                ("zero", "block_size"): "zero_block_size", ("lora", "rank"): "lora_rank",
-               ("lora", "alpha"): "lora_alpha", ("lora", "targets"): "lora_targets"}
+               ("lora", "alpha"): "lora_alpha", ("lora", "targets"): "lora_targets",
+               ("lora", "init_from"): "lora_init_from"}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -200,6 +200,8 @@ class LoraConfig:
     rank: int = 0  # low-rank adapters of this rank on a frozen base (0: train every parameter)
     alpha: float = 16.0  # the adapters' term is scaled by alpha / rank
     targets: str = "q,v"  # the block projections adapted: any of q,k,v,o,gate,up,down
+    # start the adapters from these: a peft adapter directory or a LoRA run's checkpoint
+    init_from: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

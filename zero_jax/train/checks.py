@@ -23,6 +23,9 @@ def lora_of(run: config_lib.RunConfig, model: ModelFns, pipe: int) -> lora.Lora 
     except ValueError as e:
         raise config_lib.ConfigError(str(e)) from None
     if adapters is None:
+        if run.lora.init_from:
+            raise config_lib.ConfigError(f"--lora-init-from {run.lora.init_from}: no adapters "
+                                         "to start: give --lora-rank too")
         return None
     rank = f"--lora-rank {run.lora.rank}"
     why = (f"pipe={pipe} (adapters are not cut into stages yet)" if pipe > 1
