@@ -261,3 +261,53 @@ def test_adapters_go_to_peft_and_come_back_bit_for_bit(corpus, tmp_path):
     jax.tree.map(np.testing.assert_array_equal, host(imported().params), host(state.params))
     with pytest.raises(ValueError, match="r 8 there, 4 here"):
         imported(lora_rank=4)
+
+
+def test_merged_export_computes_the_adapted_model_and_checks_its_base(corpus, tmp_path):
+    """export --hf-dir --merge-lora: the base read where the checkpoint names
+    it (a Hugging Face directory), checked by its digest, each adapted
+    weight plus (alpha / r) A B; imported back as a plain model it computes
+    the LoRA model's logits to 1e-5. A base whose file changed since is
+    refused, and nothing is written."""
+    from safetensors.numpy import load_file, save_file
+
+    from zero_jax.cli import export as export_cli
+    full = make_job(corpus, model="llama-tiny", precision="fp32", mesh="fsdp=8", zero_stage=3)
+    rng = np.random.default_rng(0)
+    params = jax.tree.map(lambda x: rng.normal(scale=0.05, size=x.shape).astype(x.dtype),
+                          host(full.init_state().params))
+
+    def read(path, layer):
+        x = params
+        for key in path.split("."):
+            x = x[key]
+        return np.asarray(x if layer is None else x[layer])
+    models.save_hf(tmp_path / "base", full.model.config, read)
+    job = make_job(corpus, **{**LORA, "lora_targets": "q,o,up", "model": f"hf:{tmp_path / 'base'}",
+                              "init_from": str(tmp_path / "base"), "lr": 0.01,
+                              "mesh": "fsdp=8"})
+    state, _ = run.initial_state(job, None, [models.hf_loader], print)
+    state, _ = _steps(job, state, 0, 3)
+    writer = manager_lib.Checkpointer(manager_lib.CheckpointConfig(dir=str(tmp_path / "ckpt")),
+                                      job.state_plan.names, writer=True)
+    writer.save(3, job.state_plan.saved_form(state),
+                {**run.checkpoint_meta(job, 3), **weights.base_meta(job, state.frozen)})
+    writer.wait()
+    tokens = np.random.default_rng(1).integers(0, 256, size=(8, 24))
+
+    def logits_of(j, p):
+        return np.asarray(jax.jit(lambda p, t: j.model.logits(p, t, j.hooks))(p, tokens))
+    assert export_cli.main(["--checkpoint-dir", str(tmp_path / "ckpt"), "--hf-dir",
+                            str(tmp_path / "merged"), "--merge-lora"]) == 0
+    merged = make_job(corpus, model=f"hf:{tmp_path / 'merged'}", precision="fp32",
+                      mesh="fsdp=8", init_from=str(tmp_path / "merged"))
+    plain, _ = run.initial_state(merged, None, [models.hf_loader], print)
+    ours, theirs = logits_of(job, state.model_params), logits_of(merged, plain.params)
+    assert np.abs(ours - logits_of(full, full.state_from_params(params).params)).max() > 1e-3
+    np.testing.assert_allclose(theirs, ours, atol=1e-5, rtol=0)
+    files = load_file(str(tmp_path / "base" / "model.safetensors"))
+    files["model.norm.weight"] = files["model.norm.weight"] * 2  # the base changed since
+    save_file(files, str(tmp_path / "base" / "model.safetensors"), metadata={"format": "pt"})
+    assert export_cli.main(["--checkpoint-dir", str(tmp_path / "ckpt"), "--hf-dir",
+                            str(tmp_path / "again"), "--merge-lora"]) == 2
+    assert not (tmp_path / "again").exists()

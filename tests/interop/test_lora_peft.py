@@ -7,7 +7,11 @@ heads over 2 key/value heads). zero_jax reads it as the frozen base
 rank-4 adapters on every projection for three steps, saves them, and
 exports them with --peft-dir: `peft.PeftModel.from_pretrained` on
 transformers' base computes zero_jax's logits within 1e-5 (float32), where
-the base alone is more than 1e-3 away. Adapters made by peft
+the base alone is more than 1e-3 away. Exported merged into the base
+(--hf-dir --merge-lora), `from_pretrained` computes peft's own
+`merge_and_unload` logits within 1e-5, and ours within 1e-5 of the
+logits' largest (merged and unmerged products round apart).
+Adapters made by peft
 (`get_peft_model`, B made non-zero) and saved with `save_pretrained` import
 with --lora-init-from: zero_jax computes peft's logits within 1e-4 (the
 tolerance of the base's own import, tests/interop/test_llama_transformers.py),
@@ -92,6 +96,26 @@ def test_adapters_trained_here_load_in_peft_on_the_transformers_base(corpus, tmp
           f"the base alone {np.abs(ours - base_logits).max():.2e} away")
     assert np.abs(ours - base_logits).max() > 1e-3  # the adapters moved the model
     np.testing.assert_allclose(ours, theirs, atol=1e-5, rtol=0)
+    p = subprocess.run([sys.executable, "scripts/export.py", "--checkpoint-dir",
+                        str(tmp_path / "ckpt"), "--hf-dir", str(tmp_path / "merged"),
+                        "--merge-lora", "--dtype", "float32"],
+                       cwd=ROOT, capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    merged = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "merged",
+                                                           torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = merged(torch.tensor(TOKENS)).logits.numpy()
+    with torch.no_grad():
+        peft_merged = adapted.merge_and_unload()(torch.tensor(TOKENS)).logits.numpy()
+    scale = np.abs(ours).max()
+    print(f"merged into the base: max |logits difference| {np.abs(ours - theirs).max():.2e} "
+          f"(logits up to {scale:.2f}); from peft's own merge_and_unload "
+          f"{np.abs(peft_merged - theirs).max():.2e}, which is itself "
+          f"{np.abs(peft_merged - ours).max():.2e} from our unmerged logits")
+    np.testing.assert_allclose(theirs, peft_merged, atol=1e-5, rtol=0)  # peft's own merge
+    # A merged weight rounds W + s A B once, where the adapters' products round
+    # x W and (x A) B apart: float32's floor, a few 1e-6 of the logits' scale.
+    np.testing.assert_allclose(theirs, ours, atol=1e-5 * scale, rtol=0)
 
 
 def test_adapters_made_by_peft_import_and_train_on(corpus, tmp_path):

@@ -26,7 +26,9 @@ generation_config.json as that model's say them), else the data's end of
 document and the tokenizer's own tokens; one line says which and why.
 
 A LoRA run's checkpoint holds its adapters only: `--peft-dir DIR` writes
-them as peft does (adapter_config.json, adapter_model.safetensors).
+them as peft does (adapter_config.json, adapter_model.safetensors), and
+`--hf-dir DIR --merge-lora` the model with them merged into the base they
+were trained on (read where the checkpoint names it, checked by its digest).
 
 A DeepSeek-V3 model's multi-token prediction modules, which transformers
 has no place for, are left out unless `--with-mtp` is given: then module k
@@ -57,8 +59,10 @@ import json
 import math
 import sys
 from pathlib import Path
+from typing import Callable
 
 import models
+from models import lora_merge
 from models.common import hf_files
 from zero_jax.checkpoint import export
 from zero_jax.checkpoint import manager as manager_lib
@@ -90,6 +94,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--peft-dir",
                         help="directory for a LoRA checkpoint's adapters in peft's layout "
                              "(adapter_config.json, adapter_model.safetensors)")
+    parser.add_argument("--merge-lora", action="store_true",
+                        help="with --hf-dir, a LoRA checkpoint's adapters merged into the "
+                             "weights of the base they were trained on (read where its "
+                             "checkpoint names it, checked by its digest)")
     parser.add_argument("--with-mtp", action="store_true",
                         help="also write a DeepSeek-V3 model's multi-token prediction modules "
                              "into --hf-dir, as DeepSeek's files hold them (layer n_layer + k; "
@@ -173,11 +181,12 @@ def special_ids(cfg, tokenizer: tokenizer_files.Export | None) -> tuple[dict, di
 def write(args: argparse.Namespace, reader: export.ParamReader, step: int,
           directory: Path, dtype: dict[str, str],
           tokenizer: tokenizer_files.Export | None = None,
-          staged: staged_lib.Staged | None = None) -> tuple[list[Path], list[str]]:
+          staged: staged_lib.Staged | None = None,
+          merged: Callable | None = None) -> tuple[list[Path], list[str]]:
     """Every file asked for, written in its dtype under temporary names, then
     renamed into place together; on a failure, the temporaries are removed
     and the destinations are as they were. Returns the weights' files and
-    notes of anything left behind."""
+    notes of anything left behind. `merged`: --merge-lora's reader."""
     staged = staged or staged_lib.Staged()
     written = []
     try:
@@ -193,8 +202,9 @@ def write(args: argparse.Namespace, reader: export.ParamReader, step: int,
         if args.hf_dir:
             out = staged.directory(args.hf_dir)
             cfg = models.hf_export_config(reader.meta["model"], args.with_mtp)
+            read = merged or reader.read
             written += [Path(args.hf_dir) / p.name
-                        for p in models.save_hf(out, cfg, reader.read, int(args.max_shard_size),
+                        for p in models.save_hf(out, cfg, read, int(args.max_shard_size),
                                                 dtype["hf"],
                                                 tokenizer.token_ids if tokenizer else None)]
             if tokenizer:
@@ -232,13 +242,17 @@ def main(argv: list[str] | None = None) -> int:
     directory = Path(args.checkpoint_dir)
     try:
         check_outputs(args.out, args.hf_dir, args.max_shard_size, args.tokenizer,
-                      args.overwrite, args.with_mtp, args.peft_dir)
+                      args.overwrite, args.with_mtp, args.peft_dir, args.merge_lora)
         step = choose_step(directory, args.step)
         reader = export.ParamReader(directory / str(step))
         lora_checkpoint(reader.meta, directory / str(step), args)
         tokenizer = tokenizer_for(args, reader.meta)
         if args.hf_dir:  # a model its architecture cannot express is refused before any write
             models.hf_config_json(models.hf_export_config(reader.meta["model"], args.with_mtp))
+        merged = None  # the base read and checked before anything is written
+        if args.merge_lora:
+            merged = lora_merge.merged(reader.meta, models.config_from(reader.meta["model"]),
+                                       reader.read)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -250,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     baseline = procmem.reset_peak()  # measure from here
     staged = staged_lib.Staged()
     try:
-        written, notes = write(args, reader, step, directory, dtype, tokenizer, staged)
+        written, notes = write(args, reader, step, directory, dtype, tokenizer, staged, merged)
     # OSError: no space, no permission; OutOfRange: a value float16 cannot hold
     except (manager_lib.CorruptCheckpoint, export.OutOfRange, OSError) as e:
         return failed(e, staged, kept)
@@ -277,18 +291,20 @@ def lora_checkpoint(meta: dict, where: Path, args: argparse.Namespace) -> None:
     """A LoRA checkpoint holds adapters only: they go to --peft-dir, and
     --peft-dir takes nothing else."""
     rank = meta.get("run", {}).get("lora", {}).get("rank")
-    if rank and (args.out or args.hf_dir):
+    if rank and (args.out or (args.hf_dir and not args.merge_lora)):
         raise ValueError(f"{where} holds LoRA adapters only (--lora-rank {rank}), not a "
-                         "model: export them with --peft-dir DIR (merging them into the base "
-                         "is not supported yet)")
-    if args.peft_dir and not rank:
-        raise ValueError(f"--peft-dir {args.peft_dir}: {where} is not a LoRA run's checkpoint "
-                         "(no adapters); use --out or --hf-dir")
+                         "model: export them with --peft-dir DIR, or merged into their base "
+                         "with --hf-dir DIR --merge-lora")
+    if (args.peft_dir or args.merge_lora) and not rank:
+        flag = "--peft-dir" if args.peft_dir else "--merge-lora"
+        raise ValueError(f"{flag}: {where} is not a LoRA run's checkpoint (no adapters); use "
+                         "--out or --hf-dir")
 
 
 def check_outputs(out: str | None, hf_dir: str | None, max_shard_size: float,
                   tokenizer: str | None = None, overwrite: bool = False,
-                  with_mtp: bool = False, peft_dir: str | None = None) -> None:
+                  with_mtp: bool = False, peft_dir: str | None = None,
+                  merge_lora: bool = False) -> None:
     """What the export would write, checked before anything is read: nothing
     the user has is replaced unless `overwrite`."""
     if not (out or hf_dir or peft_dir):
@@ -298,6 +314,9 @@ def check_outputs(out: str | None, hf_dir: str | None, max_shard_size: float,
     if tokenizer and not hf_dir:
         raise ValueError(f"--tokenizer {tokenizer}: only a Hugging Face export carries a "
                          "tokenizer; add --hf-dir DIR")
+    if merge_lora and not hf_dir:
+        raise ValueError("--merge-lora: the merged weights are written in Hugging Face's "
+                         "layout; add --hf-dir DIR")
     if with_mtp and not hf_dir:
         raise ValueError("--with-mtp: only a Hugging Face export leaves the multi-token "
                          "prediction modules out (--out writes every parameter); add --hf-dir DIR")
