@@ -18,7 +18,7 @@ import pytest
 import models
 from tests.helpers import compile_step, host, make_job
 from zero_jax import run
-from zero_jax.analysis import traffic
+from zero_jax.analysis import memory, traffic
 from zero_jax.checkpoint import export
 from zero_jax.checkpoint import manager as manager_lib
 from zero_jax.checkpoint import weights
@@ -311,3 +311,20 @@ def test_merged_export_computes_the_adapted_model_and_checks_its_base(corpus, tm
     assert export_cli.main(["--checkpoint-dir", str(tmp_path / "ckpt"), "--hf-dir",
                             str(tmp_path / "again"), "--merge-lora"]) == 2
     assert not (tmp_path / "again").exists()
+
+
+def test_the_memory_report_counts_the_frozen_base(corpus):
+    """Under bf16 the base is stored in bfloat16, split as a full fine-tune
+    stores its float32 parameters: exactly half their bytes per device; the
+    adapters (left whole here: under min_shard_elements a layer) add their
+    float32 bytes, and only they have gradients and Adam's moments. The
+    model's count includes the base, and says what LoRA trains."""
+    full = make_job(corpus, model="llama-tiny", precision="bf16", mesh="fsdp=8", zero_stage=3)
+    job = make_job(corpus, **{**LORA, "precision": "bf16", "mesh": "fsdp=8", "zero_stage": 3})
+    whole, adapted = memory.report(full.state_plan), memory.report(job.state_plan)
+    adapters = memory.trained_count(job.state_plan)
+    assert (adapted.param_count, adapted.trained_count) == (whole.param_count + adapters, adapters)
+    assert adapted.sharded_bytes["params"] == whole.sharded_bytes["params"] // 2 + 4 * adapters
+    assert adapted.sharded_bytes["grads"] == 4 * adapters
+    assert 8 * adapters <= adapted.sharded_bytes["opt_state"] <= 8 * adapters + 64  # + counts
+    assert adapted.device_bytes == adapted.sharded_bytes  # nothing offloaded

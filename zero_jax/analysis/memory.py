@@ -46,7 +46,13 @@ def stored_count(state_plan: StatePlan) -> int:
 
 
 def param_count(state_plan: StatePlan) -> int:
-    """The model's parameters."""
+    """The model's parameters, LoRA's frozen base included."""
+    return trained_count(state_plan) + sum(
+        math.prod(p.shape) for p in jax.tree.leaves(state_plan.abstract.frozen))
+
+
+def trained_count(state_plan: StatePlan) -> int:
+    """The parameters the optimizer trains: every one, or LoRA's adapters."""
     stages = state_plan.stages
     if stages is None:
         return stored_count(state_plan)
@@ -212,6 +218,7 @@ class MemoryReport:
     compiled: dict[str, int] | None = None  # memory_analysis() of the compiled step
     activations: dict[str, float] | None = None  # analytic_bytes (and compiled_temp_bytes)
     collectives: CollectiveReport | None = None  # payload bytes per device per step
+    trained_count: int | None = None  # under LoRA, the adapters' parameters (None: all)
 
     def to_json(self) -> dict[str, Any]:
         """The report as one JSON object: figures not measured are left out,
@@ -235,7 +242,8 @@ def report(state_plan: StatePlan, compiled_step=None, activation_bytes: float | 
             activations["compiled_temp_bytes"] = measured["temp_bytes"]
     return MemoryReport(param_count(state_plan), bytes_per_param(state_plan), formula(state_plan),
                         theory(state_plan), sharded(state_plan), split["device"], split["host"],
-                        measured, activations, collectives)
+                        measured, activations, collectives,
+                        trained_count(state_plan) if state_plan.frozen_names else None)
 
 
 # Set to 1 to start a run the fit check would refuse (swap, memory the check

@@ -153,7 +153,9 @@ def summary_rows(job: Job, data_line: str, model_line: str,
     reduce = ("every microbatch" + (", into shards" if stage.grads else "") if each
               else "once per step")
     return [
-        ("model", f"{model_line} ({report.param_count / 1e6:.2f} M parameters)"),
+        ("model", f"{model_line} ({report.param_count / 1e6:.2f} M parameters"
+                  + (f"; LoRA trains {report.trained_count / 1e6:.2f} M of them, the rest frozen)"
+                     if report.trained_count is not None else ")")),
         ("data", data_line),
         ("mesh", f"{shape.name}: {shape.num_devices} devices, "
                  + " ".join(f"{a}={sizes[a]}" for a in AXES)
