@@ -252,7 +252,7 @@ def prepare_on(run: config_lib.RunConfig, build_model: Callable[[int], ModelFns]
     tx = policies.with_state_dtype(optim.optimizer(run.optim, lr, model.decay_mask),
                                     policy.dtype("opt_state"))
     if state.needs_master(zero_stage, policy.dtype("params"), policy.dtype("compute"),
-                          lora=adapters is not None):
+                          adapters=adapters is not None):
         tx = master.wrap(tx)
     layout = rules.Preset(axis_rules, zero_stage)  # the preset, as resolved for this mesh
     # Offload moves states to host memory without changing how they are split.

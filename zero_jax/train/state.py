@@ -254,12 +254,12 @@ def init_params(model: ModelFns, key: jax.Array, param_dtype) -> Any:
     return policies.cast_tree(nn.unbox(model.init(key)), param_dtype)
 
 
-def needs_master(zero_stage: int, param_dtype, compute_dtype, lora: bool = False) -> bool:
+def needs_master(zero_stage: int, param_dtype, compute_dtype, adapters: bool = False) -> bool:
     """Whether a working copy is stored apart from the master weights: where
     parameters are replicated but the optimizer state is sharded (stages 1
     and 2) and the model computes in a narrower dtype than it stores; never
     for LoRA's adapters, too small for a copy to matter."""
-    if lora:
+    if adapters:
         return False
     stage = zero_lib.stage(zero_stage)
     narrower = jnp.dtype(compute_dtype).itemsize < jnp.dtype(param_dtype).itemsize
@@ -293,7 +293,7 @@ def plan_state(model: ModelFns, tx: optax.GradientTransformation, mesh: Mesh,
         compute_names = jax.tree.map(  # ... and its layers are not split over `pipe`
             lambda n, st: n if st or not len(n) or n[0] != "layers" else PartitionSpec(None, *n[1:]),
             names, stacked_params, is_leaf=lambda x: isinstance(x, PartitionSpec))
-    master = needs_master(zero_stage, param_dtype, compute_dtype, lora=frozen is not None)
+    master = needs_master(zero_stage, param_dtype, compute_dtype, adapters=frozen is not None)
     if master:  # traced in layer order, before any padding
         tokens = (1, min(8, model.max_seq_len or 8))
         dtypes = master_lib.use_dtypes(model.apply, params, names, jnp.dtype(compute_dtype).name,
