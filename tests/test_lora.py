@@ -46,6 +46,23 @@ def _steps(job, state, first, last):
     return state, np.array(losses)
 
 
+def _hf_base(corpus, directory, scale: float):
+    """llama-tiny with weights no initialisation gives (normal, `scale`),
+    saved in Hugging Face's layout in `directory`: (its full job, the weights)."""
+    full = make_job(corpus, model="llama-tiny", precision="fp32", mesh="fsdp=8", zero_stage=3)
+    rng = np.random.default_rng(0)
+    params = jax.tree.map(lambda x: rng.normal(scale=scale, size=x.shape).astype(x.dtype),
+                          host(full.init_state().params))
+
+    def read(path, layer):
+        x = params
+        for key in path.split("."):
+            x = x[key]
+        return np.asarray(x if layer is None else x[layer])
+    models.save_hf(directory, full.model.config, read)
+    return full, params
+
+
 def _train(corpus, mesh, stage, devices=None, **extra):
     """Ten steps: the losses, the adapters and the frozen base after them,
     and the base as initialised."""
@@ -164,22 +181,12 @@ def test_the_base_is_read_from_a_checkpoint_or_a_hugging_face_directory(corpus, 
     """--init-from a full run's checkpoint, or a Hugging Face directory:
     the frozen base is its weights, cast to the compute dtype (bfloat16
     here) in the base's layout; the adapters start fresh (B = 0)."""
-    full = make_job(corpus, model="llama-tiny", precision="fp32", mesh="fsdp=8", zero_stage=3)
-    rng = np.random.default_rng(0)  # weights no initialisation gives
-    params = jax.tree.map(lambda x: rng.normal(size=x.shape).astype(x.dtype),
-                          host(full.init_state().params))
+    full, params = _hf_base(corpus, tmp_path / "hf", scale=1.0)
     state = full.state_from_params(params)
     writer = manager_lib.Checkpointer(manager_lib.CheckpointConfig(dir=str(tmp_path / "ckpt")),
                                       full.state_plan.names, writer=True)
     writer.save(0, full.state_plan.saved_form(state), run.checkpoint_meta(full, 0))
     writer.wait()
-
-    def read(path, layer):
-        x = params
-        for key in path.split("."):
-            x = x[key]
-        return np.asarray(x if layer is None else x[layer])
-    models.save_hf(tmp_path / "hf", full.model.config, read)
     bf16 = jax.tree.map(lambda x: np.asarray(jnp.asarray(x, jnp.bfloat16)), params)
     for source, model in ((tmp_path / "ckpt", "llama-tiny"), (tmp_path / "hf", f"hf:{tmp_path / 'hf'}")):
         job = make_job(corpus, **{**LORA, "precision": "bf16", "model": model,
@@ -272,17 +279,7 @@ def test_merged_export_computes_the_adapted_model_and_checks_its_base(corpus, tm
     from safetensors.numpy import load_file, save_file
 
     from zero_jax.cli import export as export_cli
-    full = make_job(corpus, model="llama-tiny", precision="fp32", mesh="fsdp=8", zero_stage=3)
-    rng = np.random.default_rng(0)
-    params = jax.tree.map(lambda x: rng.normal(scale=0.05, size=x.shape).astype(x.dtype),
-                          host(full.init_state().params))
-
-    def read(path, layer):
-        x = params
-        for key in path.split("."):
-            x = x[key]
-        return np.asarray(x if layer is None else x[layer])
-    models.save_hf(tmp_path / "base", full.model.config, read)
+    full, params = _hf_base(corpus, tmp_path / "base", scale=0.05)
     job = make_job(corpus, **{**LORA, "lora_targets": "q,o,up", "model": f"hf:{tmp_path / 'base'}",
                               "init_from": str(tmp_path / "base"), "lr": 0.01,
                               "mesh": "fsdp=8"})
