@@ -28,7 +28,8 @@ def make_job(corpus, *, devices=None, **overrides):
                  zero_quantized_weights="zero.quantized_weights",
                  zero_quantized_grads="zero.quantized_grads", zero_block_size="zero.block_size",
                  lora_rank="lora.rank", lora_alpha="lora.alpha", lora_targets="lora.targets",
-                 lora_init_from="lora.init_from")
+                 lora_init_from="lora.init_from", lora_dropout="lora.dropout",
+                 lora_quantize_base="lora.quantize_base", lora_base_block="lora.base_block")
     flat = {where[key]: value for key, value in fields.items()}
     run = config_lib.build(None, flat)
     return job_lib.prepare(run, models.for_run(run.model, corpus.vocab_size)[0], devices)

@@ -158,7 +158,8 @@ def test_the_two_products_equal_the_merged_weight(eq, shape, names, x_shape):
     (dict(lora_targets="q,x"), "--lora-targets 'q,x': x; choose from q,k,v,o,gate,up,down"),
     (dict(model="gpt-tiny"), "gpt-tiny has none of these projections"),
     (dict(mesh="pipe=2,data=4", zero_stage=1), "pipe=2"),
-    (dict(model="moe-tiny"), "a mixture of experts")])
+    (dict(model="moe-tiny"), "a mixture of experts"),
+    (dict(lora_dropout=0.1), "--lora-dropout 0.1: dropout on the adapters' input is not built")])
 def test_what_lora_cannot_do_yet_is_refused_before_compiling(corpus, tmp_path, extra, says):
     (tmp_path / "config.json").write_text("{}")  # a directory --init-from accepts
     extra = {k: v.format(hf=tmp_path) if isinstance(v, str) else v for k, v in extra.items()}

@@ -21,7 +21,7 @@ from zero_jax import config as config_lib
 from zero_jax.precision import loss_scale, master, policies
 from zero_jax.train import checks, grads, optim, state, step
 from zero_jax.train.options import StepOptions
-from zero_jax.model import exchange, grouped, remat
+from zero_jax.model import exchange, grouped, lora, remat
 from zero_jax.analysis import hlo, memory, traffic
 from zero_jax.sharding import rules
 from zero_jax.sharding import mesh as mesh_lib
@@ -224,7 +224,7 @@ def prepare_on(run: config_lib.RunConfig, build_model: Callable[[int], ModelFns]
     if delayed or adapters:  # amax histories, adapters: parameters the hooks ask for
         model = dataclasses.replace(model, init=functools.partial(model.init, hooks=Hooks(
             fp8="delayed" if delayed else "", fp8_history=run.precision.fp8_history,
-            lora=adapters)))
+            lora=adapters)), lora=adapters)
     if model.max_seq_len is not None and run.data.seq_len > model.max_seq_len:
         raise config_lib.ConfigError(
             f"--seq-len {run.data.seq_len} exceeds the model's {model.max_seq_len} positions "
@@ -261,6 +261,9 @@ def prepare_on(run: config_lib.RunConfig, build_model: Callable[[int], ModelFns]
                          cut),
         host_opt=run.offload.optimizer, host_params=run.offload.params)
     checks.adapters_found(run, adapters, state_plan.frozen_names is not None)
+    if adapters:  # the base's weight gradients are not computed: its FLOPs say so
+        model = dataclasses.replace(model, flops_per_token=lora.flops_per_token(
+            model.flops_per_token, memory.trained_count(state_plan)))
     stored = state_plan.placement if zero_lib.stage(zero_stage).params else None
     hooks = Hooks(mesh, axis_rules, policy.compute, policy.grads, remat_policy, stored,
                   host_params=run.offload.params, attention=attention, scan_layers=run.model.scan_layers,

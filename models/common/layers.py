@@ -34,6 +34,10 @@ def projection(module: nn.Module, hooks, eq: str, x, name: str, shape, names, in
     FP8 where the precision policy says so, with its amax history beside
     it under delayed scaling (zero_jax.model.fp8); with a low-rank adapter's
     term where the hooks' LoRA targets it (zero_jax.model.lora)."""
+    xs, ws = eq.split("->")[0].split(",")
+    if ws[0] not in xs:  # LoRA's quantized base blocks along it (zero_jax/model/base_quant.py)
+        raise ValueError(f"projection {name} ({eq}): a block projection's weight takes its "
+                         "input dimension first")
     history = None
     if hooks.fp8 == "delayed":
         history = module.param(fp8.history_name(name),

@@ -26,18 +26,19 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
+from zero_jax.model import base_quant
 from zero_jax.sharding import offload as offload_lib
 from zero_jax.analysis.traffic import CollectiveReport
 from zero_jax.runtime import procmem
 from zero_jax.sharding import zero as zero_lib
-from zero_jax.sharding.specs import bytes_per_device, shard_elements, spec_leaves
+from zero_jax.sharding.specs import bytes_per_device, nbytes, shard_elements, spec_leaves
 from zero_jax.train.state import StatePlan
 
 STATES = ("params", "grads", "opt_state")  # the keys of every {state: bytes} figure here
 
 
 def _nbytes(leaf) -> int:
-    return math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
+    return nbytes(math.prod(leaf.shape), leaf.dtype)
 
 
 def stored_count(state_plan: StatePlan) -> int:
@@ -47,8 +48,8 @@ def stored_count(state_plan: StatePlan) -> int:
 
 def param_count(state_plan: StatePlan) -> int:
     """The model's parameters, LoRA's frozen base included."""
-    return trained_count(state_plan) + sum(
-        math.prod(p.shape) for p in jax.tree.leaves(state_plan.abstract.frozen))
+    return trained_count(state_plan) + sum(  # a quantized weight's codes, not its scales
+        math.prod(p.shape) for p in jax.tree.leaves(base_quant.full(state_plan.abstract.frozen)))
 
 
 def trained_count(state_plan: StatePlan) -> int:
@@ -187,7 +188,7 @@ def by_memory_kind(state_plan: StatePlan) -> dict[str, dict[str, int]]:
         for leaf, s in zip(jax.tree.leaves(abstract), jax.tree.leaves(
                 tree, is_leaf=lambda x: isinstance(x, NamedSharding))):
             where = "host" if s.memory_kind == offload_lib.HOST else "device"
-            out[where][name] += shard_elements(leaf.shape, s) * np.dtype(leaf.dtype).itemsize
+            out[where][name] += nbytes(shard_elements(leaf.shape, s), leaf.dtype)
     out["device"]["grads"] = total["grads"]
     return out
 

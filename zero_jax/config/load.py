@@ -43,7 +43,9 @@ _FLAG_NAMES = {("model", "name"): "model", ("optim", "name"): "optimizer",
                ("zero", "quantized_grads"): "zero_quantized_grads",
                ("zero", "block_size"): "zero_block_size", ("lora", "rank"): "lora_rank",
                ("lora", "alpha"): "lora_alpha", ("lora", "targets"): "lora_targets",
-               ("lora", "init_from"): "lora_init_from"}
+               ("lora", "init_from"): "lora_init_from", ("lora", "dropout"): "lora_dropout",
+               ("lora", "quantize_base"): "lora_quantize_base",
+               ("lora", "base_block"): "lora_base_block"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +93,8 @@ RANGES: dict[tuple[str, str], Range] = {
     ("optim", "b2"): _unit(), ("optim", "eps"): Range(0, math.inf, open_low=True),
     ("optim", "momentum"): _unit(), ("optim", "clip_norm"): Range(0, math.inf),
     ("checkpoint", "every"): _ANY, ("checkpoint", "keep_last"): _COUNT,
-    ("lora", "rank"): _ANY, ("lora", "alpha"): _POSITIVE,
+    ("lora", "rank"): _ANY, ("lora", "alpha"): _POSITIVE, ("lora", "dropout"): _unit(),
+    ("lora", "base_block"): _COUNT,
     ("checkpoint", "keep_every"): _ANY,
     # A timeout of 0 would fail every wait at once; NaN would never fire.
     ("distributed", "heartbeat_timeout_s"): _COUNT, ("distributed", "barrier_timeout_s"): _COUNT,

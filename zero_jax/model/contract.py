@@ -18,6 +18,7 @@ from typing import Any, Callable
 import jax
 
 from zero_jax.model.hooks import Hooks
+from zero_jax.model.lora import Lora
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +105,7 @@ class ModelFns:
     # losses add to the loss, their metrics) (models/llama/moe.py `penalty`)
     router_penalty: Callable[[Any, jax.Array], tuple[jax.Array, dict]] | None = None
     experts: int = 0  # routed experts per block (0: dense), split over the `expert` axis
+    lora: Lora | None = None  # its low-rank adapters (init's hooks ask for them), if any
     # Aux-loss-free balancing: the step by which each step moves the
     # experts' selection biases against their load error (balance.py; 0: fixed)
     balance_rate: float = 0.0

@@ -16,9 +16,10 @@ rather than activations. A parameter is used through one of three calls:
 and `gathered(w, names)` gathers w once for several of these (a tied
 embedding's lookup and head).
 
-Each casts w to the compute dtype, gathers it into its compute layout and,
-in the backward pass, computes and reduces its gradient in the gradient
-dtype into the stored layout (param_use.py, the custom VJPs that do it).
+Each casts w to the compute dtype (LoRA's quantized base: dequantizes it),
+gathers it into its compute layout and, in the backward pass, computes and
+reduces its gradient in the gradient dtype into the stored layout
+(param_use.py, the custom VJPs that do it).
 
 `per_shard(axes)` gives the hooks for the rows of one shard of the batch
 over some data-parallel axes, run under `vmap` over those shards
@@ -38,7 +39,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from zero_jax.model import fp8_dense, param_use
+from zero_jax.model import base_quant, fp8_dense, param_use
 from zero_jax.context import attention as context_attention
 from zero_jax.context import order as context_order
 from zero_jax.context.order import Context
@@ -195,6 +196,8 @@ class Hooks:
         projection of a block, which multiplies in FP8 where the precision
         policy says so; the embedding, head and router never ask. Under
         delayed scaling `history` is its amax history (`fp8_history`)."""
+        if isinstance(w, base_quant.Quantized):  # LoRA's frozen base, stored quantized
+            return checkpoint_name(self._frozen_dense(eq, x, w, names), DOT)
         fp8 = fp8 and bool(self.fp8)
         if fp8 and isinstance(w, (Gathered, Tapped)):  # train/checks.py refuses both
             raise ValueError("an FP8 product on a table or under a split backward")
@@ -219,6 +222,14 @@ class Hooks:
         else:
             y = param_use.dense(self._use(w, names), eq, x, w)
         return checkpoint_name(y, DOT)  # a matrix product, for dots_saveable
+
+    def _frozen_dense(self, eq: str, x: jax.Array, w: base_quant.Quantized, names) -> jax.Array:
+        """einsum(eq, x, w) of a quantized frozen w (not gathered by qwZ: quantized)."""
+        scale_names = base_quant.names(w.fmt, tuple(names), w.codes.shape, self.rules,
+                                       dict(self.mesh.shape) if self.mesh else {})
+        uses = tuple(dataclasses.replace(self._use(a, n, a.dtype), int8_block=0)
+                     for a, n in ((w.codes, names), (w.scale, scale_names)))
+        return param_use.frozen_dense(uses, eq, w.fmt, self.dtype, x, w.codes, w.scale)
 
     def dense_weight_grad(self, eq: str, x: jax.Array, g: jax.Array, w: jax.ShapeDtypeStruct,
                           names: Sequence[str | None]) -> jax.Array:

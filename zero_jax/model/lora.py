@@ -39,6 +39,9 @@ class Lora:
     rank: int
     alpha: float
     targets: tuple[str, ...]  # keys of TARGETS
+    dropout: float = 0.0  # of the adapters' input, in training (peft's lora_dropout)
+    quantize_base: str = "none"  # the frozen base's block projections: none | int8 | nf4
+    base_block: int = 64  # nf4: elements per block of a scale
 
     @property
     def scale(self) -> float:
@@ -52,7 +55,15 @@ def of(config) -> Lora | None:
     """The adapters a run's [lora] section asks for (None: rank 0, none)."""
     if not config.rank:
         return None
-    return Lora(config.rank, config.alpha, parse_targets(config.targets))
+    if not 0 <= config.dropout < 1:
+        raise ValueError(f"--lora-dropout {config.dropout}: a probability in [0, 1)")
+    if config.quantize_base not in ("none", "int8", "nf4"):
+        raise ValueError(f"--lora-quantize-base {config.quantize_base!r}: choose from none, "
+                         "int8, nf4")
+    if config.base_block < 1:
+        raise ValueError(f"--lora-base-block {config.base_block}: at least 1 element per block")
+    return Lora(config.rank, config.alpha, parse_targets(config.targets), config.dropout,
+                config.quantize_base, config.base_block)
 
 
 def parse_targets(text: str) -> tuple[str, ...]:
@@ -155,6 +166,14 @@ def merge(adapters: dict, frozen: dict) -> dict:
     for k, v in adapters.items():
         out[k] = merge(v, out.get(k, {})) if isinstance(v, dict) else v
     return out
+
+
+def flops_per_token(full, trained: int):
+    """Training FLOPs per token under LoRA, from the model's `full`
+    (seq_len -> 6 N + attention, N its matmul parameters): the frozen
+    weights' gradient products are not computed, 2 N of the 6 N (`full(0)`
+    is 6 N), and the adapters' `trained` parameters cost 6 each."""
+    return lambda seq_len: full(seq_len) - full(0) / 3 + 6 * trained
 
 
 def bound(model, frozen: Any):

@@ -62,9 +62,18 @@ def shard_elements(shape: tuple[int, ...], sharding: NamedSharding) -> int:
     return math.prod(sharding.shard_shape(tuple(shape)))
 
 
+def nbytes(elements: int, dtype) -> int:
+    """Bytes `elements` of `dtype` take in device memory: 4-bit types
+    (LoRA's NF4 base codes) are packed two a byte, which numpy's itemsize
+    of 1 does not say."""
+    dtype = np.dtype(dtype)
+    bits = 4 if dtype.name in ("int4", "uint4") else 8 * dtype.itemsize
+    return -(-elements * bits // 8)
+
+
 def shard_bytes(leaf: Any, spec: PartitionSpec, mesh) -> int:
     """Bytes one device holds of `leaf` (an array or ShapeDtypeStruct) laid out by `spec`."""
-    return shard_elements(leaf.shape, NamedSharding(mesh, spec)) * np.dtype(leaf.dtype).itemsize
+    return nbytes(shard_elements(leaf.shape, NamedSharding(mesh, spec)), leaf.dtype)
 
 
 def leaf_bytes(abstract: Any, specs: Any, mesh) -> list[int]:

@@ -27,6 +27,10 @@ def lora_of(run: config_lib.RunConfig, model: ModelFns, pipe: int) -> lora.Lora 
             raise config_lib.ConfigError(f"--lora-init-from {run.lora.init_from}: no adapters "
                                          "to start: give --lora-rank too")
         return None
+    if run.lora.dropout:
+        raise config_lib.ConfigError(
+            f"--lora-dropout {run.lora.dropout:g}: dropout on the adapters' input is not built "
+            "yet (the step has no random stream for it); leave it at 0")
     rank = f"--lora-rank {run.lora.rank}"
     why = (f"pipe={pipe} (adapters are not cut into stages yet)" if pipe > 1
            else "a mixture of experts (its selection biases would stay frozen)" if model.experts

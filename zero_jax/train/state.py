@@ -9,6 +9,7 @@ restore can use it for models that would not fit on this machine, and
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, NamedTuple
 
@@ -19,7 +20,7 @@ import optax
 from flax.core import meta
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from zero_jax.model import lora
+from zero_jax.model import base_quant, lora
 from zero_jax.precision import loss_scale as loss_scale_lib
 from zero_jax.precision import master as master_lib
 from zero_jax.sharding import offload as offload_lib
@@ -87,9 +88,10 @@ class StatePlan:
     stacked: Any = None  # (params, opt_state) trees of bools: the leaf is a layer stack
     host_opt: bool = False  # the optimizer state (and masters) live in host memory (offload.py)
     host_params: bool = False  # the stored parameters (ZeRO-3 shards) live in host memory
-    # Under LoRA (the frozen base in abstract.frozen): its logical names and storage specs
+    # Under LoRA (the frozen base in abstract.frozen): its logical names, storage and compute specs
     frozen_names: Any = None
     frozen_specs: Any = None
+    frozen_compute_specs: Any = None
 
     @property
     def master_params(self) -> Any:
@@ -219,19 +221,20 @@ class StatePlan:
         """Under LoRA, the frozen base as a plan of parameters alone, in
         `dtype` and its storage layout: what loading a model's weights into
         the base reads them as (`targets`, `master_params`)."""
-        base = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype), self.abstract.frozen)
+        base = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype),
+                            base_quant.full(self.abstract.frozen))
         no = jax.tree.map(lambda _: False, base)
         return dataclasses.replace(
             self, abstract=TrainState(self.abstract.step, base, (), self.abstract.loss_scale),
-            names=self.frozen_names, master=False, stacked=(no, ()), frozen_names=None,
-            frozen_specs=None, specs=dataclasses.replace(self.specs, params=self.frozen_specs,
-                                                         opt_state=()))
+            names=base_quant.full(self.frozen_names), master=False, stacked=(no, ()),
+            frozen_names=None, frozen_specs=None, frozen_compute_specs=None,
+            specs=dataclasses.replace(self.specs, params=base_quant.full(self.frozen_specs),
+                                      opt_state=()))
 
     def cast_base(self, base: Any) -> Any:
         """LoRA's base weights (read as `base_plan` lays them out) in the
         base's own dtype and layout, cast on the devices."""
-        dtypes = jax.tree.map(lambda a: a.dtype, self.abstract.frozen)
-        return jax.jit(lambda b: jax.tree.map(lambda x, d: x.astype(d), b, dtypes),
+        return jax.jit(functools.partial(base_quant.store, self.abstract.frozen),
                        out_shardings=self.shardings.frozen)(base)
 
     @property
@@ -285,7 +288,8 @@ def plan_state(model: ModelFns, tx: optax.GradientTransformation, mesh: Mesh,
     boxed = jax.eval_shape(lambda: model.init(jax.random.key(0)))  # traces the key too: no compile
     names = logical_names(boxed)
     params = jax.eval_shape(lambda: init_params(model, jax.random.key(0), param_dtype))
-    names, params, frozen_names, frozen = _frozen_base(names, params, compute_dtype)
+    names, params, frozen_names, frozen = base_quant.split_base(
+        names, params, compute_dtype, model.lora, rules, mesh_shape.sizes)
     stacked_params = zero_lib.layer_stacks(names)
     compute_names = names
     if stages is not None:  # a stack the pipeline runs whole (dense layers before experts) is outer
@@ -319,24 +323,13 @@ def plan_state(model: ModelFns, tx: optax.GradientTransformation, mesh: Mesh,
                                    dict(sizes), stacked_params) if stages is not None else None
     specs = zero_lib.state_specs(params, compute, names, opt_state, tx,
                                  zero_lib.stage(zero_stage), placement, over_pipe)
+    frozen_compute = None if frozen is None else _compute_specs(rules, sizes, frozen, frozen_names)
     frozen_specs = None if frozen is None else zero_lib.stored_specs(
-        frozen, _compute_specs(rules, sizes, frozen, frozen_names), frozen_names,
-        zero_lib.stage(zero_stage), placement)
+        frozen, frozen_compute, frozen_names, zero_lib.stage(zero_stage), placement)
     return StatePlan(mesh, mesh_shape, rules, zero_stage, abstract, names, specs, placement,
                      jnp.dtype(policy.dtype("grads")), master, stages,
                      (stacked_params, stacked_opt), frozen_names=frozen_names,
-                     frozen_specs=frozen_specs)
-
-
-def _frozen_base(names: Any, params: Any, compute_dtype) -> tuple[Any, Any, Any, Any]:
-    """(names, params, frozen names, frozen base): under LoRA the state's
-    parameters are the adapters, and the rest is the frozen base, stored in
-    the dtype it is used in (it is never updated); else the base is None."""
-    if not lora.has_adapters(names):
-        return names, params, None, None
-    (names, frozen_names), (params, frozen) = lora.split(names), lora.split(params)
-    frozen = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, compute_dtype), frozen)
-    return names, params, frozen_names, frozen
+                     frozen_specs=frozen_specs, frozen_compute_specs=frozen_compute)
 
 
 def _compute_specs(rules: AxisRules, sizes: dict, params: Any, names: Any) -> Any:
@@ -384,7 +377,7 @@ def _fresh(state_plan: StatePlan, tx, params, scale_cfg) -> TrainState:
     frozen = None
     if state_plan.frozen_names is not None:  # the base, cast once to the dtype it is used in
         params, frozen = lora.split(params)
-        frozen = jax.tree.map(lambda x, a: x.astype(a.dtype), frozen, state_plan.abstract.frozen)
+        frozen = base_quant.store(state_plan.abstract.frozen, frozen)
     params = state_plan.pad_params(params)
     opt_state = tx.init(params)
     if state_plan.master:

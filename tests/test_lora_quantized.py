@@ -1,0 +1,104 @@
+"""LoRA on a quantized frozen base (zero_jax/model/base_quant.py): codes
+and scales within their rounding bound of the weights, stored at their
+bytes, gathered at ZeRO-3 as they are stored, and adapters trained on
+fsdp=8 as on one device.
+
+CI runs nf4 on fsdp=8; ZERO_JAX_FULL_GRID=1 adds int8.
+"""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tests.helpers import host, make_job
+from tests.test_lora import _train
+from zero_jax.analysis import memory
+from zero_jax.model import base_quant
+
+FULL = bool(os.environ.get("ZERO_JAX_FULL_GRID"))
+KINDS = ["nf4", "int8"] if FULL else ["nf4"]
+# The largest rounding error over a block's amax: int8 half a step; nf4
+# half the widest gap between two of its levels.
+BOUND = {"int8": 0.5 / base_quant.LEVELS, "nf4": max(np.diff(base_quant.NF4)) / 2}
+
+
+@pytest.mark.parametrize("kind", ["int8", "nf4"])
+def test_codes_and_scales_round_within_half_a_level(kind):
+    """A stacked (layers, in, heads, out) weight: every element within
+    BOUND x its block's amax of the weight; a weight made of levels times
+    its scales comes back exactly; scales run over the first dimension
+    after the layers, in blocks of the configured size."""
+    w = jax.random.normal(jax.random.key(0), (2, 128, 3, 5), jnp.float32)
+    fmt = base_quant.format_of(kind, w.shape, ("layers", "embed", "heads", "kv"), 64)
+    assert fmt.block == (128 if kind == "int8" else 64) and fmt.dim == -3
+    q = base_quant.quantize(w, fmt)
+    assert q.codes.shape == w.shape and q.codes.dtype == fmt.code_dtype
+    assert q.scale.shape == (2, 128 // fmt.block, 3, 5)
+    back = base_quant.dequantize(q.codes, q.scale, fmt, jnp.float32)
+    blocks = np.abs(np.asarray(w)).reshape(2, 128 // fmt.block, fmt.block, 3, 5).max(2)
+    bound = np.repeat(blocks, fmt.block, axis=1) * BOUND[kind] * (1 + 1e-6)
+    assert np.all(np.abs(np.asarray(back) - np.asarray(w)) <= bound)
+    again = base_quant.quantize(back, fmt)  # levels x scales: a fixed point
+    np.testing.assert_array_equal(np.asarray(again.codes, np.int32), np.asarray(q.codes, np.int32))
+    np.testing.assert_allclose(base_quant.dequantize(again.codes, again.scale, fmt, jnp.float32),
+                               back, rtol=1e-6)
+
+
+def _quantized_bytes(frozen) -> int:
+    """The frozen base's bytes from its shapes: codes at 1 byte (int8) or
+    half a byte (nf4) an element, float32 scales, the rest float32."""
+    total = 0
+    for x in jax.tree.leaves(frozen, is_leaf=lambda x: isinstance(x, base_quant.Quantized)):
+        if isinstance(x, base_quant.Quantized):
+            n = int(np.prod(x.codes.shape))
+            total += (n if x.fmt.kind == "int8" else n // 2) + 4 * int(np.prod(x.scale.shape))
+        else:
+            total += 4 * int(np.prod(x.shape))
+    return total
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_quantized_base_trains_like_one_device_and_is_gathered_as_stored(corpus, kind):
+    """Rank-8 q,v adapters on a base whose block projections are `kind`:
+    ten steps on fsdp=8 at ZeRO-3 give one device's losses and adapters
+    to 1e-5, the codes and scales stay bitwise as stored, the base is
+    within its rounding bound of the unquantized one and starts within 1%
+    of its loss; the compiled step gathers the projections' codes in 8
+    bits and never a projection's weight in float32; the memory report
+    counts the codes at their bits."""
+    extra = dict(lora_quantize_base=kind)
+    losses, adapters, frozen, base = _train(corpus, "fsdp=8", 3, **extra)
+    ref_losses, ref_adapters, _, _ = _train(corpus, "fsdp=1", 3, devices=jax.devices()[:1],
+                                            **extra)
+    plain_losses, _, plain, _ = _train(corpus, "fsdp=1", 3, devices=jax.devices()[:1])
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5),
+                 adapters, ref_adapters)
+    jax.tree.map(np.testing.assert_array_equal, frozen, base)
+    assert abs(losses[0] - plain_losses[0]) < 0.01 * plain_losses[0]
+    w_q = frozen["blocks"]["w_q"]
+    assert isinstance(w_q, base_quant.Quantized) and w_q.codes.dtype == w_q.fmt.code_dtype
+    assert frozen["wte"].dtype == np.float32  # embeddings and norms are kept as they were
+    back = base_quant.dequantize(jnp.asarray(w_q.codes), jnp.asarray(w_q.scale), w_q.fmt,
+                                 jnp.float32)
+    err = np.abs(np.asarray(back) - plain["blocks"]["w_q"])
+    assert err.max() <= BOUND[kind] * np.abs(plain["blocks"]["w_q"]).max() * (1 + 1e-6)
+
+    job = make_job(corpus, model="llama-tiny", precision="fp32", mesh="fsdp=8", zero_stage=3,
+                   lora_rank=8, lora_targets="q,v", **extra)
+    text = job.lower_train_step().compile().as_text()
+    gathers = [line.split("=")[1].split("all-gather")[0].strip() for line in text.splitlines()
+               if "all-gather(" in line or "all-gather-start(" in line]
+    layer = ",".join(map(str, w_q.codes.shape[1:]))
+    assert any(g.startswith((f"s8[{layer}]", f"u8[{layer}]")) for g in gathers), gathers
+    assert not any(g.startswith(f"f32[{layer}]") for g in gathers), gathers
+    plan = job.state_plan
+    assert memory._frozen_bytes(plan) == _quantized_bytes(host(frozen))
+    unquantized = make_job(corpus, model="llama-tiny", precision="fp32", mesh="fsdp=8",
+                           zero_stage=3, lora_rank=8, lora_targets="q,v").state_plan
+    assert memory.sharded(plan)["params"] < memory.sharded(unquantized)["params"]
+    assert memory.param_count(plan) == sum(int(np.prod(x.shape)) for x in jax.tree.leaves(
+        (plain, adapters)))
