@@ -5,6 +5,8 @@
         [--write-config DIR] [--include 'PP=12 TP=4 DP=8 ZeRO-1 full mb=2']
     zero-jax plan --n-layer 24 --n-head 24 --d-model 2304 --vocab-size 51200 \\
         --cluster a100-80gb --nodes 4 --global-batch 512 --seq-len 2048
+    zero-jax plan --model llama-2-70b --cluster a100-80gb --nodes 1 --global-batch 32 \\
+        --seq-len 4096 --lora-rank 16 --lora-targets q,k,v,o,gate,up,down
 
 Every layout that divides the model and the cluster
 (zero_jax/planner/choices.py) is estimated from abstract shapes: model-state
@@ -62,7 +64,7 @@ from tqdm import tqdm
 import models
 from zero_jax import config as config_lib, job as job_lib
 from zero_jax.config import flags
-from zero_jax.config.sections import ModelConfig
+from zero_jax.config.sections import LoraConfig, ModelConfig
 from zero_jax.precision import policies
 from zero_jax.model import exchange, grouped, remat
 from zero_jax.planner import configs, cost, search
@@ -112,6 +114,14 @@ def parse(argv):
     p.add_argument("--quantized", default="off,on",
                    help="ZeRO++'s int8 collectives (qwZ+qgZ) at ZeRO-3 to consider: off, on "
                         "(default: %(default)s)")
+    lora = p.add_argument_group("LoRA: adapters trained on a frozen base (a fine-tune; no "
+                                "pipeline layouts, which LoRA does not cut into stages yet)")
+    comments = flags.field_comments(LoraConfig)
+    lora.add_argument("--lora-rank", type=int, default=0, metavar="INT", help=comments["rank"])
+    lora.add_argument("--lora-targets", default=LoraConfig.targets, metavar="STR",
+                      help=comments["targets"] + " (default: %(default)s)")
+    lora.add_argument("--lora-quantize-base", default="none", choices=("none", "int8", "nf4"),
+                      help=comments["quantize_base"] + " (default: %(default)s)")
     p.add_argument("--top", type=int, default=10, help="layouts shown (default: %(default)s)")
     p.add_argument("--reserve-gb", type=float, default=None,
                    help="memory per device kept free beyond the estimate (default: the larger "
@@ -148,7 +158,9 @@ def base_config(args) -> dict:
     return {"model.name": args.model, "model.vocab_size": given, **shape,
             "precision.policy": args.precision, "data.seq_len": args.seq_len,
             "train.batch_size": args.global_batch, "activations.remat": "full",
-            "model.attention": args.attention}
+            "model.attention": args.attention, **({
+                "lora.rank": args.lora_rank, "lora.targets": args.lora_targets,
+                "lora.quantize_base": args.lora_quantize_base} if args.lora_rank else {})}
 
 
 def vocab_of(args) -> int:
@@ -207,6 +219,7 @@ def layout_options(args) -> Space:
     """The layouts to search over (planner.choices.Space), from the flags."""
     offloads = names("--offload", args.offload, ("none", "opt", "opt+params"))
     return Space(stages=int_list("--stages", args.stages, allowed=range(4)),
+                 schedules=() if args.lora_rank else Space.schedules,  # LoRA: no pipeline
                  remats=names("--remat", args.remat, remat.POLICIES),
                  micros=int_list("--micro", args.micro),
                  offloads=tuple("" if o == "none" else o for o in offloads),

@@ -153,10 +153,11 @@ def layer_times(job: job_lib.Job, choice: Choice, device: Device, attention: str
         forward += flash_s(causal / shape.tensor, device)
         backward += flash_s(FLASH_BACKWARD * causal / shape.tensor, device)
         ops = [op for op in ops if op.key not in FUSED]
+    frozen = job.model.lora is not None  # LoRA: no weight gradient of the base's products
     for op in ops:
         f, b, w = _op_times(op, shape, device)
-        forward, backward, weight = forward + f, backward + b, weight + w
-    head_f, head_b = _head(job, shape, device)
+        forward, backward, weight = forward + f, backward + b - w * frozen, weight + w * (not frozen)
+    head_f, head_b = _head(job, shape, device, frozen)
     eff = device.step_efficiency
     return LayerTimes(forward / eff, backward / eff, weight / eff, head_f / eff, head_b / eff,
                       _update_s(job, choice, device) / eff)
@@ -191,15 +192,17 @@ def _gemm(op: Op, s: _Shape) -> Gemm:
     return Gemm(s.rows, n, k)
 
 
-def _head(job: job_lib.Job, s: _Shape, device: Device) -> tuple[float, float]:
+def _head(job: job_lib.Job, s: _Shape, device: Device, frozen: bool) -> tuple[float, float]:
     """The output product (vocabulary split over tensor) and the loss over
-    its float32 logits, forward and backward."""
+    its float32 logits, forward and backward (`frozen`: the input's
+    gradient only)."""
     cfg = job.model.config
     vocab = getattr(cfg, "padded_vocab", None) or job.model.vocab_size
     g = Gemm(s.rows, vocab / s.tensor, cfg.d_model)
     logits = s.rows * vocab / s.tensor * LOGIT_BYTES
     forward = gemm_s(g, s.itemsize, device) + bytes_s(2 * logits, device)
-    backward = sum(gemm_s(t, s.itemsize, device) for t in g.transposes()) + bytes_s(2 * logits, device)
+    backward = sum(gemm_s(t, s.itemsize, device) for t in g.transposes()[:1 if frozen else 2]
+                   ) + bytes_s(2 * logits, device)
     return forward, backward
 
 

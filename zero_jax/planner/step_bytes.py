@@ -103,6 +103,19 @@ def compute_grad_bytes(state_plan) -> int:
     return bytes_per_device(state_plan.abstract_grads, state_plan.specs.compute, state_plan.mesh)
 
 
+def frozen_bytes(state_plan) -> tuple[float, float]:
+    """LoRA's frozen base, bytes per device in its compute layout, as ZeRO-3
+    gathers it (a quantized weight's codes and scales as stored): (outside
+    the layer stack, the stack). (0, 0) without LoRA."""
+    out = [0.0, 0.0]
+    if state_plan.abstract.frozen is None:
+        return 0.0, 0.0
+    for size, names in zip(leaf_bytes(state_plan.abstract.frozen, state_plan.frozen_compute_specs,
+                                      state_plan.mesh), spec_leaves(state_plan.frozen_names)):
+        out[bool(len(names)) and names[0] == "layers"] += size
+    return out[0], out[1]
+
+
 def update_elements(state_plan, stage: zero_lib.ZeroStage) -> float:
     """Parameters this device updates: its shard in the optimizer's layout."""
     specs = state_plan.specs.sharded if stage.opt_state else state_plan.specs.params
@@ -159,7 +172,10 @@ def _layer_gathers(job: job_lib.Job, choice: Choice) -> float:
     with parameter offload, their stored shards fetched from host memory too."""
     state_plan = job.state_plan
     c, g = dtype_bytes(job)
-    gathers = 2 * _per_layer(job, choice) / g * c if zero_lib.stage(choice.zero).params else 0.0
+    gathers = 0.0
+    if zero_lib.stage(choice.zero).params:  # the trained parameters, and LoRA's frozen base
+        gathers = 2 * (_per_layer(job, choice) / g * c
+                       + frozen_bytes(state_plan)[1] / _layers_here(job, choice))
     if state_plan.host_params:
         _, stack_stored = _split_bytes(state_plan, state_plan.abstract.params, state_plan.specs.params)
         gathers += 2 * stack_stored / _layers_here(job, choice)

@@ -43,8 +43,9 @@ from zero_jax.analysis import memory
 from zero_jax.pipeline import schedule as schedule_lib
 from zero_jax.planner import choices, kernels, links
 from zero_jax.planner.choices import Choice, Cluster, pipeline_schedule
-from zero_jax.planner.step_bytes import (compute_grad_bytes, dtype_bytes, reduces_each_microbatch,
-                                         tables_in_blocks, update_elements)
+from zero_jax.planner.step_bytes import (compute_grad_bytes, dtype_bytes, frozen_bytes,
+                                         reduces_each_microbatch, tables_in_blocks,
+                                         update_elements)
 from zero_jax.sharding import quantized
 from zero_jax.sharding import zero as zero_lib
 
@@ -304,6 +305,9 @@ def _data_time(job: job_lib.Job, choice: Choice, cluster: Cluster,
     backward = layers_here * (t.forward * (work.passes - 1) + t.backward)  # one microbatch's
     reduce = "reduce-scatter" if stage.grads else "all-reduce"
     each_microbatch = reduces_each_microbatch(job, stage)
+    base = sum(frozen_bytes(job.state_plan))  # LoRA's frozen base, gathered as it is stored
+    if job.hooks.int8_gather_block and job.model.lora and job.model.lora.quantize_base == "none":
+        base *= (1 + quantized.SCALE_BYTES / job.hooks.int8_gather_block) / c  # qwZ gathers it
     c, g, reduce = _quantized(job, c, g, reduce, stage.params and each_microbatch)
     grads = layers_here * links.collective_s(reduce, psi * g / layers_here, n, link)
     if stage.params:
@@ -311,7 +315,7 @@ def _data_time(job: job_lib.Job, choice: Choice, cluster: Cluster,
         # passes and backward), prefetched a layer ahead, and with ZeRO-3's
         # on-the-spot reduction the gradients: what exceeds the
         # microbatch's compute waits, and so does the first gather.
-        layer_gather = links.collective_s("all-gather", psi / layers_here * c, n, link)
+        layer_gather = links.collective_s("all-gather", (psi * c + base) / layers_here, n, link)
         per_mb = layers_here * (work.passes + 1) * layer_gather + grads * each_microbatch
         compute = layers_here * (t.forward * work.passes + t.backward)
         total = choice.microbatches * per_mb

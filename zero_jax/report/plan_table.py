@@ -44,7 +44,8 @@ def table_line(r: dict) -> str:
 def top_line(r: dict) -> str:
     """The best layout's bytes and time, each with where it comes from."""
     b = r["bytes"]
-    return (f"top: {r['layout']}: params {b['params'] / 1e9:.2f} GB + optimizer state "
+    return (f"top: {r['layout']}: headroom {r['headroom']:.0%} of a device beyond the estimate "
+            f"and the reserve; params {b['params'] / 1e9:.2f} GB + optimizer state "
             f"{b['opt_state'] / 1e9:.2f} GB stored (exact, from the shardings); step "
             f"temporaries, estimated (the largest counts): "
             + ", ".join(f"{k[5:]} {v / 1e9:.2f} GB" for k, v in b.items() if k.startswith("step_"))
