@@ -13,9 +13,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import models
+from models import lora_merge
 from tests.helpers import host, make_job
-from tests.test_lora import _train
+from tests.test_lora import _hf_base, _train
+from zero_jax import run
 from zero_jax.analysis import memory
+from zero_jax.checkpoint import weights
 from zero_jax.model import base_quant
 
 FULL = bool(os.environ.get("ZERO_JAX_FULL_GRID"))
@@ -102,3 +106,40 @@ def test_a_quantized_base_trains_like_one_device_and_is_gathered_as_stored(corpu
     assert memory.sharded(plan)["params"] < memory.sharded(unquantized)["params"]
     assert memory.param_count(plan) == sum(int(np.prod(x.shape)) for x in jax.tree.leaves(
         (plain, adapters)))
+
+
+def test_a_base_read_from_hugging_face_is_stored_quantized(corpus, tmp_path):
+    """--init-from a Hugging Face directory with --lora-quantize-base nf4 on
+    fsdp=4,tensor=2: the frozen base is the file's weights, the block
+    projections quantized from them in the base's layout, the rest in the
+    compute dtype."""
+    _, params = _hf_base(corpus, tmp_path / "hf", scale=0.05)
+    job = make_job(corpus, model=f"hf:{tmp_path / 'hf'}", init_from=str(tmp_path / "hf"),
+                   mesh="fsdp=4,tensor=2", precision="fp32", lora_rank=8, lora_targets="q,v",
+                   lora_quantize_base="nf4")
+    loaded, _ = run.initial_state(job, None, [models.hf_loader], print)
+    frozen = host(loaded.frozen)
+    w_q = frozen["blocks"]["w_q"]
+    expected = base_quant.quantize(jnp.asarray(params["blocks"]["w_q"]), w_q.fmt)
+    np.testing.assert_array_equal(np.asarray(w_q.codes, np.int32),
+                                  np.asarray(expected.codes, np.int32))
+    np.testing.assert_allclose(w_q.scale, expected.scale, rtol=1e-6)
+    np.testing.assert_array_equal(frozen["wte"], params["wte"])
+    assert [x.sharding for x in jax.tree.leaves(loaded.frozen)] == jax.tree.leaves(
+        job.state_plan.shardings.frozen)
+
+
+def test_a_quantized_run_resumes_only_quantized_alike(corpus, tmp_path):
+    """A checkpoint of adapters trained on an nf4 base names it: resuming
+    without --lora-quantize-base nf4 is refused before compiling, saying
+    so, and merging them into the unquantized weights is refused too."""
+    extra = dict(model="llama-tiny", precision="fp32", mesh="fsdp=8", lora_rank=8,
+                 lora_targets="q,v", steps=2)
+    job = make_job(corpus, lora_quantize_base="nf4", **extra)
+    meta = weights.base_meta(job, job.init_state().frozen)
+    assert meta["lora_base"]["quantize_base"] == "nf4"
+    with pytest.raises(weights.WrongBase, match="stored nf4.*with --lora-quantize-base nf4"):
+        weights._same_source(meta, make_job(corpus, **extra), tmp_path)
+    with pytest.raises(ValueError, match="--merge-lora: the adapters were trained on the base "
+                                         "stored nf4"):
+        lora_merge.check_digest(meta, None, None, [])

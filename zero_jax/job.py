@@ -175,7 +175,8 @@ class Job:
         return memory.report(self.state_plan, compiled_step, self.activation_estimate(), collectives)
 
     def init_state(self, base: Any = None) -> state.TrainState:
-        """A fresh state; under LoRA around `base`, weights `base_job` placed."""
+        """A fresh state; under LoRA around `base`, the frozen base as stored
+        (weights.base: `base_job`'s weights placed and cast, or quantized)."""
         return state.init_state(self.state_plan, self.model, self.tx,
                                 jax.random.key(self.run.train.seed), self.scale_cfg,
                                 self.policy.dtype("params"), base)

@@ -32,7 +32,7 @@ _WEIGHT = 2654435761
 
 def _words(x: jax.Array) -> jax.Array:
     """The bit pattern of every element, as uint32."""
-    if x.dtype == jnp.bool_:
+    if x.dtype in (jnp.bool_, jnp.uint4):  # one bit; four (LoRA's nf4 codes): their value
         return x.astype(jnp.uint32)
     size = jnp.dtype(x.dtype).itemsize
     if size not in _UINT:

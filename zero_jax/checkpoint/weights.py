@@ -104,14 +104,17 @@ def digest(frozen: Any) -> str:
 
 def _source(job: Any) -> dict[str, Any]:
     """Where this run's base comes from: --init-from (resolved), else the seed."""
-    init_from = job.run.checkpoint.init_from
+    init_from, quantized = job.run.checkpoint.init_from, job.run.lora.quantize_base
     return {"init_from": str(Path(init_from).resolve()) if init_from else "",
-            "seed": job.run.train.seed}
+            "seed": job.run.train.seed, **({"quantize_base": quantized}
+                                           if quantized != "none" else {})}
 
 
 def _named(source: dict[str, Any]) -> str:
-    return (f"--init-from {source['init_from']}" if source["init_from"] else
-            f"the initialisation of seed {source['seed']}")
+    quantized = source.get("quantize_base", "none")
+    return ((f"--init-from {source['init_from']}" if source["init_from"] else
+             f"the initialisation of seed {source['seed']}")
+            + (f", stored {quantized}" if quantized != "none" else ""))
 
 
 def base_meta(job: Any, frozen: Any) -> dict[str, Any]:
@@ -149,6 +152,8 @@ def _same_source(meta: dict[str, Any], job: Any, where: Path) -> dict[str, Any]:
     if _named(saved) != _named(now):
         fix = f"--init-from {saved['init_from']}" if saved["init_from"] else \
             f"--seed {saved['seed']} and no --init-from"
+        if (q := saved.get("quantize_base", "none")) != now.get("quantize_base", "none"):
+            fix += f", with --lora-quantize-base {q}"
         raise WrongBase(f"{where}: its adapters were trained on the base from {_named(saved)}, "
                         f"this run's comes from {_named(now)}; give {fix}")
     return saved

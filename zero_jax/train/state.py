@@ -351,8 +351,8 @@ def init_state(state_plan: StatePlan, model: ModelFns, tx: optax.GradientTransfo
                key: jax.Array, scale_cfg: loss_scale_lib.LossScaleConfig,
                param_dtype=jnp.float32, base: Any = None) -> TrainState:
     """A fresh train state, each array created directly in its sharding;
-    under LoRA, around `base` (the frozen base's weights, placed in its
-    layout: `StatePlan.base_plan`) where given, else an initialised one."""
+    under LoRA, around `base` (the frozen base as it is stored:
+    `StatePlan.cast_base`) where given, else an initialised one."""
 
     def init(key):
         state = _fresh(state_plan, tx, init_params(model, key, param_dtype), scale_cfg)
@@ -361,7 +361,7 @@ def init_state(state_plan: StatePlan, model: ModelFns, tx: optax.GradientTransfo
     if base is None:
         return jax.jit(init, out_shardings=state_plan.shardings)(key)
     state = jax.jit(init, out_shardings=state_plan.shardings._replace(frozen=None))(key)
-    return state._replace(frozen=state_plan.cast_base(base))
+    return state._replace(frozen=base)
 
 
 def state_from_params(state_plan: StatePlan, tx: optax.GradientTransformation, params: Any,
