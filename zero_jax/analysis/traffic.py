@@ -41,7 +41,8 @@ from zero_jax.sharding import zero as zero_lib
 from zero_jax.sharding.mesh import DATA_AXES
 from zero_jax.sharding.specs import shard_elements, spec_leaves
 
-_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
+# 4-bit arrays (LoRA's nf4 codes) are packed two a byte.
+_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
           "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
 _ARRAY = re.compile(r"\b(pred|[suf]\d+|bf16|f8\w*)\[([\d,]*)\]")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
@@ -99,7 +100,7 @@ def array_bytes(type_text: str) -> list[int]:
             for dtype, dims in _ARRAY.findall(type_text)]
 
 
-def _dtype_bytes(dtype: str) -> int:
+def _dtype_bytes(dtype: str) -> float:
     return 1 if dtype.startswith("f8") else _BYTES[dtype]
 
 
