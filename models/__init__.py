@@ -269,7 +269,8 @@ def save_peft(out: Path, meta: dict, arrays: dict, read: hf_files.Read,
     if not isinstance(cfg, llama.model.LlamaConfig) or cfg.mla or cfg.n_experts:
         raise ValueError(f"--peft-dir: adapters of {meta['model']['name']} have no peft layout "
                          "here; the Llama family's dense models' do")
-    shapes = {path: tuple(a["shape"]) for path, a in arrays.items()}
+    shapes = {path: tuple(a["shape"]) for path, a in arrays.items()
+              if "_lora." in path}  # peft holds the adapters (not an FP8 run's amax histories)
     lora, base = meta["run"]["lora"], meta.get("lora_base", {})
     weights = sorted({path.split(".")[-2].removesuffix("_lora") for path in shapes})
     out.mkdir(parents=True, exist_ok=True)
@@ -278,7 +279,8 @@ def save_peft(out: Path, meta: dict, arrays: dict, read: hf_files.Read,
         for name, shape, produce in llama.peft.pieces(cfg.n_layer, shapes, read)],
         {"format": "pt"})
     config = llama.peft.config_json(lora["rank"], lora["alpha"], weights,
-                                    base.get("init_from") or meta["model"]["name"])
+                                    base.get("init_from") or meta["model"]["name"],
+                                    lora.get("dropout", 0.0))
     (out / llama.peft.CONFIG).write_text(json.dumps(config, indent=1))
     return [out / llama.peft.WEIGHTS, out / llama.peft.CONFIG]
 

@@ -87,7 +87,11 @@ def merged(meta: dict, cfg, read_adapter: Callable) -> Callable:
     scale = lora["alpha"] / lora["rank"]
     adapted = {p.removesuffix("_lora.a") for p in meta["manifest"]["params"] if p.endswith("_lora.a")}
 
+    trained = set(meta["manifest"]["params"])  # the adapters and the statistics kept with them
+
     def read(path: str, layer: int | None) -> np.ndarray:
+        if path in trained:  # a selection bias the run moved: the checkpoint's
+            return np.asarray(read_adapter(path, layer))
         w = np.asarray(read_base(path, layer))
         if path not in adapted:
             return w

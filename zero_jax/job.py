@@ -220,7 +220,7 @@ def prepare_on(run: config_lib.RunConfig, build_model: Callable[[int], ModelFns]
     config_lib.validate(run, {a: shape.sizes[a] for a in mesh_lib.DATA_AXES})
     sources.check_init_from(run.checkpoint.init_from)
     model = build_model(run.model.vocab_multiple)
-    adapters = checks.lora_of(run, model, shape.sizes["pipe"])
+    adapters = checks.lora_of(run, shape.sizes["pipe"])
     delayed = run.precision.policy == "fp8" and run.precision.fp8 == "delayed"
     if delayed or adapters:  # amax histories, adapters: parameters the hooks ask for
         model = dataclasses.replace(model, init=functools.partial(model.init, hooks=Hooks(

@@ -46,8 +46,9 @@ def scanned(block: type[nn.Module], cfg: Any, hooks: Hooks, length: int | None =
     # same); the program holds every layer, so it compiles longer, and the
     # compiler's cost analysis counts every layer (a loop body counts once).
     unroll = 1 if hooks.scan_layers else length
-    return nn.scan(remat, variable_axes={"params": 0}, split_rngs={"params": True},
-                   in_axes=nn.broadcast, length=length, unroll=unroll,
+    return nn.scan(remat, variable_axes={"params": 0},
+                   split_rngs={"params": True, "dropout": True}, in_axes=nn.broadcast,
+                   length=length, unroll=unroll,
                    metadata_params={nn.PARTITION_NAME: "layers"})(cfg, hooks, **attributes)
 
 
@@ -65,8 +66,10 @@ def fns(module: type[nn.Module], block: type[nn.Module], cfg: Any,
         tokens = jnp.zeros((1, min(8, cfg.max_seq_len)), jnp.int32)
         return module(cfg, hooks or Hooks()).init(key, tokens)["params"]
 
-    def apply(params, tokens_BxT, hooks, segments_BxT=None, **rows):
-        return module(cfg, hooks).apply({"params": params}, tokens_BxT, segments_BxT, **rows)
+    def apply(params, tokens_BxT, hooks, segments_BxT=None, rngs=None, **rows):
+        # rngs: {"dropout": key} in LoRA's training with dropout (zero_jax/model/lora.py)
+        return module(cfg, hooks).apply({"params": params}, tokens_BxT, segments_BxT,
+                                        rngs=rngs, **rows)
 
     def decay_mask(params):
         # Matrices (named w*) decay; norms, biases, amax histories and selection biases do not.

@@ -27,11 +27,13 @@ PREFIX = "base_model.model.model.layers"  # peft's name of a causal LM's layers
 WEIGHTS, CONFIG = "adapter_model.safetensors", "adapter_config.json"
 
 
-def config_json(rank: int, alpha: float, weights: list[str], base: str) -> dict[str, Any]:
-    """adapter_config.json for adapters of `rank` and `alpha` on our projections `weights`."""
+def config_json(rank: int, alpha: float, weights: list[str], base: str,
+                dropout: float = 0.0) -> dict[str, Any]:
+    """adapter_config.json for adapters of `rank` and `alpha` on our
+    projections `weights`, trained with `dropout` (peft applies it in training only)."""
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha,
             "target_modules": sorted(MODULES[w].split(".")[-1] for w in weights),
-            "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
+            "lora_dropout": dropout, "bias": "none", "fan_in_fan_out": False,
             "use_rslora": False, "init_lora_weights": True, "inference_mode": True,
             "base_model_name_or_path": base}
 

@@ -200,7 +200,7 @@ class LoraConfig:
     rank: int = 0  # low-rank adapters of this rank on a frozen base (0: train every parameter)
     alpha: float = 16.0  # the adapters' term is scaled by alpha / rank
     targets: str = "q,v"  # the block projections adapted: any of q,k,v,o,gate,up,down
-    dropout: float = 0.0  # dropout on the adapters' input (peft's lora_dropout): only 0 yet
+    dropout: float = 0.0  # dropout on the adapters' input in training, as peft's lora_dropout
     # store the frozen base's block projections quantized: none, int8 (a scale per
     # output channel) or nf4 (QLoRA's 4-bit NormalFloat, a scale per block)
     quantize_base: Literal["none", "int8", "nf4"] = "none"

@@ -26,10 +26,13 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from zero_jax.model import balance, fp8
+
 # A target's name in --lora-targets -> the projection parameter it adapts.
 TARGETS = {"q": "w_q", "k": "w_k", "v": "w_v", "o": "w_o", "gate": "w_gate", "up": "w_up",
            "down": "w_down"}
 SUFFIX = "_lora"  # an adapter's module beside its weight: w_q -> w_q_lora
+DROPOUT = "dropout"  # the random stream of the adapters' dropout (flax rngs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +43,7 @@ class Lora:
     alpha: float
     targets: tuple[str, ...]  # keys of TARGETS
     dropout: float = 0.0  # of the adapters' input, in training (peft's lora_dropout)
+    seed: int = 0  # the dropout masks' stream (with the step and the microbatch's tokens)
     quantize_base: str = "none"  # the frozen base's block projections: none | int8 | nf4
     base_block: int = 64  # nf4: elements per block of a scale
 
@@ -51,7 +55,7 @@ class Lora:
         return weight in {TARGETS[t] for t in self.targets}
 
 
-def of(config) -> Lora | None:
+def of(config, seed: int = 0) -> Lora | None:
     """The adapters a run's [lora] section asks for (None: rank 0, none)."""
     if not config.rank:
         return None
@@ -62,8 +66,8 @@ def of(config) -> Lora | None:
                          "int8, nf4")
     if config.base_block < 1:
         raise ValueError(f"--lora-base-block {config.base_block}: at least 1 element per block")
-    return Lora(config.rank, config.alpha, parse_targets(config.targets), config.dropout,
-                config.quantize_base, config.base_block)
+    return Lora(config.rank, config.alpha, parse_targets(config.targets), dropout=config.dropout,
+                seed=seed, quantize_base=config.quantize_base, base_block=config.base_block)
 
 
 def parse_targets(text: str) -> tuple[str, ...]:
@@ -128,11 +132,14 @@ class Adapter(nn.Module):
             shape_a, jnp.float32)
         b = self.param("b", nn.with_logical_partitioning(nn.initializers.zeros, names_b),
                        shape_b, jnp.float32)
+        if spec.dropout and self.has_rng(DROPOUT):  # training: `bound` gives the stream
+            keep = jax.random.bernoulli(self.make_rng(DROPOUT), 1 - spec.dropout, x.shape)
+            x = jnp.where(keep, x / (1 - spec.dropout), jnp.zeros((), x.dtype)).astype(x.dtype)
         low = self.hooks.dense(eq_a, x, a, names_a)
         return self.hooks.dense(eq_b, low, b, names_b) * spec.scale
 
 
-def is_adapter(path: tuple) -> bool:
+def is_adapter(path: tuple) -> bool:  # an adapter's own factor (not a statistic kept beside)
     """Whether a parameter path (jax key path) lies in an adapter."""
     return any(str(getattr(k, "key", getattr(k, "name", k))).endswith(SUFFIX) for k in path)
 
@@ -141,13 +148,21 @@ def has_adapters(tree: Any) -> bool:
     return any(is_adapter(path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0])
 
 
+def _kept_with_adapters(key: str) -> bool:
+    """Statistics kept as parameters, which the step moves rather than the
+    optimizer (FP8 amax histories, experts' selection biases): they stay
+    with the adapters, so that LoRA's step moves them as a full run's does."""
+    return key.endswith(fp8.HISTORY) or key == balance.NAME
+
+
 def split(tree: Any) -> tuple[dict, dict]:
     """(adapters, frozen): a nested dict of parameters (or of anything
     shaped like them) cut at the adapters' modules, each part keeping the
-    nesting of what it holds."""
+    nesting of what it holds. The statistics kept as parameters go with
+    the adapters."""
     adapters, frozen = {}, {}
     for k, v in tree.items():
-        if k.endswith(SUFFIX):
+        if k.endswith(SUFFIX) or _kept_with_adapters(k):
             adapters[k] = v
         elif isinstance(v, dict):
             inner, rest = split(v)
@@ -176,10 +191,26 @@ def flops_per_token(full, trained: int):
     return lambda seq_len: full(seq_len) - full(0) / 3 + 6 * trained
 
 
-def bound(model, frozen: Any):
+def bound(model, frozen: Any, step: jax.Array | None = None):
     """`model` (a ModelFns) whose `apply` takes the adapters only, the
-    frozen base closed over: what the step differentiates."""
-    apply = model.apply
-    return dataclasses.replace(
-        model, apply=lambda adapters, *args, **kwargs: apply(merge(adapters, frozen), *args,
-                                                               **kwargs))
+    frozen base closed over: what the step differentiates. With `step`
+    and dropout, each call draws its masks from the seed, the step and a
+    checksum of the tokens it is given (each microbatch its own), so that
+    the masks do not depend on the layout: they are drawn over the global
+    activations (jax's threefry is partitionable)."""
+    apply, spec = model.apply, model.lora
+
+    def applied(adapters, tokens, *args, **kwargs):
+        if step is not None and spec is not None and spec.dropout:
+            key = jax.random.fold_in(jax.random.fold_in(jax.random.key(spec.seed), step),
+                                     _checksum(tokens))
+            kwargs = {**kwargs, "rngs": {DROPOUT: key}}
+        return apply(merge(adapters, frozen), tokens, *args, **kwargs)
+    return dataclasses.replace(model, apply=applied)
+
+
+def _checksum(tokens: jax.Array) -> jax.Array:
+    """A uint32 of the token ids and their positions (Knuth's multiplicative hash)."""
+    index = jnp.arange(tokens.size, dtype=jnp.uint32).reshape(tokens.shape)
+    return jnp.sum(tokens.astype(jnp.uint32) * (index * jnp.uint32(2654435761) | 1),
+                   dtype=jnp.uint32)

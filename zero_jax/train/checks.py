@@ -15,11 +15,11 @@ from zero_jax.sharding import quantized
 from zero_jax.sharding import zero as zero_lib
 
 
-def lora_of(run: config_lib.RunConfig, model: ModelFns, pipe: int) -> lora.Lora | None:
+def lora_of(run: config_lib.RunConfig, pipe: int) -> lora.Lora | None:
     """The adapters [lora] asks for, refused before compiling where the run
     would train something else than they and the base would compute."""
     try:
-        adapters = lora.of(run.lora)
+        adapters = lora.of(run.lora, run.train.seed)
     except ValueError as e:
         raise config_lib.ConfigError(str(e)) from None
     if adapters is None:
@@ -27,18 +27,11 @@ def lora_of(run: config_lib.RunConfig, model: ModelFns, pipe: int) -> lora.Lora 
             raise config_lib.ConfigError(f"--lora-init-from {run.lora.init_from}: no adapters "
                                          "to start: give --lora-rank too")
         return None
-    if run.lora.dropout:
-        raise config_lib.ConfigError(
-            f"--lora-dropout {run.lora.dropout:g}: dropout on the adapters' input is not built "
-            "yet (the step has no random stream for it); leave it at 0")
     rank = f"--lora-rank {run.lora.rank}"
-    why = (f"pipe={pipe} (adapters are not cut into stages yet)" if pipe > 1
-           else "a mixture of experts (its selection biases would stay frozen)" if model.experts
-           else "--precision fp8 (its amax histories would stay frozen)"
-           if run.precision.policy == "fp8" else "")
-    if why:
-        raise config_lib.ConfigError(f"{rank} with {why} is not supported; train every "
-                                     "parameter (--lora-rank 0)")
+    if pipe > 1:
+        raise config_lib.ConfigError(f"{rank} with pipe={pipe} (adapters are not cut into "
+                                     "stages yet) is not supported; train every parameter "
+                                     "(--lora-rank 0), or a mesh without pipe")
     return adapters
 
 

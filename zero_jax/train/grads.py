@@ -243,8 +243,9 @@ def _constrainer(state_plan: StatePlan, specs: Any, dtype) -> Callable[[Any], An
 
 def make_loss_and_grads(state_plan: StatePlan, model: ModelFns, hooks: Hooks,
                         options: StepOptions) -> Callable:
-    """`(params, batch, scale, frozen) -> (metrics, grads)` for a layout
-    (`frozen`: LoRA's base, None without): pipelined
+    """`(params, batch, scale, frozen, step) -> (metrics, grads)` for a
+    layout (`frozen`: LoRA's base, None without; `step`: the optimizer
+    step, which LoRA's dropout draws its masks from): pipelined
     over `pipe` through `options.schedule` if there is one, else
     accumulated over `options.microbatches`, reduced once per step
     (`options.reduce_once`) or once per microbatch. Gradients come out in
@@ -268,10 +269,10 @@ def make_loss_and_grads(state_plan: StatePlan, model: ModelFns, hooks: Hooks,
     widen = (master_lib.cast_to(jax.tree.map(lambda m: m.dtype, state_plan.master_params))
              if state_plan.master else lambda params: params)
 
-    def loss_and_grads(params, batch, scale, frozen=None):
+    def loss_and_grads(params, batch, scale, frozen=None, step=None):
         # Under LoRA the base is closed over, not differentiated: no gradient
-        # of it is computed or reduced.
-        fn = strategy(model if frozen is None else lora.bound(model, frozen))
+        # of it is computed or reduced; `step` seeds the adapters' dropout.
+        fn = strategy(model if frozen is None else lora.bound(model, frozen, step))
         return fn(widen(params), weighted(batch), scale)
     return loss_and_grads
 

@@ -54,7 +54,7 @@ def train_step(state: TrainState, batch: Any, *, loss_and_grads: Callable,
     scale = state.loss_scale.scale
     batch = grads.weighted(batch)
     measured, g = loss_and_grads(state.params, batch, scale if scale_cfg.enabled else None,
-                                 state.frozen)
+                                 state.frozen, state.step)
     if scale_cfg.enabled:  # amax histories' and biases' reports are not gradients
         g = jax.tree_util.tree_map_with_path(
             lambda path, x: x if fp8.is_history(path) or balance.is_bias(path)
