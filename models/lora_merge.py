@@ -51,11 +51,6 @@ def base_reader(meta: dict, cfg) -> tuple[Callable, list[str]]:
 
 def check_digest(meta: dict, cfg, read: Callable, paths: list[str]) -> None:
     """The base read as the run read it has the digest its checkpoint records."""
-    quantized = meta["lora_base"].get("quantize_base", "none")
-    if quantized != "none":
-        raise ValueError(f"--merge-lora: the adapters were trained on the base stored {quantized} "
-                         "(--lora-quantize-base); merging them into its unquantized weights is "
-                         "not built yet; write them with --peft-dir")
     dtype = np.dtype(jnp.dtype(meta["precision"]["compute"]))  # the base's (state.py)
     sums = {}
     for p in paths:

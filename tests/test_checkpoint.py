@@ -160,7 +160,7 @@ def test_master_weights_are_what_is_saved_and_resumed(corpus, saved_master, tmp_
     resumed = make_job(corpus, dir=str(tmp_path), resume=True, **target)
     lines = []
     checkpointer = manager_lib.Checkpointer(resumed.run.checkpoint)
-    state2, step = run.initial_state(resumed, checkpointer, [], lines.append)
+    state2, step, _ = run.initial_state(resumed, checkpointer, [], lines.append)
     assert step == 3
     jax.tree.map(np.testing.assert_array_equal, host(state_lib.saved_form(state2)), saved)
     if resumed.state_plan.master:

@@ -261,7 +261,7 @@ def test_the_base_is_read_from_a_checkpoint_or_a_hugging_face_directory(corpus, 
     for source, model in ((tmp_path / "ckpt", "llama-tiny"), (tmp_path / "hf", f"hf:{tmp_path / 'hf'}")):
         job = make_job(corpus, **{**LORA, "precision": "bf16", "model": model,
                                   "init_from": str(source), "mesh": "fsdp=4,tensor=2"})
-        loaded, _ = run.initial_state(job, None, [models.hf_loader], print)
+        loaded, _, _ = run.initial_state(job, None, [models.hf_loader], print)
         jax.tree.map(np.testing.assert_array_equal, host(loaded.frozen), bf16)
         assert jax.tree.map(lambda x: x.sharding, loaded.frozen) == \
             job.state_plan.shardings.frozen
@@ -275,11 +275,11 @@ def test_a_lora_checkpoint_resumes_onto_another_layout_and_only_onto_its_base(co
     the last 3 losses are the straight run's to 1e-5. A run whose base has
     other weights (another seed) is refused, naming the one saved."""
     job = make_job(corpus, **{**LORA, "mesh": "fsdp=8", "zero_stage": 3, "dir": str(tmp_path)})
-    state, _ = run.initial_state(job, None, [], print)
+    state, _, _ = run.initial_state(job, None, [], print)
     state, _ = _steps(job, state, 0, 3)
     writer = manager_lib.Checkpointer(job.run.checkpoint, job.state_plan.names, writer=True)
     writer.save(3, job.state_plan.saved_form(state),
-                {**run.checkpoint_meta(job, 3), **weights.base_meta(job, state.frozen)})
+                {**run.checkpoint_meta(job, 3), **weights.base_meta(job, weights.digest(state.frozen))})
     writer.wait()
     _, straight = _steps(job, state, 3, 6)
 
@@ -288,7 +288,7 @@ def test_a_lora_checkpoint_resumes_onto_another_layout_and_only_onto_its_base(co
                                     "dir": str(tmp_path), "resume": True, **extra})
         return again, run.initial_state(again, manager_lib.Checkpointer(again.run.checkpoint),
                                         [], print)
-    again, (state, step) = resumed()
+    again, (state, step, _) = resumed()
     assert step == 3
     _, losses = _steps(again, state, 3, 6)
     np.testing.assert_allclose(losses, straight, rtol=1e-5, atol=1e-5)
@@ -317,7 +317,7 @@ def test_adapters_go_to_peft_and_come_back_bit_for_bit(corpus, tmp_path):
     writer = manager_lib.Checkpointer(manager_lib.CheckpointConfig(dir=str(tmp_path / "ckpt")),
                                       job.state_plan.names, writer=True)
     writer.save(2, job.state_plan.saved_form(state),
-                {**run.checkpoint_meta(job, 2), **weights.base_meta(job, state.frozen)})
+                {**run.checkpoint_meta(job, 2), **weights.base_meta(job, weights.digest(state.frozen))})
     writer.wait()
     assert export_cli.main(["--checkpoint-dir", str(tmp_path / "ckpt"), "--peft-dir",
                             str(tmp_path / "peft")]) == 0
@@ -353,12 +353,12 @@ def test_merged_export_computes_the_adapted_model_and_checks_its_base(corpus, tm
     job = make_job(corpus, **{**LORA, "lora_targets": "q,o,up", "model": f"hf:{tmp_path / 'base'}",
                               "init_from": str(tmp_path / "base"), "lr": 0.01,
                               "mesh": "fsdp=8"})
-    state, _ = run.initial_state(job, None, [models.hf_loader], print)
+    state, _, _ = run.initial_state(job, None, [models.hf_loader], print)
     state, _ = _steps(job, state, 0, 3)
     writer = manager_lib.Checkpointer(manager_lib.CheckpointConfig(dir=str(tmp_path / "ckpt")),
                                       job.state_plan.names, writer=True)
     writer.save(3, job.state_plan.saved_form(state),
-                {**run.checkpoint_meta(job, 3), **weights.base_meta(job, state.frozen)})
+                {**run.checkpoint_meta(job, 3), **weights.base_meta(job, weights.digest(state.frozen))})
     writer.wait()
     tokens = np.random.default_rng(1).integers(0, 256, size=(8, 24))
 
@@ -368,7 +368,7 @@ def test_merged_export_computes_the_adapted_model_and_checks_its_base(corpus, tm
                             str(tmp_path / "merged"), "--merge-lora"]) == 0
     merged = make_job(corpus, model=f"hf:{tmp_path / 'merged'}", precision="fp32",
                       mesh="fsdp=8", init_from=str(tmp_path / "merged"))
-    plain, _ = run.initial_state(merged, None, [models.hf_loader], print)
+    plain, _, _ = run.initial_state(merged, None, [models.hf_loader], print)
     ours, theirs = logits_of(job, state.model_params), logits_of(merged, plain.params)
     assert np.abs(ours - logits_of(full, full.state_from_params(params).params)).max() > 1e-3
     np.testing.assert_allclose(theirs, ours, atol=1e-5, rtol=0)

@@ -113,12 +113,13 @@ def test_a_base_read_from_hugging_face_is_stored_quantized(corpus, tmp_path):
     """--init-from a Hugging Face directory with --lora-quantize-base nf4 on
     fsdp=4,tensor=2: the frozen base is the file's weights, the block
     projections quantized from them in the base's layout, the rest in the
-    compute dtype."""
+    compute dtype. Its digest is the weights' before quantization (an
+    unquantized run's): what --merge-lora checks on the host passes."""
     _, params = _hf_base(corpus, tmp_path / "hf", scale=0.05)
-    job = make_job(corpus, model=f"hf:{tmp_path / 'hf'}", init_from=str(tmp_path / "hf"),
-                   mesh="fsdp=4,tensor=2", precision="fp32", lora_rank=8, lora_targets="q,v",
-                   lora_quantize_base="nf4")
-    loaded, _ = run.initial_state(job, None, [models.hf_loader], print)
+    hf = dict(model=f"hf:{tmp_path / 'hf'}", init_from=str(tmp_path / "hf"),
+              mesh="fsdp=4,tensor=2", precision="fp32", lora_rank=8, lora_targets="q,v")
+    job = make_job(corpus, lora_quantize_base="nf4", **hf)
+    loaded, _, base_digest = run.initial_state(job, None, [models.hf_loader], print)
     frozen = host(loaded.frozen)
     w_q = frozen["blocks"]["w_q"]
     expected = base_quant.quantize(jnp.asarray(params["blocks"]["w_q"]), w_q.fmt)
@@ -128,19 +129,19 @@ def test_a_base_read_from_hugging_face_is_stored_quantized(corpus, tmp_path):
     np.testing.assert_array_equal(frozen["wte"], params["wte"])
     assert [x.sharding for x in jax.tree.leaves(loaded.frozen)] == jax.tree.leaves(
         job.state_plan.shardings.frozen)
+    assert base_digest == weights.base(make_job(corpus, **hf), [models.hf_loader])[1]
+    meta = {**weights.base_meta(job, base_digest), "precision": {"compute": "float32"}}
+    read, paths = lora_merge.base_reader(meta, job.model.config)
+    lora_merge.check_digest(meta, job.model.config, read, paths)  # raises if it differs
 
 
-def test_a_quantized_run_resumes_only_quantized_alike(corpus, tmp_path):
+def test_a_quantized_run_resumes_only_quantized_alike(corpus):
     """A checkpoint of adapters trained on an nf4 base names it: resuming
-    without --lora-quantize-base nf4 is refused before compiling, saying
-    so, and merging them into the unquantized weights is refused too."""
+    without --lora-quantize-base nf4 is refused before compiling, saying so."""
     extra = dict(model="llama-tiny", precision="fp32", mesh="fsdp=8", lora_rank=8,
                  lora_targets="q,v", steps=2)
     job = make_job(corpus, lora_quantize_base="nf4", **extra)
-    meta = weights.base_meta(job, job.init_state().frozen)
+    meta = weights.base_meta(job, weights.base(job)[1])
     assert meta["lora_base"]["quantize_base"] == "nf4"
     with pytest.raises(weights.WrongBase, match="stored nf4.*with --lora-quantize-base nf4"):
-        weights._same_source(meta, make_job(corpus, **extra), tmp_path)
-    with pytest.raises(ValueError, match="--merge-lora: the adapters were trained on the base "
-                                         "stored nf4"):
-        lora_merge.check_digest(meta, None, None, [])
+        weights._same_source(meta, make_job(corpus, **extra), "ckpt/2")

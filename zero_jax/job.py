@@ -221,11 +221,7 @@ def prepare_on(run: config_lib.RunConfig, build_model: Callable[[int], ModelFns]
     sources.check_init_from(run.checkpoint.init_from)
     model = build_model(run.model.vocab_multiple)
     adapters = checks.lora_of(run, shape.sizes["pipe"])
-    delayed = run.precision.policy == "fp8" and run.precision.fp8 == "delayed"
-    if delayed or adapters:  # amax histories, adapters: parameters the hooks ask for
-        model = dataclasses.replace(model, init=functools.partial(model.init, hooks=Hooks(
-            fp8="delayed" if delayed else "", fp8_history=run.precision.fp8_history,
-            lora=adapters)), lora=adapters)
+    model = _asked_parameters(model, run, adapters)
     if model.max_seq_len is not None and run.data.seq_len > model.max_seq_len:
         raise config_lib.ConfigError(
             f"--seq-len {run.data.seq_len} exceeds the model's {model.max_seq_len} positions "
@@ -276,6 +272,17 @@ def prepare_on(run: config_lib.RunConfig, build_model: Callable[[int], ModelFns]
                                         pipelined=schedule is not None))
     return Job(run, model, state_plan, tx, lr, policy, hooks, loss_scale_config(run, policy),
                schedule, notes)
+
+
+def _asked_parameters(model: ModelFns, run: config_lib.RunConfig, adapters) -> ModelFns:
+    """`model` initialising the parameters its hooks ask for: delayed FP8's
+    amax histories, LoRA's adapters (`adapters`, which it records)."""
+    delayed = run.precision.policy == "fp8" and run.precision.fp8 == "delayed"
+    if not (delayed or adapters):
+        return model
+    return dataclasses.replace(model, init=functools.partial(model.init, hooks=Hooks(
+        fp8="delayed" if delayed else "", fp8_history=run.precision.fp8_history,
+        lora=adapters)), lora=adapters)
 
 
 def loss_scale_config(run: config_lib.RunConfig, policy: policies.Policy

@@ -125,16 +125,18 @@ def start_line(job: Job) -> str:
 
 def initial_state(job: Job, checkpointer: manager_lib.Checkpointer | None,
                   loaders: list[ParamLoader], log: Callable[[str], None],
-                  corpus: corpus_lib.TokenData | None = None) -> tuple[TrainState, int | None]:
+                  corpus: corpus_lib.TokenData | None = None
+                  ) -> tuple[TrainState, int | None, str | None]:
+    """(the state, the step it resumed from or None, under LoRA the base's digest)."""
     c = job.run.checkpoint
-    frozen = weights.base(job, loaders)  # under LoRA: checkpoints do not hold the base
+    frozen, base_digest = weights.base(job, loaders)  # under LoRA: checkpoints do not hold it
     if c.resume:
         restored = checkpointer.restore_latest(job.state_plan.targets, log)
         if restored is not None:
             saved, meta = restored
             step = int(distributed.local(saved.step))
             if frozen is not None:
-                weights.check_base(meta, frozen, job, checkpointer.directory / str(step))
+                weights.check_base(meta, base_digest, job, checkpointer.directory / str(step))
             state = job.state_plan.from_saved(saved, frozen)
             arrays = sum(len(leaves) for leaves in meta["manifest"].values())
             log(f"resumed from {checkpointer.directory / str(step)} (step {step}; {arrays} arrays "
@@ -143,21 +145,21 @@ def initial_state(job: Job, checkpointer: manager_lib.Checkpointer | None,
             _log_precision_change(meta.get("precision"), job, log)
             if corpus is not None:
                 _log_data_change(meta.get("data", {}), data_meta(job, step, corpus), log)
-            return state, step
+            return state, step, base_digest
         if checkpointer.complete_steps():  # else start_line has said there were none
             log(f"--resume: no checkpoint in {checkpointer.directory} verified; starting at step 0")
     if frozen is not None:  # adapters on it: fresh, or --lora-init-from's
         state = job.init_state(base=frozen)
         if job.run.lora.init_from:
             state = state._replace(params=weights.adapters(job, loaders))
-        return state, None
+        return state, None, base_digest
     if c.init_from:
         try:
             params = load_params(c.init_from, job, loaders)
         except (ValueError, FileNotFoundError) as e:
             raise InitFromError(f"--init-from {c.init_from}: {e}") from None
-        return job.state_from_params(params), None
-    return job.init_state(), None
+        return job.state_from_params(params), None, None
+    return job.init_state(), None, None
 
 
 def _log_precision_change(saved: dict | None, job: Job, log) -> None:
@@ -302,20 +304,23 @@ def train(job: Job, corpus: corpus_lib.TokenData, steps: CompiledSteps, *,
     # which step is restorable (runtime/preempt.py).
     with preempt.interrupts(lambda: interrupted_line("interrupted again: stopped at once",
                                                      directory, abandoned=True)):
-        state, resumed = initial_state(job, checkpointer, loaders, reporting.log, corpus)
+        state, resumed, base_digest = initial_state(job, checkpointer, loaders, reporting.log,
+                                                    corpus)
         if jax.process_count() == 1 and preempt.interrupted():
             return Outcome(state, [], "interrupted", resumed,
                            interrupted_line("interrupted before training began", directory))
         # Every process has its state before any starts stepping; bounded, so a
         # process that died while restoring ends the run instead of holding it.
         distributed.barrier("state ready", d.barrier_timeout_s)
-        return _train(job, corpus, steps, checkpointer, state, resumed, reporting)
+        return _train(job, corpus, steps, checkpointer, state, (resumed, base_digest), reporting)
 
 
 def _train(job: Job, corpus: corpus_lib.TokenData, steps: CompiledSteps,
-           checkpointer: manager_lib.Checkpointer | None, state: TrainState, resumed: int | None,
-           reporting: Reporting) -> Outcome:
-    """`train` from its initial state on."""
+           checkpointer: manager_lib.Checkpointer | None, state: TrainState,
+           start: tuple[int | None, str | None], reporting: Reporting) -> Outcome:
+    """`train` from its initial state on; `start`: the step it resumed from
+    (None: fresh), and under LoRA the base's digest (weights.base)."""
+    resumed, base_digest = start
     run, t, d = job.run, job.run.train, job.run.distributed
     lead = jax.process_index() == 0  # one metrics file, W&B run and progress bar per run
     group = wandb_group(checkpointer, resumed) if t.wandb_project and lead else ""
@@ -324,7 +329,7 @@ def _train(job: Job, corpus: corpus_lib.TokenData, steps: CompiledSteps,
         checkpointer.on_commit = out.committed  # the writers exist once the start step is known
     meta = {"wandb": {"group": group}} if group else {}
     if checkpointer is not None:  # under LoRA, the base the adapters are trained on
-        meta.update(weights.base_meta(job, state.frozen))
+        meta.update(weights.base_meta(job, base_digest))
     after_step = StopAndSave(job, corpus, checkpointer, meta)
     watchdog = StepWatchdog(d.watchdog_warn, d.watchdog_stop, d.watchdog_min_s,
                             who=f"process {jax.process_index()}: " if jax.process_count() > 1 else "")

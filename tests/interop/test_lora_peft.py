@@ -75,12 +75,12 @@ def _steps(job, corpus, state, n):
 def test_adapters_trained_here_load_in_peft_on_the_transformers_base(corpus, tmp_path):
     base_logits = _base(tmp_path)
     job = _job(corpus, tmp_path)
-    state, _ = run.initial_state(job, None, [models.hf_loader], print)
+    state, _, _ = run.initial_state(job, None, [models.hf_loader], print)
     state, _ = _steps(job, corpus, state, 3)
     ours = logits(job, state.model_params, TOKENS)
     writer = manager_lib.Checkpointer(job.run.checkpoint, job.state_plan.names, writer=True)
     writer.save(3, job.state_plan.saved_form(state),
-                {**run.checkpoint_meta(job, 3), **weights.base_meta(job, state.frozen)})
+                {**run.checkpoint_meta(job, 3), **weights.base_meta(job, weights.digest(state.frozen))})
     writer.wait()
     p = subprocess.run([sys.executable, "scripts/export.py", "--checkpoint-dir",
                         str(tmp_path / "ckpt"), "--peft-dir", str(tmp_path / "adapters")],
@@ -132,7 +132,7 @@ def test_adapters_made_by_peft_import_and_train_on(corpus, tmp_path):
         theirs = made.eval()(torch.tensor(TOKENS)).logits.numpy()
     made.save_pretrained(tmp_path / "made")
     job = _job(corpus, tmp_path, lora_init_from=str(tmp_path / "made"))
-    state, _ = run.initial_state(job, None, [models.hf_loader, models.peft_loader], print)
+    state, _, _ = run.initial_state(job, None, [models.hf_loader, models.peft_loader], print)
     ours = logits(job, state.model_params, TOKENS)
     print(f"peft's adapters here: max |logits difference| {np.abs(ours - theirs).max():.2e}")
     np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)  # as the base's own import

@@ -53,20 +53,24 @@ def _checksum(x: jax.Array) -> jax.Array:
     return jnp.stack([first, second])
 
 
-_checksums = jax.jit(lambda tree: jax.tree.map(_checksum, tree))
-
-
 @functools.partial(jax.jit, static_argnums=1)
-def _one_from_host(x: jax.Array, device: jax.sharding.Sharding) -> jax.Array:
+def _checksums(tree: Any, dtype=None) -> Any:
+    return jax.tree.map(lambda x: _checksum(x if dtype is None else x.astype(dtype)), tree)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _one_from_host(x: jax.Array, device: jax.sharding.Sharding, dtype=None) -> jax.Array:
     """The sums of `x`, held in host memory, brought to `device` inside the
     program: jaxlib 0.12's CPU client cannot `device_put` a program's host
     output back to the device ("Unsupported layout ... S(5)"); a transfer
     that the program makes, as the offloaded step's own fetches are, runs."""
-    return _checksum(jax.device_put(x, device))
+    x = jax.device_put(x, device)
+    return _checksum(x if dtype is None else x.astype(dtype))
 
 
-def checksums(tree: Any) -> dict[str, list[int]]:
-    """{leaf path: [sum1, sum2]} for every array leaf of `tree`.
+def checksums(tree: Any, dtype=None) -> dict[str, list[int]]:
+    """{leaf path: [sum1, sum2]} for every array leaf of `tree` (cast to
+    `dtype` first, inside the program, where given).
 
     The sums come back replicated; every process reads its own copy. Leaves
     in host memory (offload.py) are brought to the device one at a time and
@@ -75,10 +79,10 @@ def checksums(tree: Any) -> dict[str, list[int]]:
     flat = flatten(tree)
     on_host = {p for p, x in flat.items()
                if getattr(getattr(x, "sharding", None), "memory_kind", None) == HOST}
-    sums = flatten(local(_checksums({p: x for p, x in flat.items() if p not in on_host})))
+    sums = flatten(local(_checksums({p: x for p, x in flat.items() if p not in on_host}, dtype)))
     for p in on_host:
         x = flat[p]
-        sums[p] = local(_one_from_host(x, x.sharding.with_memory_kind("device")))
+        sums[p] = local(_one_from_host(x, x.sharding.with_memory_kind("device"), dtype))
     return {path: [int(v) for v in sums[path]] for path in flat}
 
 

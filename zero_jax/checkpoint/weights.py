@@ -70,19 +70,23 @@ def place(tree: Any, job: Any, log: Callable[[str], None] = print) -> Any:
                         tree, job.state_plan.master_params, job.state_plan.named(job.state_plan.master_specs))
 
 
-def base(job: Any, loaders: list[ParamLoader] = ()) -> Any:
-    """Under LoRA, the frozen base in its layout and dtype: `--init-from`'s
-    weights, else the model's initialisation (the seed's); None without."""
+def base(job: Any, loaders: list[ParamLoader] = ()) -> tuple[Any, str | None]:
+    """Under LoRA, the frozen base as stored (in its layout and dtype,
+    quantized where asked) and its digest: `--init-from`'s weights, whose
+    digest is over them in the compute dtype before any quantization (what
+    --merge-lora reads on the host), else the model's initialisation (the
+    seed's), as stored. (None, None) without LoRA."""
     if job.state_plan.frozen_names is None:
-        return None
+        return None, None
     init_from = job.run.checkpoint.init_from
     if not init_from:
-        return job.init_state().frozen
+        frozen = job.init_state().frozen
+        return frozen, digest(frozen)
     try:
         params = load_params(init_from, job.base_job(), loaders)
     except (ValueError, FileNotFoundError) as e:
         raise InitFromError(f"--init-from {init_from}: {e}") from None
-    return job.state_plan.cast_base(params)
+    return job.state_plan.cast_base(params), digest(params, job.policy.dtype("compute"))
 
 
 def adapters(job: Any, loaders: list[ParamLoader] = ()) -> Any:
@@ -96,9 +100,10 @@ def adapters(job: Any, loaders: list[ParamLoader] = ()) -> Any:
         raise InitFromError(f"--lora-init-from {source}: {e}") from None
 
 
-def digest(frozen: Any) -> str:
-    """One SHA-256 over the base's per-array checksums: the same under any layout."""
-    sums = integrity.checksums(frozen)
+def digest(frozen: Any, dtype=None) -> str:
+    """One SHA-256 over the base's per-array checksums (in `dtype`): the
+    same under any layout."""
+    sums = integrity.checksums(frozen, dtype)
     return hashlib.sha256(json.dumps(sums, sort_keys=True).encode()).hexdigest()
 
 
@@ -117,11 +122,11 @@ def _named(source: dict[str, Any]) -> str:
             + (f", stored {quantized}" if quantized != "none" else ""))
 
 
-def base_meta(job: Any, frozen: Any) -> dict[str, Any]:
-    """What a LoRA checkpoint records of its base ({} without LoRA)."""
-    if frozen is None:
+def base_meta(job: Any, base_digest: str | None) -> dict[str, Any]:
+    """What a LoRA checkpoint records of its base (`base`'s digest; {} without LoRA)."""
+    if base_digest is None:
         return {}
-    return {"lora_base": {**_source(job), "digest": digest(frozen)}}
+    return {"lora_base": {**_source(job), "digest": base_digest}}
 
 
 class WrongBase(InitFromError):
@@ -159,11 +164,11 @@ def _same_source(meta: dict[str, Any], job: Any, where: Path) -> dict[str, Any]:
     return saved
 
 
-def check_base(meta: dict[str, Any], frozen: Any, job: Any, where: Path) -> None:
+def check_base(meta: dict[str, Any], base_digest: str, job: Any, where: Path) -> None:
     """A LoRA checkpoint resumes only onto the base its adapters were trained
-    on: from the same source, with the same weights (its digest)."""
+    on: from the same source, with the same weights (`base`'s digest)."""
     saved = _same_source(meta, job, where)
-    if saved["digest"] != digest(frozen):
+    if saved["digest"] != base_digest:
         raise WrongBase(f"{where}: its adapters were trained on the base from {_named(saved)}, "
-                        f"whose weights have changed since (digest {digest(frozen)[:12]}, "
+                        f"whose weights have changed since (digest {base_digest[:12]}, "
                         f"saved {saved['digest'][:12]}); give the base they were trained on")

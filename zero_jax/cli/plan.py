@@ -114,14 +114,7 @@ def parse(argv):
     p.add_argument("--quantized", default="off,on",
                    help="ZeRO++'s int8 collectives (qwZ+qgZ) at ZeRO-3 to consider: off, on "
                         "(default: %(default)s)")
-    lora = p.add_argument_group("LoRA: adapters trained on a frozen base (a fine-tune; no "
-                                "pipeline layouts, which LoRA does not cut into stages yet)")
-    comments = flags.field_comments(LoraConfig)
-    lora.add_argument("--lora-rank", type=int, default=0, metavar="INT", help=comments["rank"])
-    lora.add_argument("--lora-targets", default=LoraConfig.targets, metavar="STR",
-                      help=comments["targets"] + " (default: %(default)s)")
-    lora.add_argument("--lora-quantize-base", default="none", choices=("none", "int8", "nf4"),
-                      help=comments["quantize_base"] + " (default: %(default)s)")
+    _lora_arguments(p)
     p.add_argument("--top", type=int, default=10, help="layouts shown (default: %(default)s)")
     p.add_argument("--reserve-gb", type=float, default=None,
                    help="memory per device kept free beyond the estimate (default: the larger "
@@ -142,6 +135,17 @@ def parse(argv):
     p.add_argument("--write-config", metavar="DIR",
                    help="write the top layout as DIR/mesh.toml and DIR/run.toml for train --config")
     return p.parse_args(argv)
+
+
+def _lora_arguments(p: argparse.ArgumentParser) -> None:
+    lora = p.add_argument_group("LoRA: adapters trained on a frozen base (a fine-tune; no "
+                                "pipeline layouts, which LoRA does not cut into stages yet)")
+    comments = flags.field_comments(LoraConfig)
+    lora.add_argument("--lora-rank", type=int, default=0, metavar="INT", help=comments["rank"])
+    lora.add_argument("--lora-targets", default=LoraConfig.targets, metavar="STR",
+                      help=comments["targets"] + " (default: %(default)s)")
+    lora.add_argument("--lora-quantize-base", default="none", choices=("none", "int8", "nf4"),
+                      help=comments["quantize_base"] + " (default: %(default)s)")
 
 
 def base_config(args) -> dict:

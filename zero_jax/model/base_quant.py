@@ -28,6 +28,7 @@ kept in the compute dtype, as QLoRA keeps them).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -35,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from zero_jax.model import lora
+from zero_jax.model import lora, param_use
 from zero_jax.model.lora import TARGETS
 
 KINDS = ("none", "int8", "nf4")
@@ -219,3 +220,35 @@ def split_base(names: Any, params: Any, compute_dtype, adapters: lora.Lora | Non
                                         adapters.base_block)
         frozen_names = scale_names(frozen_names, frozen, rules, sizes)
     return names, params, frozen_names, frozen
+
+
+# --- frozen_dense: a product with a quantized frozen weight --------------------
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def frozen_dense(uses: tuple, eq: str, fmt: Format, dtype, x, codes, scale):
+    """einsum(eq, x, w) of LoRA's frozen weight w stored as codes and
+    scales, `uses` theirs (param_use.Use): both gathered as they are stored,
+    w dequantized into `dtype` in its compute layout. Backward gives x's
+    gradient only (w is frozen), gathering and dequantizing again rather
+    than keeping w."""
+    return jnp.einsum(eq, x, _dequantized(uses, fmt, dtype, codes, scale))
+
+
+def _dequantized(uses, fmt, dtype, codes, scale):
+    return dequantize(uses[0].gather(codes), uses[1].gather(scale), fmt, dtype)
+
+
+def _frozen_fwd(uses, eq, fmt, dtype, x, codes, scale):
+    # x's dtype, as a zero-size stand-in: its gradient's
+    return frozen_dense(uses, eq, fmt, dtype, x, codes, scale), (codes, scale,
+                                                               jnp.zeros((0,), x.dtype))
+
+
+def _frozen_bwd(uses, eq, fmt, dtype, res, g):
+    codes, scale, like = res
+    xs, ws, ys = param_use.operands(eq)
+    w = _dequantized(uses, fmt, dtype, codes, scale)
+    return jnp.einsum(f"{ys},{ws}->{xs}", g, w).astype(like.dtype), None, None
+
+
+frozen_dense.defvjp(_frozen_fwd, _frozen_bwd)

@@ -229,7 +229,7 @@ class Hooks:
                                        dict(self.mesh.shape) if self.mesh else {})
         uses = tuple(dataclasses.replace(self._use(a, n, a.dtype), int8_block=0)
                      for a, n in ((w.codes, names), (w.scale, scale_names)))
-        return param_use.frozen_dense(uses, eq, w.fmt, self.dtype, x, w.codes, w.scale)
+        return base_quant.frozen_dense(uses, eq, w.fmt, self.dtype, x, w.codes, w.scale)
 
     def dense_weight_grad(self, eq: str, x: jax.Array, g: jax.Array, w: jax.ShapeDtypeStruct,
                           names: Sequence[str | None]) -> jax.Array:

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from zero_jax.model import base_quant, fp8
+from zero_jax.model import fp8
 from zero_jax.sharding import quantized
 from zero_jax.sharding.specs import entries, entry_axes
 
@@ -384,34 +384,3 @@ def _gather_once_bwd(use, split, _, g):
 
 gather_once.defvjp(_gather_once_fwd, _gather_once_bwd)
 
-
-# --- frozen_dense: a product with a quantized frozen weight --------------------
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def frozen_dense(uses: tuple[Use, Use], eq: str, fmt: base_quant.Format, dtype, x, codes, scale):
-    """einsum(eq, x, w) of LoRA's frozen weight w stored as codes and
-    scales (base_quant.py), `uses` theirs: both gathered as they are stored,
-    w dequantized into `dtype` in its compute layout. Backward gives x's
-    gradient only (w is frozen), gathering and dequantizing again rather
-    than keeping w."""
-    return jnp.einsum(eq, x, _dequantized(uses, fmt, dtype, codes, scale))
-
-
-def _dequantized(uses, fmt, dtype, codes, scale):
-    return base_quant.dequantize(uses[0].gather(codes), uses[1].gather(scale), fmt, dtype)
-
-
-def _frozen_fwd(uses, eq, fmt, dtype, x, codes, scale):
-    # x's dtype, as a zero-size stand-in: its gradient's
-    return frozen_dense(uses, eq, fmt, dtype, x, codes, scale), (codes, scale,
-                                                               jnp.zeros((0,), x.dtype))
-
-
-def _frozen_bwd(uses, eq, fmt, dtype, res, g):
-    codes, scale, like = res
-    xs, ws, ys = operands(eq)
-    w = _dequantized(uses, fmt, dtype, codes, scale)
-    return jnp.einsum(f"{ys},{ws}->{xs}", g, w).astype(like.dtype), None, None
-
-
-frozen_dense.defvjp(_frozen_fwd, _frozen_bwd)

@@ -323,13 +323,21 @@ def plan_state(model: ModelFns, tx: optax.GradientTransformation, mesh: Mesh,
                                    dict(sizes), stacked_params) if stages is not None else None
     specs = zero_lib.state_specs(params, compute, names, opt_state, tx,
                                  zero_lib.stage(zero_stage), placement, over_pipe)
-    frozen_compute = None if frozen is None else _compute_specs(rules, sizes, frozen, frozen_names)
-    frozen_specs = None if frozen is None else zero_lib.stored_specs(
-        frozen, frozen_compute, frozen_names, zero_lib.stage(zero_stage), placement)
+    frozen_compute, frozen_specs = _frozen_specs(frozen, frozen_names, rules, sizes,
+                                                 zero_lib.stage(zero_stage), placement)
     return StatePlan(mesh, mesh_shape, rules, zero_stage, abstract, names, specs, placement,
                      jnp.dtype(policy.dtype("grads")), master, stages,
                      (stacked_params, stacked_opt), frozen_names=frozen_names,
                      frozen_specs=frozen_specs, frozen_compute_specs=frozen_compute)
+
+
+def _frozen_specs(frozen: Any, names: Any, rules: AxisRules, sizes: dict,
+                  zero: zero_lib.ZeroStage, placement: zero_lib.Placement) -> tuple[Any, Any]:
+    """LoRA's frozen base's (compute, storage) specs; (None, None) without."""
+    if frozen is None:
+        return None, None
+    compute = _compute_specs(rules, sizes, frozen, names)
+    return compute, zero_lib.stored_specs(frozen, compute, names, zero, placement)
 
 
 def _compute_specs(rules: AxisRules, sizes: dict, params: Any, names: Any) -> Any:
