@@ -139,8 +139,9 @@ class Adapter(nn.Module):
         return self.hooks.dense(eq_b, low, b, names_b) * spec.scale
 
 
-def is_adapter(path: tuple) -> bool:  # an adapter's own factor (not a statistic kept beside)
-    """Whether a parameter path (jax key path) lies in an adapter."""
+def is_adapter(path: tuple) -> bool:
+    """Whether a parameter path (jax key path) lies in an adapter (not a
+    statistic `split` keeps beside the adapters)."""
     return any(str(getattr(k, "key", getattr(k, "name", k))).endswith(SUFFIX) for k in path)
 
 
