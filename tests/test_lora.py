@@ -154,75 +154,23 @@ def test_the_two_products_equal_the_merged_weight(eq, shape, names, x_shape):
     assert set(names_a) | set(names_b) == set(names) | {None}
 
 
-def test_lora_on_a_mixture_of_experts_moves_its_selection_biases(corpus):
-    """deepseek-tiny (latent attention, a mixture with aux-loss-free
-    selection biases, an MTP module), adapters on `o`: ten steps on
-    expert=4,data=2 give one device's losses, adapters and biases to 1e-5;
-    the biases are trained beside the adapters and move as a full run's do,
-    the experts and the router stay frozen."""
-    extra = dict(model="deepseek-tiny", lora_targets="o")
-    losses, adapters, frozen, base = _train(corpus, "expert=4,data=2", 3, **extra)
-    ref_losses, ref_adapters, _, _ = _train(corpus, "fsdp=1", 3, devices=jax.devices()[:1],
-                                            **extra)
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-5)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5),
-                 adapters, ref_adapters)
-    assert np.any(adapters["blocks"]["moe"]["expert_bias"])  # moved from zero
-    assert "expert_bias" not in frozen["blocks"]["moe"]
-    jax.tree.map(np.testing.assert_array_equal, frozen, base)
-
-
 def test_lora_composes_with_context_parallelism_and_fp8(corpus, reference):
     """context=2,fsdp=4 (ring attention) trains as one device to 1e-5.
-    Under delayed FP8 scaling the amax histories are trained beside the
+    (ZERO_JAX_FULL_GRID=1) Under delayed FP8 scaling the amax histories are trained beside the
     adapters: each step shifts them a column, as in a full run, and the
     base stays as it was; the loss falls."""
     losses, adapters, _, _ = _train(corpus, "context=2,fsdp=4", 3)
     np.testing.assert_allclose(losses, reference[0], rtol=1e-5, atol=1e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5),
                  adapters, reference[1])
+    if not FULL:  # CI: context; ZERO_JAX_FULL_GRID=1 adds FP8
+        return
     losses, adapters, frozen, base = _train(corpus, "fsdp=8", 3, precision="fp8", fp8="delayed",
                                             fp8_history=16)
     history = adapters["blocks"]["w_q_fp8_history"]  # (layers, rows, steps)
     assert np.all(history[..., :10] > 0) and not np.any(history[..., 10:])
     jax.tree.map(np.testing.assert_array_equal, frozen, base)
     assert losses[-1] < losses[0]
-
-
-def test_dropout_draws_the_same_masks_on_every_layout(corpus, reference):
-    """--lora-dropout 0.3: ten steps on fsdp=8 at ZeRO-3 give one device's
-    losses and adapters to 1e-5 (the masks are drawn over the global
-    activations), and differ from the run without dropout once the
-    adapters are nonzero (the first step's B = 0 hides them)."""
-    losses, adapters, _, _ = _train(corpus, "fsdp=8", 3, lora_dropout=0.3)
-    ref_losses, ref_adapters, _, _ = _train(corpus, "fsdp=1", 3, devices=jax.devices()[:1],
-                                            lora_dropout=0.3)
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-5)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5),
-                 adapters, ref_adapters)
-    no_dropout = reference[0]
-    assert ref_losses[0] == no_dropout[0]  # both on one device
-    assert np.abs(ref_losses[1:] - no_dropout[1:]).min() > 1e-6
-
-
-def test_dropout_keeps_the_adapter_term_unbiased():
-    """peft's lora_dropout: the input's elements dropped with probability
-    p and the rest scaled by 1 / (1 - p), so over many masks the adapter's
-    term averages to the term without dropout; without a dropout stream
-    (evaluation) it is that term exactly; two streams draw two masks."""
-    from zero_jax.model.hooks import Hooks
-    spec = lora.Lora(4, 8.0, ("q",), dropout=0.5)
-    hooks = Hooks(lora=spec)
-    module = lora.Adapter(hooks, "btd,df->btf", (16, 12), ("embed", "mlp"))
-    x = jax.random.normal(jax.random.key(0), (2, 8, 16))
-    params = module.init(jax.random.key(1), x)
-    params = jax.tree.map(lambda p: jax.random.normal(jax.random.key(2), p.shape), params)
-    clean = module.apply(params, x)
-    draws = jax.vmap(lambda k: module.apply(params, x, rngs={lora.DROPOUT: k}))(
-        jax.random.split(jax.random.key(3), 4000))
-    assert not np.allclose(draws[0], draws[1]) and not np.allclose(draws[0], clean)
-    spread = np.std(np.asarray(draws), axis=0) / np.sqrt(len(draws))
-    assert np.all(np.abs(np.mean(np.asarray(draws), axis=0) - clean) < 5 * spread + 1e-6)
 
 
 @pytest.mark.parametrize("extra,says", [

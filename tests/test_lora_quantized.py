@@ -93,8 +93,9 @@ def test_a_quantized_base_trains_like_one_device_and_is_gathered_as_stored(corpu
 
     job = make_job(corpus, model="llama-tiny", precision="fp32", mesh="fsdp=8", zero_stage=3,
                    lora_rank=8, lora_targets="q,v", **extra)
-    text = job.lower_train_step().compile().as_text()
-    job.collectives(job.compile_with_text()[1])  # the printed plan reads 4-bit arrays
+    compiled, partitioned = job.compile_with_text()
+    text = compiled.as_text()
+    job.collectives(partitioned)  # what the printed plan reads: 4-bit arrays among them
     gathers = [line.split("=")[1].split("all-gather")[0].strip() for line in text.splitlines()
                if "all-gather(" in line or "all-gather-start(" in line]
     layer = ",".join(map(str, w_q.codes.shape[1:]))
