@@ -3,6 +3,8 @@ alike on every layout; a mixture of experts, whose selection biases train
 beside the adapters. (tests/test_lora.py has the layouts, checkpoints and
 exports; context parallelism and FP8 are there too.)"""
 
+import dataclasses
+
 import jax
 import numpy as np
 
@@ -57,6 +59,9 @@ def test_dropout_keeps_the_adapter_term_unbiased():
     params = module.init(jax.random.key(1), x)
     params = jax.tree.map(lambda p: jax.random.normal(jax.random.key(2), p.shape), params)
     clean = module.apply(params, x)
+    without = lora.Adapter(Hooks(lora=dataclasses.replace(spec, dropout=0.0)), "btd,df->btf",
+                           (16, 12), ("embed", "mlp"))
+    np.testing.assert_array_equal(clean, without.apply(params, x))
     draws = jax.vmap(lambda k: module.apply(params, x, rngs={lora.DROPOUT: k}))(
         jax.random.split(jax.random.key(3), 4000))
     assert not np.allclose(draws[0], draws[1]) and not np.allclose(draws[0], clean)

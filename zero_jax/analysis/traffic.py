@@ -42,8 +42,8 @@ from zero_jax.sharding.mesh import DATA_AXES
 from zero_jax.sharding.specs import shard_elements, spec_leaves
 
 # 4-bit arrays (LoRA's nf4 codes) are packed two a byte.
-_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
-          "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2,
+          "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
 _ARRAY = re.compile(r"\b(pred|[suf]\d+|bf16|f8\w*)\[([\d,]*)\]")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _NAME = re.compile(r"^\s*(?:ROOT\s+)?(%?[\w.\-]+)\s*=")
@@ -94,7 +94,7 @@ class CollectiveReport:
                 "collective_theory": theory, "collective_notes": notes}
 
 
-def array_bytes(type_text: str) -> list[int]:
+def array_bytes(type_text: str) -> list[float]:
     """Bytes of each array in an HLO type (a tuple lists several)."""
     return [math.prod(int(d) for d in dims.split(",") if d) * _dtype_bytes(dtype)
             for dtype, dims in _ARRAY.findall(type_text)]

@@ -66,7 +66,7 @@ from zero_jax import config as config_lib, job as job_lib
 from zero_jax.config import flags
 from zero_jax.config.sections import LoraConfig, ModelConfig
 from zero_jax.precision import policies
-from zero_jax.model import exchange, grouped, remat
+from zero_jax.model import base_quant, exchange, grouped, remat
 from zero_jax.planner import configs, cost, search
 from zero_jax.planner.choices import Cluster, Space, choices, mesh_shapes
 from zero_jax.report import plan_table
@@ -144,7 +144,7 @@ def _lora_arguments(p: argparse.ArgumentParser) -> None:
     lora.add_argument("--lora-rank", type=int, default=0, metavar="INT", help=comments["rank"])
     lora.add_argument("--lora-targets", default=LoraConfig.targets, metavar="STR",
                       help=comments["targets"] + " (default: %(default)s)")
-    lora.add_argument("--lora-quantize-base", default="none", choices=("none", "int8", "nf4"),
+    lora.add_argument("--lora-quantize-base", default="none", choices=base_quant.KINDS,
                       help=comments["quantize_base"] + " (default: %(default)s)")
 
 

@@ -39,7 +39,7 @@ from jax.sharding import PartitionSpec
 from zero_jax.model import lora, param_use
 from zero_jax.model.lora import TARGETS
 
-KINDS = ("none", "int8", "nf4")
+KINDS = ("none", "int8", "nf4")  # --lora-quantize-base (config/sections.py's Literal)
 LEVELS = 127  # int8, symmetric: -127..127
 # QLoRA's NF4 levels (bitsandbytes' create_normal_map): a normal's quantiles, scaled to [-1, 1].
 NF4 = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
@@ -83,11 +83,6 @@ class Quantized:
     @classmethod
     def tree_unflatten(cls, fmt, leaves):
         return cls(*leaves, fmt)
-
-
-def check_kind(kind: str) -> None:
-    if kind not in KINDS:
-        raise ValueError(f"--lora-quantize-base {kind!r}: choose from {', '.join(KINDS)}")
 
 
 def format_of(kind: str, shape: tuple[int, ...], names, block: int) -> Format | None:
@@ -201,7 +196,6 @@ def store(abstract_tree: Any, base: Any) -> Any:
     def one(a, x):
         return quantize(x, a.fmt) if isinstance(a, Quantized) else x.astype(a.dtype)
     return jax.tree.map(one, abstract_tree, base, is_leaf=lambda x: isinstance(x, Quantized))
-
 
 
 def split_base(names: Any, params: Any, compute_dtype, adapters: lora.Lora | None, rules,

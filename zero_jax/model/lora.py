@@ -57,15 +57,8 @@ class Lora:
 
 def of(config, seed: int = 0) -> Lora | None:
     """The adapters a run's [lora] section asks for (None: rank 0, none)."""
-    if not config.rank:
+    if not config.rank:  # dropout, quantize_base and base_block: checked as the config is built
         return None
-    if not 0 <= config.dropout < 1:
-        raise ValueError(f"--lora-dropout {config.dropout}: a probability in [0, 1)")
-    if config.quantize_base not in ("none", "int8", "nf4"):
-        raise ValueError(f"--lora-quantize-base {config.quantize_base!r}: choose from none, "
-                         "int8, nf4")
-    if config.base_block < 1:
-        raise ValueError(f"--lora-base-block {config.base_block}: at least 1 element per block")
     return Lora(config.rank, config.alpha, parse_targets(config.targets), dropout=config.dropout,
                 seed=seed, quantize_base=config.quantize_base, base_block=config.base_block)
 
@@ -153,7 +146,8 @@ def _kept_with_adapters(key: str) -> bool:
     """Statistics kept as parameters, which the step moves rather than the
     optimizer (FP8 amax histories, experts' selection biases): they stay
     with the adapters, so that LoRA's step moves them as a full run's does."""
-    return key.endswith(fp8.HISTORY) or key == balance.NAME
+    path = (jax.tree_util.DictKey(key),)
+    return fp8.is_history(path) or balance.is_bias(path)
 
 
 def split(tree: Any) -> tuple[dict, dict]:

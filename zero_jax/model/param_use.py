@@ -383,4 +383,3 @@ def _gather_once_bwd(use, split, _, g):
 
 
 gather_once.defvjp(_gather_once_fwd, _gather_once_bwd)
-

@@ -156,7 +156,9 @@ def layer_times(job: job_lib.Job, choice: Choice, device: Device, attention: str
     frozen = job.model.lora is not None  # LoRA: no weight gradient of the base's products
     for op in ops:
         f, b, w = _op_times(op, shape, device)
-        forward, backward, weight = forward + f, backward + b - w * frozen, weight + w * (not frozen)
+        if frozen:
+            b, w = b - w, 0.0
+        forward, backward, weight = forward + f, backward + b, weight + w
     head_f, head_b = _head(job, shape, device, frozen)
     eff = device.step_efficiency
     return LayerTimes(forward / eff, backward / eff, weight / eff, head_f / eff, head_b / eff,

@@ -306,9 +306,10 @@ def _data_time(job: job_lib.Job, choice: Choice, cluster: Cluster,
     reduce = "reduce-scatter" if stage.grads else "all-reduce"
     each_microbatch = reduces_each_microbatch(job, stage)
     base = sum(frozen_bytes(job.state_plan))  # LoRA's frozen base, gathered as it is stored
-    if job.hooks.int8_gather_block and job.model.lora and job.model.lora.quantize_base == "none":
-        base *= (1 + quantized.SCALE_BYTES / job.hooks.int8_gather_block) / c  # qwZ gathers it
+    stored_c = c
     c, g, reduce = _quantized(job, c, g, reduce, stage.params and each_microbatch)
+    if job.model.lora and job.model.lora.quantize_base == "none":
+        base *= c / stored_c  # in qwZ's or FP8's bytes, as the parameters are
     grads = layers_here * links.collective_s(reduce, psi * g / layers_here, n, link)
     if stage.params:
         # Per microbatch the link carries each layer's gathers (forward
